@@ -1,0 +1,107 @@
+// Communicator: the NV-group collectives on raw buffers, NCCL-style.
+//
+// This is the layer the C++ benchmark (cc/tools/allreduce_perf) times against
+// NCCL, and the layer the engine (engine.h) runs its fused buffers through.
+// It knows nothing about tensor names, negotiation or frameworks.
+//
+// Groups. Ranks are partitioned into *groups* of equal size G: the ranks of one
+// node whose devices reach each other directly (CPU: ranks sharing memory; CUDA:
+// GPUs with NVLink peer access, queried, never assumed). NVGROUP_GROUP_SIZE
+// overrides G (it must divide the node's rank count) so the hierarchy can be
+// exercised on one machine, e.g. 4 ranks as 2 groups x 2. group_index identifies
+// the group, group_rank the rank's position in it. Ranks with the same
+// group_rank in different groups are *peers*: they form the cross communicator.
+//
+// Allreduce (see cc/algorithms/hierarchical_allreduce.h for the skeleton):
+//   1. group reduce-scatter: each group rank reduces its slice of the buffer by
+//      reading its group members' registered buffers directly (CUDA IPC over
+//      NVLink, or POSIX shared memory on the CPU), in fixed rank order;
+//   2. cross-group allreduce of that slice among peers (MPI; pinned host staging
+//      when MPI is not CUDA-aware);
+//   3. group allgather of the slices.
+// Large buffers are cut into chunks and pipelined through the three steps.
+// With one group, step 2 vanishes and small messages take the one-shot path.
+//
+// Determinism: the reduction order is fixed (group members in group_rank order,
+// then groups in group_index order), so every rank gets bitwise identical results.
+//
+// Registered buffer: inputs that already lie in registered_buffer() skip a copy
+// (the engine fuses tensors straight into it). Any other input pointer works and
+// is copied in first, in chunks of registered_capacity() bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "nvgroup/status.h"
+#include "nvgroup/types.h"
+
+namespace nvgroup {
+
+struct Topology {
+  int rank = 0;           // in the communicator's MPI communicator
+  int size = 1;
+  int local_rank = 0;     // among the ranks of this node (MPI_COMM_TYPE_SHARED)
+  int local_size = 1;
+  int node_index = 0;     // Horovod's cross_rank: index of this node
+  int node_count = 1;     // Horovod's cross_size
+  int group_index = 0;    // which NV-group this rank belongs to
+  int group_count = 1;
+  int group_rank = 0;     // position inside the group
+  int group_size = 1;
+};
+
+struct CommunicatorOptions {
+  // Group size override; 0 = detect (NVGROUP_GROUP_SIZE when set).
+  int group_size = 0;
+  // Bytes of the registered buffer per rank; 0 = default (NVGROUP_FUSION_THRESHOLD
+  // or 64 MiB, whichever is larger).
+  size_t registered_bytes = 0;
+  // Pipeline chunk for the hierarchical path; 0 = default (NVGROUP_PIPELINE_CHUNK).
+  size_t pipeline_chunk_bytes = 0;
+  // Spin waits (cross-rank barriers) give up after this long with kUnavailable.
+  double timeout_seconds = 30.0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual const Topology& topology() const = 0;
+  virtual Device device() const = 0;
+
+  // out[i] = op over ranks of in[i], i < count. in == out is allowed.
+  // CPU: host pointers, complete on return. CUDA: device pointers of device(),
+  // ordered after prior work on `stream` (a cudaStream_t, nullptr = the
+  // communicator's own stream), returns once enqueued; results are valid when
+  // `stream` reaches this point.
+  virtual Status Allreduce(const void* in, void* out, size_t count, DataType dtype,
+                           ReduceOp op, void* stream) = 0;
+
+  // out = concatenation over ranks of each rank's `bytes_per_rank[r]` bytes.
+  virtual Status Allgatherv(const void* in, void* out,
+                            const std::vector<size_t>& bytes_per_rank, void* stream) = 0;
+
+  // buf on every rank = buf on `root`.
+  virtual Status Broadcast(void* buf, size_t bytes, int root, void* stream) = 0;
+
+  // Registered buffer of this rank (see header comment). Stable for the
+  // communicator's lifetime.
+  virtual void* registered_buffer() = 0;
+  virtual size_t registered_capacity() const = 0;
+
+  // Makes every spin wait in flight or started later return kAborted promptly.
+  // Safe to call from any thread (used on shutdown and when a peer is lost).
+  virtual void Abort() = 0;
+};
+
+// Creates the communicator over the MPI communicator given by its Fortran handle
+// (MPI_Comm_c2f; -1 = MPI_COMM_WORLD) for `device`. Collective over that
+// communicator: every rank must call it. MPI must already be initialized.
+StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(int64_t mpi_comm_fortran,
+                                                           Device device,
+                                                           const CommunicatorOptions& options);
+
+}  // namespace nvgroup
