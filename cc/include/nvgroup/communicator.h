@@ -92,6 +92,28 @@ class Communicator {
   virtual void* registered_buffer() = 0;
   virtual size_t registered_capacity() const = 0;
 
+  // --- Helpers the engine runs around Allreduce on the same stream. ---
+
+  // Makes later work on `stream` wait for `event` (a cudaEvent_t recorded by the
+  // framework) without blocking the host. CPU: no-op. nullptr event: no-op.
+  virtual Status WaitEvent(void* event, void* stream) = 0;
+
+  // dst_i[j] = src_i[j] * scale for every copy i, j < count_i elements of
+  // `dtype`, as one batched operation (CUDA: one kernel launch for all copies;
+  // fp16/bf16 scaled in fp32). scale == 1.0 copies bit for bit. Used to fuse
+  // tensors into registered_buffer() with the prescale, and out again with the
+  // postscale: the only two copies fusion adds.
+  struct CopySpec {
+    const void* src;
+    void* dst;
+    size_t count;  // elements
+  };
+  virtual Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
+                                   double scale, void* stream) = 0;
+
+  // Blocks the calling host thread until all work on `stream` is done.
+  virtual Status Synchronize(void* stream) = 0;
+
   // Makes every spin wait in flight or started later return kAborted promptly.
   // Safe to call from any thread (used on shutdown and when a peer is lost).
   virtual void Abort() = 0;
