@@ -1,0 +1,32 @@
+// The CUDA communicator: NV-group collectives on device buffers.
+//
+// One per (MPI communicator, GPU). Creation is collective over `comm`:
+//   1. topology: every rank picks its GPU, queries cudaDeviceCanAccessPeer for
+//      every pair of GPUs on its node and the node's ranks agree on NV-groups
+//      (cc/device/topology_cuda.cc);
+//   2. registration: each rank cudaMallocs its registered buffer and barrier
+//      flags once, and opens its group members' copies through CUDA IPC
+//      (cc/device/ipc_cuda.cc);
+//   3. the communicator owns one stream; collectives are ordered on the caller's
+//      stream (see communicator.h for the stream contract).
+// Ranks without peer access to the rest of their node form groups of one and
+// use host-staged MPI for everything (correct, slow; a one-line warning says so).
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+
+#include "nvgroup/communicator.h"
+#include "nvgroup/status.h"
+
+namespace nvgroup {
+
+// `host_topology` carries the node split computed by the caller (rank, size,
+// local_rank/local_size, node_index/node_count); the group fields are filled in
+// here from peer access. `device_ordinal` < 0 means local_rank % device count.
+StatusOr<std::unique_ptr<Communicator>> CreateCudaCommunicator(MPI_Comm comm, int device_ordinal,
+                                                               const CommunicatorOptions& options,
+                                                               const Topology& host_topology);
+
+}  // namespace nvgroup
