@@ -1,0 +1,1 @@
+"""nvgrouprun, the job launcher (see launch.py). Imports nothing heavy."""
