@@ -1,0 +1,52 @@
+// CpuCommunicator: the Communicator for host memory (Device::Cpu()).
+//
+// How it works. Creation splits the ranks into nodes and groups
+// (cc/topology/topology.h), maps every group member's registered buffer through
+// POSIX shared memory (cc/transport/shm_group.h) and keeps MPI sub-communicators
+// for the cross-group step. Allreduce takes one of two paths:
+//  * hierarchical (NVGROUP_ALLREDUCE_ALGORITHM=auto|hierarchical): the one
+//    skeleton RunHierarchicalAllreduce (cc/algorithms/hierarchical_allreduce.h)
+//    over HostPrimitives (cc/cpu/host_primitives.h). Inputs outside the
+//    registered buffer go through it in registered_capacity()-sized pieces.
+//    "auto" takes it whenever the group has more than one member or there is
+//    more than one group; a single rank uses the flat path (a local copy).
+//  * flat MPI (NVGROUP_ALLREDUCE_ALGORITHM=mpi, and the fallback when a group
+//    has one member): a deterministic MPI reduce-scatter + allgather, below.
+// Allgatherv and Broadcast are plain MPI (after a cross-rank argument check).
+//
+// Note [Determinism contract]
+// Element i of an allreduce is reduced as a left fold over the members of a
+// group in group_rank order, then a left fold over the group results in
+// group_index order (cc/cpu/host_reduce.h says where float16/bfloat16 round).
+// The flat path is the same fold with one group of `size` ranks: the message is
+// cut into pieces of at most pipeline_chunk bytes and each piece into `size`
+// slices (ChunkSlices); MPI_Alltoallv brings slice r of every rank to rank r,
+// which folds them in rank order 0..size-1 and MPI_Allgatherv shares the
+// slices. MPI_Allreduce's internal order is never used for data, so:
+//  * every rank gets the same bits;
+//  * the result of element i does not depend on where it sits in the buffer
+//    (a fused buffer and the unfused tensors give identical bits);
+//  * with one group of all ranks, flat and hierarchical compute the same fold,
+//    bit for bit. With several groups the fold differs ((r0+r1)+(r2+r3) versus
+//    ((r0+r1)+r2)+r3), so the two agree bitwise only where sums are exact.
+#pragma once
+
+#include <mpi.h>
+
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "common/env.h"
+#include "nvgroup/communicator.h"
+#include "nvgroup/status.h"
+
+namespace nvgroup {
+
+// Creates the CPU communicator over `comm` (duplicated; the caller keeps its
+// own). Collective over `comm`.
+StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(MPI_Comm comm,
+                                                              const CommunicatorOptions& options,
+                                                              const Knobs& knobs);
+
+}  // namespace nvgroup

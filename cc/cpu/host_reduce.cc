@@ -1,0 +1,180 @@
+#include "cpu/host_reduce.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "common/checks.h"
+#include "cpu/half.h"
+
+namespace nvgroup {
+namespace {
+
+// Element traits: storage type, accumulation type, widening and narrowing.
+template <typename T>
+struct Plain {
+  using Storage = T;
+  using Acc = T;
+  static Acc Load(T v) { return v; }
+  static T Store(Acc a) { return a; }
+};
+
+struct Half {
+  using Storage = uint16_t;
+  using Acc = float;
+  static Acc Load(uint16_t v) { return HalfToFloat(v); }
+  static uint16_t Store(Acc a) { return FloatToHalf(a); }
+};
+
+struct BFloat {
+  using Storage = uint16_t;
+  using Acc = float;
+  static Acc Load(uint16_t v) { return BFloat16ToFloat(v); }
+  static uint16_t Store(Acc a) { return FloatToBFloat16(a); }
+};
+
+// Integer + and * wrap (done in the unsigned type, where wrapping is defined).
+template <typename A>
+A Add(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>;
+    return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+  } else {
+    return a + b;
+  }
+}
+
+template <typename A>
+A Mul(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>;
+    return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+  } else {
+    return a * b;
+  }
+}
+
+struct SumOp {
+  template <typename A> static A Apply(A a, A b) { return Add(a, b); }
+};
+struct ProductOp {
+  template <typename A> static A Apply(A a, A b) { return Mul(a, b); }
+};
+struct MinOp {
+  template <typename A> static A Apply(A a, A b) { return b < a ? b : a; }
+};
+struct MaxOp {
+  template <typename A> static A Apply(A a, A b) { return a < b ? b : a; }
+};
+
+// Elements per block: the float32 accumulator block (2 KiB) stays in L1 while
+// every source streams through it once.
+constexpr size_t kFoldBlock = 512;
+
+template <class Traits, class Op>
+void Fold(const void* const* sources, int num_sources, void* dst, size_t count, int divisor) {
+  using S = typename Traits::Storage;
+  using A = typename Traits::Acc;
+  A acc[kFoldBlock];
+  for (size_t base = 0; base < count; base += kFoldBlock) {
+    const size_t len = std::min(kFoldBlock, count - base);
+    const S* first = static_cast<const S*>(sources[0]) + base;
+    for (size_t j = 0; j < len; ++j) acc[j] = Traits::Load(first[j]);
+    for (int k = 1; k < num_sources; ++k) {
+      const S* src = static_cast<const S*>(sources[k]) + base;
+      for (size_t j = 0; j < len; ++j) acc[j] = Op::Apply(acc[j], Traits::Load(src[j]));
+    }
+    S* out = static_cast<S*>(dst) + base;
+    if (divisor > 1) {
+      const A d = static_cast<A>(divisor);
+      for (size_t j = 0; j < len; ++j) out[j] = Traits::Store(acc[j] / d);
+    } else {
+      for (size_t j = 0; j < len; ++j) out[j] = Traits::Store(acc[j]);
+    }
+  }
+}
+
+template <class Traits>
+void FoldByOp(ReduceOp op, const void* const* sources, int n, void* dst, size_t count, int divisor) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAverage: return Fold<Traits, SumOp>(sources, n, dst, count, divisor);
+    case ReduceOp::kMin: return Fold<Traits, MinOp>(sources, n, dst, count, divisor);
+    case ReduceOp::kMax: return Fold<Traits, MaxOp>(sources, n, dst, count, divisor);
+    case ReduceOp::kProduct: return Fold<Traits, ProductOp>(sources, n, dst, count, divisor);
+  }
+}
+
+template <class Traits>
+void Scale(const void* src, void* dst, size_t count, double scale) {
+  using S = typename Traits::Storage;
+  using A = typename Traits::Acc;
+  const S* in = static_cast<const S*>(src);
+  S* out = static_cast<S*>(dst);
+  if constexpr (std::is_integral_v<A>) {
+    for (size_t j = 0; j < count; ++j)
+      out[j] = static_cast<S>(static_cast<double>(in[j]) * scale);
+  } else {
+    const A s = static_cast<A>(scale);
+    for (size_t j = 0; j < count; ++j) out[j] = Traits::Store(Traits::Load(in[j]) * s);
+  }
+}
+
+}  // namespace
+
+Status ValidateReduction(DataType dtype, ReduceOp op) {
+  if (!SupportsReduction(dtype))
+    return Status::InvalidArgument(std::string("allreduce does not support dtype ") +
+                                   DataTypeName(dtype) +
+                                   " (supported: float16, bfloat16, float32, float64, int32, int64)");
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAverage:
+    case ReduceOp::kMin:
+    case ReduceOp::kMax:
+    case ReduceOp::kProduct: return Status::Ok();
+  }
+  return Status::InvalidArgument("unknown reduce op " + std::to_string(static_cast<int>(op)));
+}
+
+Status ReduceFold(DataType dtype, ReduceOp op, const void* const* sources, int num_sources,
+                  void* dst, size_t count, int average_divisor) {
+  NVG_RETURN_IF_ERROR(ValidateReduction(dtype, op));
+  if (num_sources < 1 || average_divisor < 1 || (average_divisor > 1 && op != ReduceOp::kAverage))
+    return Status::Internal("ReduceFold: bad arguments (num_sources=" + std::to_string(num_sources) +
+                            ", average_divisor=" + std::to_string(average_divisor) + ", op=" +
+                            ReduceOpName(op) + ")");
+  switch (dtype) {
+    case DataType::kFloat16: FoldByOp<Half>(op, sources, num_sources, dst, count, average_divisor); break;
+    case DataType::kBFloat16: FoldByOp<BFloat>(op, sources, num_sources, dst, count, average_divisor); break;
+    case DataType::kFloat32: FoldByOp<Plain<float>>(op, sources, num_sources, dst, count, average_divisor); break;
+    case DataType::kFloat64: FoldByOp<Plain<double>>(op, sources, num_sources, dst, count, average_divisor); break;
+    case DataType::kInt32: FoldByOp<Plain<int32_t>>(op, sources, num_sources, dst, count, average_divisor); break;
+    case DataType::kInt64: FoldByOp<Plain<int64_t>>(op, sources, num_sources, dst, count, average_divisor); break;
+    default: break;  // rejected by ValidateReduction
+  }
+  return Status::Ok();
+}
+
+Status ScaledCopy(DataType dtype, const void* src, void* dst, size_t count, double scale) {
+  if (scale == 1.0) {
+    if (src != dst && count > 0) std::memcpy(dst, src, count * DataTypeSize(dtype));
+    return Status::Ok();
+  }
+  switch (dtype) {
+    case DataType::kFloat16: Scale<Half>(src, dst, count, scale); break;
+    case DataType::kBFloat16: Scale<BFloat>(src, dst, count, scale); break;
+    case DataType::kFloat32: Scale<Plain<float>>(src, dst, count, scale); break;
+    case DataType::kFloat64: Scale<Plain<double>>(src, dst, count, scale); break;
+    case DataType::kInt32: Scale<Plain<int32_t>>(src, dst, count, scale); break;
+    case DataType::kInt64: Scale<Plain<int64_t>>(src, dst, count, scale); break;
+    default:
+      return Status::InvalidArgument(std::string("cannot scale dtype ") + DataTypeName(dtype) +
+                                     " by " + std::to_string(scale) + " (only 1.0 is allowed)");
+  }
+  return Status::Ok();
+}
+
+}  // namespace nvgroup

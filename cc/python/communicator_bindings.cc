@@ -1,0 +1,139 @@
+// Python bindings of the Communicator (nvgroup/communicator.h) for tests and
+// benchmarks: nvgroup_tf._engine.Communicator. Buffers travel as integer
+// addresses (numpy `a.ctypes.data`, cupy `a.data.ptr`, torch `t.data_ptr()`),
+// so the same bindings drive CPU and CUDA communicators. Every non-OK Status
+// becomes a RuntimeError carrying Status::ToString() in ThrowIfError, the one
+// translation point. Collectives release the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cctype>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "nvgroup/communicator.h"
+
+namespace py = pybind11;
+
+namespace nvgroup {
+namespace {
+
+void ThrowIfError(const Status& status) {
+  if (!status.ok()) throw std::runtime_error(status.ToString());
+}
+
+std::string Lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+DataType ParseDataType(const std::string& name) {
+  const std::string n = Lower(name);
+  for (int i = 0; i < kNumDataTypes; ++i) {
+    DataType t = static_cast<DataType>(i);
+    if (n == DataTypeName(t)) return t;
+  }
+  ThrowIfError(Status::InvalidArgument("unknown dtype '" + name + "'"));
+  return DataType::kFloat32;
+}
+
+ReduceOp ParseReduceOp(const std::string& name) {
+  const std::string n = Lower(name);
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAverage, ReduceOp::kMin, ReduceOp::kMax,
+                      ReduceOp::kProduct})
+    if (n == Lower(ReduceOpName(op))) return op;
+  ThrowIfError(Status::InvalidArgument("unknown reduce op '" + name +
+                                       "' (expected sum, average, min, max or product)"));
+  return ReduceOp::kSum;
+}
+
+Device ParseDevice(const std::string& name) {
+  const std::string n = Lower(name);
+  if (n == "cpu") return Device::Cpu();
+  if (n.rfind("cuda:", 0) == 0 && n.size() > 5 &&
+      n.find_first_not_of("0123456789", 5) == std::string::npos)
+    return Device::Cuda(std::stoi(n.substr(5)));
+  ThrowIfError(Status::InvalidArgument("unknown device '" + name + "' (expected 'cpu' or 'cuda:N')"));
+  return Device::Cpu();
+}
+
+void* Ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+}  // namespace
+
+void RegisterCommunicatorBindings(py::module_& m) {
+  py::class_<Communicator, std::unique_ptr<Communicator>>(m, "Communicator")
+      .def(py::init([](int64_t comm_f, const std::string& device, int group_size,
+                       size_t registered_bytes, size_t pipeline_chunk, double timeout) {
+             CommunicatorOptions options;
+             options.group_size = group_size;
+             options.registered_bytes = registered_bytes;
+             options.pipeline_chunk_bytes = pipeline_chunk;
+             options.timeout_seconds = timeout;
+             Device dev = ParseDevice(device);
+             StatusOr<std::unique_ptr<Communicator>> c = [&] {
+               py::gil_scoped_release release;
+               return CreateCommunicator(comm_f, dev, options);
+             }();
+             ThrowIfError(c.status());
+             return c.consume();
+           }),
+           py::arg("comm_f"), py::arg("device") = "cpu", py::arg("group_size") = 0,
+           py::arg("registered_bytes") = 0, py::arg("pipeline_chunk") = 0,
+           py::arg("timeout") = 30.0)
+      .def("allreduce",
+           [](Communicator& c, uintptr_t in, uintptr_t out, size_t count, const std::string& dtype,
+              const std::string& op, uintptr_t stream) {
+             DataType t = ParseDataType(dtype);
+             ReduceOp o = ParseReduceOp(op);
+             py::gil_scoped_release release;
+             ThrowIfError(c.Allreduce(Ptr(in), Ptr(out), count, t, o, Ptr(stream)));
+           },
+           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"), py::arg("dtype"),
+           py::arg("op"), py::arg("stream") = 0)
+      .def("allgatherv",
+           [](Communicator& c, uintptr_t in, uintptr_t out, const std::vector<size_t>& bytes,
+              uintptr_t stream) {
+             py::gil_scoped_release release;
+             ThrowIfError(c.Allgatherv(Ptr(in), Ptr(out), bytes, Ptr(stream)));
+           },
+           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("bytes_per_rank"), py::arg("stream") = 0)
+      .def("broadcast",
+           [](Communicator& c, uintptr_t ptr, size_t nbytes, int root, uintptr_t stream) {
+             py::gil_scoped_release release;
+             ThrowIfError(c.Broadcast(Ptr(ptr), nbytes, root, Ptr(stream)));
+           },
+           py::arg("ptr"), py::arg("nbytes"), py::arg("root"), py::arg("stream") = 0)
+      .def("synchronize",
+           [](Communicator& c, uintptr_t stream) {
+             py::gil_scoped_release release;
+             ThrowIfError(c.Synchronize(Ptr(stream)));
+           },
+           py::arg("stream") = 0)
+      .def("abort", [](Communicator& c) { c.Abort(); })
+      .def("topology",
+           [](const Communicator& c) {
+             const Topology& t = c.topology();
+             py::dict d;
+             d["rank"] = t.rank;
+             d["size"] = t.size;
+             d["local_rank"] = t.local_rank;
+             d["local_size"] = t.local_size;
+             d["node_index"] = t.node_index;
+             d["node_count"] = t.node_count;
+             d["group_index"] = t.group_index;
+             d["group_count"] = t.group_count;
+             d["group_rank"] = t.group_rank;
+             d["group_size"] = t.group_size;
+             return d;
+           })
+      .def("device", [](const Communicator& c) { return c.device().ToString(); })
+      .def("registered_buffer",
+           [](Communicator& c) { return reinterpret_cast<uintptr_t>(c.registered_buffer()); })
+      .def("registered_capacity", &Communicator::registered_capacity);
+}
+
+}  // namespace nvgroup
