@@ -147,7 +147,21 @@ class NativeBuilder:
                   extra_link + ["-lrt", "-lpthread"])
 
 
-TF_EXTRA = ["-U__GCC_DESTRUCTIVE_SIZE", "-U__GCC_CONSTRUCTIVE_SIZE"]
+# TF's headers trip these warnings by the hundred; they are not ours.
+TF_EXTRA = ["-U__GCC_DESTRUCTIVE_SIZE", "-U__GCC_CONSTRUCTIVE_SIZE",
+            "-Wno-deprecated-declarations", "-Wno-sign-compare"]
+
+
+def tf_cuda_include_tree():
+    """TF's GPU headers include "third_party/gpus/cuda/include/...", a path that
+    exists only inside TF's own build; tensorflow-cpu wheels ship no CUDA
+    headers. A build-local tree maps it onto CUDA_HOME/include."""
+    tree = os.path.join(ROOT, "build", "tf_cuda_include")
+    link = os.path.join(tree, "third_party", "gpus", "cuda", "include")
+    if not os.path.islink(link):
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(os.path.join(CUDA_HOME, "include"), link)
+    return ["-I" + tree]
 
 
 class BuildNative(build_ext):
@@ -172,9 +186,10 @@ class BuildNative(build_ext):
             tf_comp, tf_link = tf
             host_ops = [s for s in op_srcs if not s.endswith("_gpu.cc")]
             gpu_ops = [s for s in op_srcs if s.endswith("_gpu.cc")] if WITH_CUDA else []
-            gpu_flags = ["-DGOOGLE_CUDA=1"] if WITH_CUDA else []
+            gpu_flags = ["-DGOOGLE_CUDA=1"] + tf_cuda_include_tree() if WITH_CUDA else []
             objs = builder.compile(host + cuda, "tf", tf_comp + TF_EXTRA)
-            objs += builder.compile(host_ops + gpu_ops, "tf_ops", tf_comp + TF_EXTRA + gpu_flags)
+            objs += builder.compile(host_ops + gpu_ops, "tf_ops",
+                                    ["-I" + ROOT] + tf_comp + TF_EXTRA + gpu_flags)
             builder.link(objs, os.path.join(ROOT, "nvgroup_tf", "lib", "libnvgroup_tf_ops.so"), tf_link)
         elif tf is None:
             print("TensorFlow not importable: built the engine's pybind11 module only.")

@@ -1,0 +1,196 @@
+"""Process-level API: init/shutdown and the topology queries.
+
+Note [One engine per process]. The engine (cc/) is linked into the TF op library
+nvgroup_tf/lib/libnvgroup_tf_ops.so. This module loads that library twice by the
+same path -- tf.load_op_library for the ops, ctypes for the extern "C" entry
+points of ops/c_api.cc -- and the dynamic loader returns the same handle, so
+init() and the ops talk to one engine. The pybind11 module nvgroup_tf._engine
+contains a second copy of the engine for non-TF use and is never imported here.
+"""
+import atexit
+import ctypes
+import ctypes.util
+import os
+import threading
+
+import tensorflow as tf
+
+from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE, raise_for_status
+
+LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib",
+                            "libnvgroup_tf_ops.so")
+_MESSAGE_BYTES = 4096
+
+_load_lock = threading.Lock()
+_library = None  # (ctypes.CDLL, op module) once loaded
+_atexit_registered = False
+
+
+def _load():
+    """Loads the op library once; returns (ctypes handle, TF op module)."""
+    global _library
+    with _load_lock:
+        if _library is not None:
+            return _library
+        if not os.path.exists(LIBRARY_PATH):
+            raise ImportError(
+                "%s is missing: build nvgroup_tf first ('bash scripts/setup.sh', or "
+                "'python setup.py build_ext --inplace' in the repository)." % LIBRARY_PATH)
+        # Open MPI loads its transport plugins with dlopen at MPI_Init; they
+        # resolve symbols of libmpi globally, which fails if libmpi came in
+        # RTLD_LOCAL as a dependency of a TF op library.
+        libmpi = ctypes.util.find_library("mpi")
+        if libmpi:
+            ctypes.CDLL(libmpi, mode=ctypes.RTLD_GLOBAL)
+        # The op library first: TF collects the ops registered while *it*
+        # loads the library; a prior ctypes load would register them unseen.
+        ops = tf.load_op_library(LIBRARY_PATH)
+        handle = ctypes.CDLL(LIBRARY_PATH, mode=ctypes.RTLD_GLOBAL)
+        for fn in ("nvgroup_tf_init",):
+            getattr(handle, fn).argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int]
+        for fn in ("nvgroup_tf_shutdown", "nvgroup_tf_finalize_mpi"):
+            getattr(handle, fn).argtypes = [ctypes.c_char_p, ctypes.c_int]
+        for fn in _TOPOLOGY_FUNCTIONS.values():
+            getattr(handle, fn).argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
+                                            ctypes.c_int]
+        _library = (handle, ops)
+        return _library
+
+
+def op_module():
+    """The generated TF op wrappers (nvgroup_allreduce, ...)."""
+    return _load()[1]
+
+
+def _call(what, fn, *args):
+    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    code = fn(*args, message, _MESSAGE_BYTES)
+    raise_for_status(code, message.value.decode(errors="replace"), what)
+
+
+def init(comm=None):
+    """Initializes nvgroup_tf over `comm` (an mpi4py communicator; None = COMM_WORLD).
+
+    Collective: every rank of the communicator must call it. Initializes MPI
+    (MPI_THREAD_MULTIPLE) unless mpi4py or someone else already did; in both
+    cases mpi4py can be used alongside. Idempotent while initialized.
+    """
+    global _atexit_registered
+    if comm is None:
+        comm_fortran = -1
+    elif isinstance(comm, (list, tuple)):
+        raise ValueError(
+            "nvgroup_tf.init(comm) takes an mpi4py communicator, not a list of ranks; build "
+            "one with mpi4py, e.g. MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.group.Incl(ranks)).")
+    elif hasattr(comm, "py2f"):
+        comm_fortran = comm.py2f()
+    else:
+        raise TypeError("nvgroup_tf.init(comm): comm must be None or an mpi4py communicator, "
+                        "got %s" % type(comm).__name__)
+    handle, _ = _load()
+    _call("nvgroup_tf.init", handle.nvgroup_tf_init, comm_fortran)
+    if not _atexit_registered:
+        atexit.register(_shutdown_at_exit)
+        _atexit_registered = True
+
+
+def shutdown():
+    """Stops the engine; collectives in flight fail with tf.errors.AbortedError."""
+    handle, _ = _load()
+    _call("nvgroup_tf.shutdown", handle.nvgroup_tf_shutdown)
+
+
+def _shutdown_at_exit():
+    # Shut the engine's thread down before MPI is finalized, then finalize MPI
+    # if the engine initialized it, so that mpirun sees every rank exit 0.
+    handle, _ = _load()
+    try:
+        if handle.nvgroup_tf_is_initialized():
+            _call("nvgroup_tf.shutdown", handle.nvgroup_tf_shutdown)
+        _call("MPI finalization", handle.nvgroup_tf_finalize_mpi)
+    except Exception as e:  # noqa: BLE001 -- nothing may raise out of atexit
+        print("nvgroup_tf: at exit: %s" % e, flush=True)
+
+
+def is_initialized():
+    handle, _ = _load()
+    return bool(handle.nvgroup_tf_is_initialized())
+
+
+_TOPOLOGY_FUNCTIONS = {
+    "rank": "nvgroup_tf_rank",
+    "size": "nvgroup_tf_size",
+    "local_rank": "nvgroup_tf_local_rank",
+    "local_size": "nvgroup_tf_local_size",
+    "cross_rank": "nvgroup_tf_cross_rank",
+    "cross_size": "nvgroup_tf_cross_size",
+}
+
+
+def _topology(query):
+    handle, _ = _load()
+    if not handle.nvgroup_tf_is_initialized():
+        raise ValueError(NOT_INITIALIZED_MESSAGE)
+    value = ctypes.c_int(-1)
+    _call("nvgroup_tf.%s()" % query, getattr(handle, _TOPOLOGY_FUNCTIONS[query]),
+          ctypes.byref(value))
+    return value.value
+
+
+def rank():
+    """This process's rank in the communicator given to init()."""
+    return _topology("rank")
+
+
+def size():
+    return _topology("size")
+
+
+def local_rank():
+    """Rank among the processes of this node."""
+    return _topology("local_rank")
+
+
+def local_size():
+    return _topology("local_size")
+
+
+def cross_rank():
+    """Index of this node."""
+    return _topology("cross_rank")
+
+
+def cross_size():
+    """Number of nodes."""
+    return _topology("cross_size")
+
+
+# Build information, under the names Horovod users query.
+def mpi_built():
+    return True
+
+
+def mpi_enabled():
+    return True
+
+
+def gloo_built():
+    return False
+
+
+def gloo_enabled():
+    return False
+
+
+def nccl_built():
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def cuda_built():
+    """True when the op library carries the DEVICE_GPU kernels."""
+    handle, _ = _load()
+    return bool(handle.nvgroup_tf_cuda_built())

@@ -1,0 +1,272 @@
+// The TensorFlow adapter: AsyncOpKernels that turn one op invocation into
+// engine requests (cc/include/nvgroup/engine.h) and nothing more.
+//
+// How it works. ComputeAsync validates what only this rank can see (dtype, rank
+// of an allgather input), allocates the output (allreduce, broadcast) or hands
+// the engine a callback that allocates it once the gathered shape is known
+// (allgather), and submits the request(s) with Submit(). Submit() asks the
+// device traits for the engine Device and a readiness signal (CPU: none; GPU: a
+// cudaEvent recorded on TF's compute stream, see nvgroup_ops_gpu.cc) and
+// enqueues. Every outcome reaches TF through the single ToTfStatus() below, and
+// done() runs exactly once:
+//   * Enqueue/EnqueueGroup rejects the request synchronously -> the engine never
+//     calls back; Submit() sets the status and calls done() itself;
+//   * otherwise the engine calls each request's callback exactly once (engine.h
+//     contract); the last of them sets the first error, if any, and calls done().
+//
+// The kernels are templates on a DeviceTraits type, so CPU and GPU share one
+// body; the traits provide
+//   static absl::Status Prepare(OpKernelContext*, nvgroup::Device*, void** event);
+//   static void Release(void* event);   // after the engine is done with it
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nvgroup/engine.h"
+#include "nvgroup/status.h"
+#include "nvgroup/types.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+namespace nvgroup {
+namespace tf_adapter {
+
+namespace tf = ::tensorflow;
+
+// The one conversion from engine Status to TF's status (STYLE.md §C).
+absl::Status ToTfStatus(const Status& status);
+// The reverse, for the allocate-output callback the engine calls.
+Status FromTfStatus(const absl::Status& status);
+
+// TF element type -> engine element type; kInvalidArgument for types the
+// engine does not carry.
+Status ToEngineDataType(tf::DataType tf_dtype, DataType* dtype);
+
+std::vector<int64_t> ToEngineShape(const tf::TensorShape& shape);
+
+// Parses the "reduce_op" attr ("sum", "average", "min", "max", "product").
+absl::Status ParseReduceOp(const std::string& text, ReduceOp* op);
+
+// Name the engine matches across ranks: the "tensor_name" attr the Python layer
+// sets (deterministic, see nvgroup_tf/mpi_ops.py), else "<OpType>_<node name>".
+std::string CollectiveName(const tf::OpKernel& kernel, const std::string& tensor_name_attr);
+
+// Shared by the requests of one op invocation; finishes the op when the last
+// request completes.
+class Completion {
+ public:
+  Completion(tf::OpKernelContext* context, tf::AsyncOpKernel::DoneCallback done, int pending,
+             void* event, void (*release)(void*))
+      : context_(context), done_(std::move(done)), pending_(pending), event_(event),
+        release_(release) {}
+
+  // Called once per request (engine callback) or once with the whole count
+  // (synchronous rejection). The first non-OK status wins.
+  void Finish(const Status& status, int count = 1) {
+    if (!status.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (first_error_.ok()) first_error_ = status;
+    }
+    if (pending_.fetch_sub(count) != count) return;
+    // Last request: no other thread touches this object any more.
+    if (!first_error_.ok()) context_->SetStatus(ToTfStatus(first_error_));
+    release_(event_);
+    done_();
+  }
+
+ private:
+  tf::OpKernelContext* context_;
+  tf::AsyncOpKernel::DoneCallback done_;
+  std::atomic<int> pending_;
+  void* event_;
+  void (*release_)(void*);
+  std::mutex mu_;
+  Status first_error_;
+};
+
+// Fills device/ready_event/done of every request and enqueues them (one request:
+// Enqueue; several: EnqueueGroup, so they are negotiated and fused as a unit).
+template <typename Traits>
+void Submit(tf::OpKernelContext* context, std::vector<CollectiveRequest> requests,
+            tf::AsyncOpKernel::DoneCallback done) {
+  Device device;
+  void* event = nullptr;
+  absl::Status prepared = Traits::Prepare(context, &device, &event);
+  if (!prepared.ok()) {
+    context->SetStatus(prepared);
+    done();
+    return;
+  }
+  auto completion = std::make_shared<Completion>(context, std::move(done),
+                                                 static_cast<int>(requests.size()), event,
+                                                 &Traits::Release);
+  for (CollectiveRequest& request : requests) {
+    request.device = device;
+    request.ready_event = event;
+    request.done = [completion](const Status& status) { completion->Finish(status); };
+  }
+  const int count = static_cast<int>(requests.size());
+  Status status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));
+  // Rejected: the engine dropped the callbacks without calling them.
+  if (!status.ok()) completion->Finish(status, count);
+}
+
+// Attributes every allreduce kernel reads.
+struct AllreduceAttrs {
+  ReduceOp op = ReduceOp::kSum;
+  double prescale_factor = 1.0;
+  double postscale_factor = 1.0;
+  std::string tensor_name;
+
+  absl::Status Read(tf::OpKernelConstruction* context) {
+    std::string op_text;
+    float prescale = 1.0f, postscale = 1.0f;
+    TF_RETURN_IF_ERROR(context->GetAttr("reduce_op", &op_text));
+    TF_RETURN_IF_ERROR(ParseReduceOp(op_text, &op));
+    TF_RETURN_IF_ERROR(context->GetAttr("prescale_factor", &prescale));
+    TF_RETURN_IF_ERROR(context->GetAttr("postscale_factor", &postscale));
+    TF_RETURN_IF_ERROR(context->GetAttr("tensor_name", &tensor_name));
+    prescale_factor = prescale;
+    postscale_factor = postscale;
+    return absl::OkStatus();
+  }
+};
+
+// Builds the allreduce request for input `index`, output `index`.
+absl::Status MakeAllreduceRequest(tf::OpKernelContext* context, int index, const std::string& name,
+                                  const AllreduceAttrs& attrs, CollectiveRequest* request);
+
+template <typename Traits>
+class AllreduceOp : public tf::AsyncOpKernel {
+ public:
+  explicit AllreduceOp(tf::OpKernelConstruction* context) : AsyncOpKernel(context) {
+    OP_REQUIRES_OK(context, attrs_.Read(context));
+    name_ = CollectiveName(*this, attrs_.tensor_name);
+  }
+
+  void ComputeAsync(tf::OpKernelContext* context, DoneCallback done) override {
+    std::vector<CollectiveRequest> requests(1);
+    OP_REQUIRES_OK_ASYNC(context, MakeAllreduceRequest(context, 0, name_, attrs_, &requests[0]),
+                         done);
+    Submit<Traits>(context, std::move(requests), std::move(done));
+  }
+
+ private:
+  AllreduceAttrs attrs_;
+  std::string name_;
+};
+
+// N inputs -> N outputs, one EnqueueGroup. Request i is named "<name>[i]".
+template <typename Traits>
+class GroupedAllreduceOp : public tf::AsyncOpKernel {
+ public:
+  explicit GroupedAllreduceOp(tf::OpKernelConstruction* context) : AsyncOpKernel(context) {
+    OP_REQUIRES_OK(context, attrs_.Read(context));
+    name_ = CollectiveName(*this, attrs_.tensor_name);
+  }
+
+  void ComputeAsync(tf::OpKernelContext* context, DoneCallback done) override {
+    const int n = context->num_inputs();
+    if (n == 0) {
+      done();
+      return;
+    }
+    std::vector<CollectiveRequest> requests(n);
+    for (int i = 0; i < n; ++i) {
+      OP_REQUIRES_OK_ASYNC(context,
+                           MakeAllreduceRequest(context, i, name_ + "[" + std::to_string(i) + "]",
+                                                attrs_, &requests[i]),
+                           done);
+    }
+    Submit<Traits>(context, std::move(requests), std::move(done));
+  }
+
+ private:
+  AllreduceAttrs attrs_;
+  std::string name_;
+};
+
+template <typename Traits>
+class AllgatherOp : public tf::AsyncOpKernel {
+ public:
+  explicit AllgatherOp(tf::OpKernelConstruction* context) : AsyncOpKernel(context) {
+    std::string tensor_name;
+    OP_REQUIRES_OK(context, context->GetAttr("tensor_name", &tensor_name));
+    name_ = CollectiveName(*this, tensor_name);
+  }
+
+  void ComputeAsync(tf::OpKernelContext* context, DoneCallback done) override {
+    const tf::Tensor& input = context->input(0);
+    OP_REQUIRES_ASYNC(context, input.dims() >= 1,
+                      absl::InvalidArgumentError(
+                          "allgather of '" + name_ + "' needs a tensor of rank >= 1 (it "
+                          "concatenates along the first dimension); got a scalar"),
+                      done);
+    std::vector<CollectiveRequest> requests(1);
+    CollectiveRequest& request = requests[0];
+    Status dtype_status = ToEngineDataType(input.dtype(), &request.dtype);
+    OP_REQUIRES_OK_ASYNC(context, ToTfStatus(dtype_status), done);
+    request.name = name_;
+    request.type = CollectiveType::kAllgather;
+    request.shape = ToEngineShape(input.shape());
+    request.input = input.tensor_data().data();
+    // Runs on an engine thread after negotiation, before `done`: the context is
+    // alive until done() (AsyncOpKernel contract).
+    request.allocate_output = [context](const std::vector<int64_t>& shape, void** out) -> Status {
+      tf::TensorShape tf_shape;
+      absl::Status built = tf::TensorShape::BuildTensorShape(shape, &tf_shape);
+      if (!built.ok()) return FromTfStatus(built);
+      tf::Tensor* output = nullptr;
+      absl::Status allocated = context->allocate_output(0, tf_shape, &output);
+      if (!allocated.ok()) return FromTfStatus(allocated);
+      *out = const_cast<char*>(output->tensor_data().data());
+      return Status::Ok();
+    };
+    Submit<Traits>(context, std::move(requests), std::move(done));
+  }
+
+ private:
+  std::string name_;
+};
+
+template <typename Traits>
+class BroadcastOp : public tf::AsyncOpKernel {
+ public:
+  explicit BroadcastOp(tf::OpKernelConstruction* context) : AsyncOpKernel(context) {
+    std::string tensor_name;
+    OP_REQUIRES_OK(context, context->GetAttr("tensor_name", &tensor_name));
+    OP_REQUIRES_OK(context, context->GetAttr("root_rank", &root_rank_));
+    name_ = CollectiveName(*this, tensor_name);
+  }
+
+  void ComputeAsync(tf::OpKernelContext* context, DoneCallback done) override {
+    const tf::Tensor& input = context->input(0);
+    tf::Tensor* output = nullptr;
+    OP_REQUIRES_OK_ASYNC(
+        context, context->forward_input_or_allocate_output({0}, 0, input.shape(), &output), done);
+    std::vector<CollectiveRequest> requests(1);
+    CollectiveRequest& request = requests[0];
+    OP_REQUIRES_OK_ASYNC(context, ToTfStatus(ToEngineDataType(input.dtype(), &request.dtype)),
+                         done);
+    request.name = name_;
+    request.type = CollectiveType::kBroadcast;
+    request.shape = ToEngineShape(input.shape());
+    request.input = input.tensor_data().data();
+    request.output = const_cast<char*>(output->tensor_data().data());
+    request.root_rank = root_rank_;
+    Submit<Traits>(context, std::move(requests), std::move(done));
+  }
+
+ private:
+  int root_rank_ = 0;
+  std::string name_;
+};
+
+}  // namespace tf_adapter
+}  // namespace nvgroup

@@ -1,0 +1,72 @@
+// extern "C" entry points the Python layer (nvgroup_tf/basics.py) calls through
+// ctypes on the op library itself, so that the ops and init/rank/... reach the
+// same engine instance (one per process: the one linked into this .so).
+//
+// Every function returns the engine's StatusCode as an int (0 = OK) and, on
+// error, writes the NUL-terminated message into `msg` (truncated to `msg_len`).
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "nvgroup/engine.h"
+
+namespace {
+
+int Report(const nvgroup::Status& status, char* msg, int msg_len) {
+  if (msg != nullptr && msg_len > 0) {
+    std::strncpy(msg, status.message().c_str(), static_cast<size_t>(msg_len) - 1);
+    msg[msg_len - 1] = '\0';
+  }
+  return static_cast<int>(status.code());
+}
+
+int ReportValue(const nvgroup::StatusOr<int>& value, int* out, char* msg, int msg_len) {
+  if (value.ok()) *out = value.value();
+  return Report(value.status(), msg, msg_len);
+}
+
+}  // namespace
+
+extern "C" {
+
+int nvgroup_tf_init(int64_t mpi_comm_fortran, char* msg, int msg_len) {
+  nvgroup::EngineOptions options;
+  options.mpi_comm_fortran = mpi_comm_fortran;
+  return Report(nvgroup::Init(options), msg, msg_len);
+}
+
+int nvgroup_tf_shutdown(char* msg, int msg_len) {
+  return Report(nvgroup::Shutdown(), msg, msg_len);
+}
+
+int nvgroup_tf_finalize_mpi(char* msg, int msg_len) {
+  return Report(nvgroup::FinalizeMpi(), msg, msg_len);
+}
+
+int nvgroup_tf_is_initialized() { return nvgroup::IsInitialized() ? 1 : 0; }
+
+int nvgroup_tf_rank(int* out, char* msg, int len) { return ReportValue(nvgroup::Rank(), out, msg, len); }
+int nvgroup_tf_size(int* out, char* msg, int len) { return ReportValue(nvgroup::Size(), out, msg, len); }
+int nvgroup_tf_local_rank(int* out, char* msg, int len) {
+  return ReportValue(nvgroup::LocalRank(), out, msg, len);
+}
+int nvgroup_tf_local_size(int* out, char* msg, int len) {
+  return ReportValue(nvgroup::LocalSize(), out, msg, len);
+}
+int nvgroup_tf_cross_rank(int* out, char* msg, int len) {
+  return ReportValue(nvgroup::CrossRank(), out, msg, len);
+}
+int nvgroup_tf_cross_size(int* out, char* msg, int len) {
+  return ReportValue(nvgroup::CrossSize(), out, msg, len);
+}
+
+// 1 when the library was built with the DEVICE_GPU kernels.
+int nvgroup_tf_cuda_built() {
+#if GOOGLE_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,72 @@
+// DEVICE_GPU kernels: the same kernel bodies as the CPU (adapter.h) with GPU
+// traits. Built only with GOOGLE_CUDA (setup.py with NVGROUP_WITH_CUDA=1).
+//
+// How it works. TF runs GPU kernels by enqueueing work on its compute stream;
+// when ComputeAsync runs, the input is not necessarily computed yet. Prepare()
+// records a cudaEvent on that stream; the engine makes its own stream wait for
+// the event on the device (no host block, engine.h contract) and calls done
+// only once the output is complete on the device, so TF may read the output on
+// any stream afterwards. The event is destroyed when the last request of the
+// op has completed (Completion in adapter.h).
+#if GOOGLE_CUDA
+
+#include <cuda_runtime_api.h>
+
+#include "ops/adapter.h"
+#include "tensorflow/core/framework/device_base.h"
+#include "xla/stream_executor/stream.h"
+#include "xla/stream_executor/stream_executor.h"
+
+namespace nvgroup {
+namespace tf_adapter {
+namespace {
+
+absl::Status CudaError(const char* what, cudaError_t error) {
+  return absl::InternalError(std::string(what) + " failed: " + cudaGetErrorString(error));
+}
+
+struct GpuTraits {
+  static absl::Status Prepare(tf::OpKernelContext* context, Device* device, void** event) {
+    const tf::DeviceContext* device_context = context->op_device_context();
+    if (device_context == nullptr || device_context->stream() == nullptr) {
+      return absl::InternalError("nvgroup GPU kernel '" + context->op_kernel().name() +
+                                 "' has no TensorFlow GPU stream");
+    }
+    stream_executor::Stream* stream = device_context->stream();
+    auto cuda_stream = static_cast<cudaStream_t>(stream->platform_specific_handle().stream);
+    *device = Device::Cuda(stream->parent()->device_ordinal());
+    // The engine's thread may run on any device: make TF's device current for
+    // the event calls.
+    cudaError_t error = cudaSetDevice(device->ordinal);
+    if (error != cudaSuccess) return CudaError("cudaSetDevice", error);
+    cudaEvent_t cuda_event = nullptr;
+    error = cudaEventCreateWithFlags(&cuda_event, cudaEventDisableTiming);
+    if (error != cudaSuccess) return CudaError("cudaEventCreateWithFlags", error);
+    error = cudaEventRecord(cuda_event, cuda_stream);
+    if (error != cudaSuccess) {
+      cudaEventDestroy(cuda_event);
+      return CudaError("cudaEventRecord", error);
+    }
+    *event = cuda_event;
+    return absl::OkStatus();
+  }
+
+  // Runs after the engine finished with the event; a failure here cannot be
+  // reported to the op any more (its status is already final) and leaks nothing.
+  static void Release(void* event) {
+    if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  }
+};
+
+}  // namespace
+
+REGISTER_KERNEL_BUILDER(Name("NvgroupAllreduce").Device(tf::DEVICE_GPU), AllreduceOp<GpuTraits>);
+REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedAllreduce").Device(tf::DEVICE_GPU),
+                        GroupedAllreduceOp<GpuTraits>);
+REGISTER_KERNEL_BUILDER(Name("NvgroupAllgather").Device(tf::DEVICE_GPU), AllgatherOp<GpuTraits>);
+REGISTER_KERNEL_BUILDER(Name("NvgroupBroadcast").Device(tf::DEVICE_GPU), BroadcastOp<GpuTraits>);
+
+}  // namespace tf_adapter
+}  // namespace nvgroup
+
+#endif  // GOOGLE_CUDA
