@@ -1,0 +1,111 @@
+// Launchers of the NV-group kernels: validate, pick the <T, G> instantiation,
+// launch, check the launch. The protocol lives in p2p_allreduce.cuh.
+#include "kernels/p2p_allreduce.cuh"
+
+#include <string>
+
+#include "common/cuda_checks.h"
+
+namespace nvgroup {
+namespace {
+
+using P2pKernel = void (*)(P2pLaunch);
+
+template <typename T, template <typename, int> class Select>
+P2pKernel ForGroupSize(int g) {
+  switch (g) {
+    case 2: return Select<T, 2>::kernel;
+    case 3: return Select<T, 3>::kernel;
+    case 4: return Select<T, 4>::kernel;
+    case 5: return Select<T, 5>::kernel;
+    case 6: return Select<T, 6>::kernel;
+    case 7: return Select<T, 7>::kernel;
+    case 8: return Select<T, 8>::kernel;
+    default: return nullptr;
+  }
+}
+
+template <typename T, int G>
+struct OneShotOf {
+  static constexpr P2pKernel kernel = kernels::OneShotCopyInFoldKernel<T, G>;
+};
+template <typename T, int G>
+struct TwoShotOf {
+  static constexpr P2pKernel kernel = kernels::TwoShotKernel<T, G>;
+};
+
+template <template <typename, int> class Select>
+P2pKernel KernelFor(DataType dtype, int g) {
+  switch (dtype) {
+    case DataType::kFloat16: return ForGroupSize<__half, Select>(g);
+    case DataType::kBFloat16: return ForGroupSize<__nv_bfloat16, Select>(g);
+    case DataType::kFloat32: return ForGroupSize<float, Select>(g);
+    case DataType::kFloat64: return ForGroupSize<double, Select>(g);
+    case DataType::kInt32: return ForGroupSize<int32_t, Select>(g);
+    case DataType::kInt64: return ForGroupSize<int64_t, Select>(g);
+    default: return nullptr;
+  }
+}
+
+Status CheckLaunch(const P2pLaunch& a, const char* what) {
+  if (a.blocks < 1 || a.blocks > kMaxBlocks)
+    return Status::InvalidArgument(std::string(what) + ": block count " + std::to_string(a.blocks) +
+                                   " outside 1.." + std::to_string(kMaxBlocks));
+  if (a.group_size < 2 || a.group_size > kMaxGroupSize)
+    return Status::InvalidArgument(std::string(what) + ": group size " +
+                                   std::to_string(a.group_size) + " outside 2.." +
+                                   std::to_string(kMaxGroupSize));
+  return Status::Ok();
+}
+
+Status Launch(P2pKernel kernel, const P2pLaunch& a, cudaStream_t stream, const char* what) {
+  NVG_RETURN_IF_ERROR(CheckLaunch(a, what));
+  if (kernel == nullptr)
+    return Status::Unimplemented(std::string(what) + ": no kernel for dtype " +
+                                 DataTypeName(a.dtype));
+  kernel<<<a.blocks, kThreadsPerBlock, 0, stream>>>(a);
+  NVG_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+template <typename T>
+Status LaunchFoldTyped(const void* src, int n, void* dst, size_t count, ReduceOp op, int divisor,
+                       cudaStream_t stream) {
+  // Enough blocks to cover the slice, capped: a local elementwise pass.
+  const size_t blocks = std::min<size_t>(1024, (count + kThreadsPerBlock - 1) / kThreadsPerBlock);
+  kernels::FoldSourcesKernel<T><<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0, stream>>>(
+      static_cast<const T*>(src), n, static_cast<T*>(dst), count, op, divisor);
+  NVG_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status LaunchOneShotAllreduce(const P2pLaunch& a, cudaStream_t stream) {
+  if (a.count == 0) return Status::Ok();
+  return Launch(KernelFor<OneShotOf>(a.dtype, a.group_size), a, stream, "one-shot allreduce");
+}
+
+Status LaunchTwoShotAllreduce(const P2pLaunch& a, cudaStream_t stream) {
+  if (a.count == 0) return Status::Ok();
+  return Launch(KernelFor<TwoShotOf>(a.dtype, a.group_size), a, stream, "two-shot allreduce");
+}
+
+Status LaunchFoldSources(const void* src, int n, void* dst, size_t count, DataType dtype,
+                         ReduceOp op, int divisor, cudaStream_t stream) {
+  if (count == 0) return Status::Ok();
+  switch (dtype) {
+    case DataType::kFloat16: return LaunchFoldTyped<__half>(src, n, dst, count, op, divisor, stream);
+    case DataType::kBFloat16:
+      return LaunchFoldTyped<__nv_bfloat16>(src, n, dst, count, op, divisor, stream);
+    case DataType::kFloat32: return LaunchFoldTyped<float>(src, n, dst, count, op, divisor, stream);
+    case DataType::kFloat64: return LaunchFoldTyped<double>(src, n, dst, count, op, divisor, stream);
+    case DataType::kInt32: return LaunchFoldTyped<int32_t>(src, n, dst, count, op, divisor, stream);
+    case DataType::kInt64: return LaunchFoldTyped<int64_t>(src, n, dst, count, op, divisor, stream);
+    default:
+      return Status::Unimplemented(std::string("fold over groups: dtype ") + DataTypeName(dtype) +
+                                   " cannot be reduced");
+  }
+}
+
+}  // namespace nvgroup

@@ -1,0 +1,425 @@
+// NV-group allreduce kernels: every GPU of a group loads its peers' registered
+// buffers directly over NVLink (CUDA IPC mappings) and reduces in a fixed order.
+//
+// How it works.
+//
+// Memory. Each member of a group owns one cudaMalloc'd IPC allocation
+// (cc/device/ipc_cuda.cc): | BarrierFlags | data | staging half 0 | half 1 |.
+// Every member maps every other member's allocation, so a kernel on rank r
+// holds plain device pointers (GroupPeers) to all G copies and dereferences
+// them: loads of a peer pointer travel over NVLink.
+//
+// One-shot (small messages, one barrier):
+//   1. copy-in: this rank copies its input into its staging half;
+//   2. barrier (release/acquire): every member's input is in its staging half;
+//   3. every rank reads unit u of all G staging halves, folds them in
+//      group_rank order and writes out[u].
+//   The staging half alternates per call (the host's call parity), so no end
+//   barrier is needed: a member writes a half again two calls later, by which
+//   time every member has passed the barrier of the call in between, which it
+//   can only reach after its kernel of this call completed (stream order).
+//
+// Two-shot (large messages, reduce-scatter + allgather, all over NVLink):
+//   The region is cut into G *slices* (slice p owned by group rank p; the
+//   slice stride is a multiple of one 16-byte *unit*, so every full unit is
+//   aligned), each slice into units of 16 bytes (the last unit of the last
+//   slice may be partial: the scalar tail).
+//   1. copy-in (kPhaseCopyIn, only when the input is not already in the
+//      registered buffer): this rank copies unit u of every slice into its data;
+//   2. barrier: every member's data is complete;
+//   3. reduce-scatter (kPhaseReduceScatter): rank r folds unit u of slice r
+//      over all members in group_rank order and writes it into slice r of its
+//      own data (in place: nobody else reads slice r of rank r in this phase);
+//   4. barrier: every member's reduced slice is complete;
+//   5. allgather (kPhaseAllgather): rank r copies unit u of slice p from member
+//      p's data into out, for every p;
+//   6. end barrier: every member has finished reading this rank's data, so the
+//      next call may overwrite it.
+//   Thread mapping: global thread t handles units t, t + stride, ... of every
+//   slice in every phase, so the thread that reads a value on one GPU has the
+//   same index as the thread that wrote it on the other (vLLM's rule: cross-GPU
+//   visibility is reasoned about per thread; with release/acquire plus
+//   __syncthreads it also holds block-wide, and we keep the stricter mapping).
+//   The hierarchical allreduce (cc/algorithms/hierarchical_allreduce.h) runs
+//   the phases separately: {reduce-scatter} per chunk, then the fold over
+//   groups, then {allgather}.
+//
+// Note [Barrier protocol]. A barrier is per block: block b of every member
+// meets block b of every other member (all ranks launch identical grids, so
+// block b exists everywhere). Thread p < G of block b on rank r:
+//   * increments its private counter[b][p] (in r's own BarrierFlags) to v;
+//   * stores v into member p's arrived[v & 1][b][r] with st.release.sys, which
+//     orders everything block b wrote before the barrier (the __syncthreads
+//     before it makes the block's writes precede thread p's release);
+//   * spins with ld.acquire.sys until its own arrived[v & 1][b][p] == v, so
+//     everything member p's block b wrote before arriving is visible here; a
+//     __syncthreads then extends that to the whole block.
+// Two parities: member p may already be at the next barrier (v + 1) and write
+// arrived[(v + 1) & 1] while this rank still waits for v; it cannot reach v + 2
+// before this rank arrived at v + 1. Counters live in device memory, start at 0
+// and are never reset, so a captured CUDA graph replays correctly.
+// Every barrier uses release/acquire, also the end barrier: it must order the
+// peers' *loads* of this rank's data before this rank's later stores, which a
+// relaxed flag does not promise.
+//
+// Note [Dead peers]. Spin loops poll the host-mapped abort word and the
+// %globaltimer every 1024 polls. On abort or after `timeout_ns` the spinning
+// thread records the failure (kind, member, block) in the mapped DeviceControl,
+// and its block returns at once; other blocks give up the same way, so the
+// kernel ends within about the timeout and the stream moves on. Results of
+// that call are garbage and the counters of the members are out of step: the
+// host reads DeviceControl before every launch and in Synchronize and fails
+// that and every later call with kUnavailable (timeout) or kAborted naming the
+// member. A peer that dies mid-call leaves its IPC memory mapped until this
+// process closes the handles; NVLink loads from it do not fault.
+//
+// Determinism: element i is always folded members 0..G-1 in order, in the
+// accumulation type (fp32 for fp16/bf16, the type itself otherwise), and
+// rounded once when written, whichever rank computes it, so all ranks get the
+// same bits (and the same as cc/cpu/host_reduce.h for the same inputs).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/kernels.h"
+
+namespace nvgroup {
+namespace kernels {
+
+// ---------------------------------------------------------------- arithmetic
+
+template <typename T>
+struct AccumulatorOf {
+  using type = T;
+};
+template <>
+struct AccumulatorOf<__half> {
+  using type = float;
+};
+template <>
+struct AccumulatorOf<__nv_bfloat16> {
+  using type = float;
+};
+
+template <typename T>
+__device__ __forceinline__ typename AccumulatorOf<T>::type Widen(T x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float Widen<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float Widen<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+template <typename T>
+__device__ __forceinline__ T Narrow(typename AccumulatorOf<T>::type x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half Narrow<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 Narrow<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// a (op) b. Integers wrap (two's complement) instead of overflowing into UB.
+// Min/Max: `b < a ? b : a`, like the CPU path.
+template <typename A, bool kIntegral = std::is_integral_v<A>>
+struct WrapOf {
+  using type = A;
+};
+template <typename A>
+struct WrapOf<A, true> {
+  using type = std::make_unsigned_t<A>;
+};
+
+template <typename A>
+__device__ __forceinline__ A Apply(ReduceOp op, A a, A b) {
+  using U = typename WrapOf<A>::type;
+  switch (op) {
+    case ReduceOp::kMin: return b < a ? b : a;
+    case ReduceOp::kMax: return a < b ? b : a;
+    case ReduceOp::kProduct: return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+    default: return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));  // Sum, Average
+  }
+}
+
+// The final write of an Average divides by the number of ranks (integers
+// truncate toward zero, as C++ division does).
+template <typename A>
+__device__ __forceinline__ A Finish(ReduceOp op, int divisor, A x) {
+  return (op == ReduceOp::kAverage && divisor > 1) ? x / static_cast<A>(divisor) : x;
+}
+
+// ---------------------------------------------------------------- 16-byte units
+
+template <typename T>
+struct Unit {
+  static constexpr int kElems = 16 / sizeof(T);
+};
+
+__device__ __forceinline__ size_t MinSize(size_t a, size_t b) { return a < b ? a : b; }
+
+__device__ __forceinline__ bool Aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// Loads `n` (<= kElems) elements at p widened into acc; 16-byte load when the
+// unit is full and aligned. ld.global.cg: cached in L2 only, never in a stale
+// L1 line (peer data changes between launches).
+template <typename T>
+__device__ __forceinline__ void LoadUnit(const T* p, int n, bool vec,
+                                         typename AccumulatorOf<T>::type* acc) {
+  constexpr int kE = Unit<T>::kElems;
+  if (vec && n == kE) {
+    uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p));
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kE; ++k) acc[k] = Widen<T>(e[k]);
+  } else {
+    for (int k = 0; k < n; ++k) acc[k] = Widen<T>(p[k]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreUnit(T* p, int n, bool vec,
+                                          const typename AccumulatorOf<T>::type* acc) {
+  constexpr int kE = Unit<T>::kElems;
+  if (vec && n == kE) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kE; ++k) e[k] = Narrow<T>(acc[k]);
+    *reinterpret_cast<uint4*>(p) = raw;
+  } else {
+    for (int k = 0; k < n; ++k) p[k] = Narrow<T>(acc[k]);
+  }
+}
+
+// Bit-exact copy of one unit.
+template <typename T>
+__device__ __forceinline__ void CopyUnit(const T* src, T* dst, int n, bool vec) {
+  if (vec && n == Unit<T>::kElems) {
+    *reinterpret_cast<uint4*>(dst) = __ldcg(reinterpret_cast<const uint4*>(src));
+  } else {
+    for (int k = 0; k < n; ++k) dst[k] = src[k];
+  }
+}
+
+// Folds unit `elem` (n elements) of the G member arrays into acc, member order.
+// All G loads are issued before the fold so they are in flight together.
+template <typename T, int G>
+__device__ __forceinline__ void FoldMembers(T* const* src, size_t elem, int n, ReduceOp op,
+                                            typename AccumulatorOf<T>::type* acc) {
+  using A = typename AccumulatorOf<T>::type;
+  constexpr int kE = Unit<T>::kElems;
+  if (n == kE) {  // member data is always 16-byte aligned (registered memory)
+    uint4 raw[G];
+#pragma unroll
+    for (int p = 0; p < G; ++p) raw[p] = __ldcg(reinterpret_cast<const uint4*>(src[p] + elem));
+    const T* e0 = reinterpret_cast<const T*>(&raw[0]);
+#pragma unroll
+    for (int k = 0; k < kE; ++k) acc[k] = Widen<T>(e0[k]);
+#pragma unroll
+    for (int p = 1; p < G; ++p) {
+      const T* e = reinterpret_cast<const T*>(&raw[p]);
+#pragma unroll
+      for (int k = 0; k < kE; ++k) acc[k] = Apply<A>(op, acc[k], Widen<T>(e[k]));
+    }
+  } else {
+    for (int k = 0; k < n; ++k) acc[k] = Widen<T>(src[0][elem + k]);
+#pragma unroll
+    for (int p = 1; p < G; ++p)
+      for (int k = 0; k < n; ++k) acc[k] = Apply<A>(op, acc[k], Widen<T>(src[p][elem + k]));
+  }
+}
+
+// ---------------------------------------------------------------- barrier
+
+__device__ __forceinline__ void StoreRelease(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t LoadAcquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Polls of the flag between two looks at the abort word and the clock: a look
+// costs a PCIe read of host memory (~1 us), 1024 polls take longer than that.
+constexpr uint32_t kPollsPerCheck = 1024;
+
+// See Note [Barrier protocol] and Note [Dead peers]. Returns false when the
+// block must stop (abort or timeout); `failed` is the block's shared flag.
+template <int G>
+__device__ __forceinline__ bool GroupBarrier(const P2pLaunch& a, int* failed) {
+  __syncthreads();  // the block's writes of the last phase precede the release below
+  if (threadIdx.x < G) {
+    const int p = threadIdx.x;
+    BarrierFlags* own = a.peers.flags[a.group_rank];
+    const uint32_t v = own->counter[blockIdx.x][p] + 1;
+    own->counter[blockIdx.x][p] = v;
+    StoreRelease(&a.peers.flags[p]->arrived[v & 1][blockIdx.x][a.group_rank], v);
+    const uint32_t* mine = &own->arrived[v & 1][blockIdx.x][p];
+    uint64_t deadline = 0;
+    uint32_t polls = 0;
+    while (LoadAcquire(mine) != v) {
+      if (++polls % kPollsPerCheck != 0) continue;
+      int why = 0;
+      if (a.control->abort) {
+        why = kFailureAborted;
+      } else {
+        const uint64_t now = GlobalTimerNs();
+        if (deadline == 0) deadline = now + a.timeout_ns;
+        else if (now > deadline) why = kFailureTimeout;
+      }
+      if (why != 0) {
+        a.control->failed_peer = p;
+        a.control->failed_block = blockIdx.x;
+        a.control->failure = why;
+        __threadfence_system();
+        *failed = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();  // the acquire above (thread p) now covers the whole block
+  return *failed == 0;
+}
+
+// ---------------------------------------------------------------- kernels
+
+// One-shot: copy-in, barrier, fold all members into out. See "How it works".
+template <typename T, int G>
+__global__ void __launch_bounds__(kThreadsPerBlock) OneShotCopyInFoldKernel(P2pLaunch a) {
+  using A = typename AccumulatorOf<T>::type;
+  constexpr int kE = Unit<T>::kElems;
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  if (a.control->abort) return;
+
+  T* src[G];
+#pragma unroll
+  for (int p = 0; p < G; ++p) src[p] = reinterpret_cast<T*>(a.peers.data[p]);
+  const T* in = static_cast<const T*>(a.in);
+  T* out = static_cast<T*>(a.out);
+  const bool in_vec = Aligned16(in), out_vec = Aligned16(out);
+  const size_t units = (a.count + kE - 1) / kE;
+  const size_t first = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
+
+  for (size_t u = first; u < units; u += step) {
+    const size_t e = u * kE;
+    CopyUnit<T>(in + e, src[a.group_rank] + e, static_cast<int>(MinSize(kE, a.count - e)),
+                in_vec);
+  }
+  if (!GroupBarrier<G>(a, &failed)) return;  // orders: every member's staging is complete
+  for (size_t u = first; u < units; u += step) {
+    const size_t e = u * kE;
+    const int n = static_cast<int>(MinSize(kE, a.count - e));
+    A acc[kE];
+    FoldMembers<T, G>(src, e, n, a.op, acc);
+#pragma unroll
+    for (int k = 0; k < kE; ++k) acc[k] = Finish<A>(a.op, a.divisor, acc[k]);
+    StoreUnit<T>(out + e, n, out_vec, acc);
+  }
+}
+
+// Two-shot phases. See "How it works" for the order and the barriers.
+template <typename T, int G>
+__global__ void __launch_bounds__(kThreadsPerBlock) TwoShotKernel(P2pLaunch a) {
+  using A = typename AccumulatorOf<T>::type;
+  constexpr int kE = Unit<T>::kElems;
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  if (a.control->abort) return;
+
+  T* src[G];
+#pragma unroll
+  for (int p = 0; p < G; ++p) src[p] = reinterpret_cast<T*>(a.peers.data[p]);
+  T* own = src[a.group_rank];
+  // Slice geometry: stride is ceil(count / G) rounded up to whole units.
+  const size_t stride = ((a.count + G - 1) / G + kE - 1) / kE * kE;
+  const size_t units_per_slice = stride / kE;
+  auto slice_begin = [&](int p) { return MinSize(a.count, p * stride); };
+  auto slice_end = [&](int p) { return MinSize(a.count, (p + 1) * stride); };
+  const size_t first = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
+
+  if (a.phases & kPhaseCopyIn) {
+    const T* in = static_cast<const T*>(a.in);
+    const bool in_vec = Aligned16(in);
+    for (size_t u = first; u < units_per_slice; u += step) {
+#pragma unroll
+      for (int p = 0; p < G; ++p) {
+        const size_t e = slice_begin(p) + u * kE;
+        if (e < slice_end(p))
+          CopyUnit<T>(in + e, own + e, static_cast<int>(MinSize(kE, slice_end(p) - e)), in_vec);
+      }
+    }
+  }
+  if (!GroupBarrier<G>(a, &failed)) return;  // orders: every member's data is complete
+
+  if (a.phases & kPhaseReduceScatter) {
+    const int r = a.group_rank;
+    for (size_t u = first; u < units_per_slice; u += step) {
+      const size_t e = slice_begin(r) + u * kE;
+      if (e >= slice_end(r)) break;
+      const int n = static_cast<int>(MinSize(kE, slice_end(r) - e));
+      A acc[kE];
+      FoldMembers<T, G>(src, e, n, a.op, acc);
+#pragma unroll
+      for (int k = 0; k < kE; ++k) acc[k] = Finish<A>(a.op, a.divisor, acc[k]);
+      StoreUnit<T>(own + e, n, true, acc);
+    }
+    // orders: every member's reduced slice is complete before anyone gathers it
+    if ((a.phases & kPhaseAllgather) && !GroupBarrier<G>(a, &failed)) return;
+  }
+
+  if (a.phases & kPhaseAllgather) {
+    T* out = static_cast<T*>(a.out);
+    const bool out_vec = Aligned16(out);
+    for (size_t u = first; u < units_per_slice; u += step) {
+#pragma unroll
+      for (int p = 0; p < G; ++p) {
+        const size_t e = slice_begin(p) + u * kE;
+        if (e < slice_end(p) && src[p] + e != out + e)
+          CopyUnit<T>(src[p] + e, out + e, static_cast<int>(MinSize(kE, slice_end(p) - e)),
+                      out_vec);
+      }
+    }
+    // orders: every member finished reading this rank's data before it is reused
+    GroupBarrier<G>(a, &failed);
+  }
+}
+
+// Fold over groups (hierarchy step 2, after the exchange): local only.
+template <typename T>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    FoldSourcesKernel(const T* src, int num_sources, T* dst, size_t count, ReduceOp op,
+                      int divisor) {
+  using A = typename AccumulatorOf<T>::type;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    A acc = Widen<T>(src[i]);
+    for (int g = 1; g < num_sources; ++g) acc = Apply<A>(op, acc, Widen<T>(src[g * count + i]));
+    dst[i] = Narrow<T>(Finish<A>(op, divisor, acc));
+  }
+}
+
+}  // namespace kernels
+}  // namespace nvgroup
