@@ -3,14 +3,16 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "algorithms/hierarchical_allreduce.h"
 #include "common/checks.h"
+#include "cpu/host_primitives.h"
 #include "cpu/host_reduce.h"
+#include "cpu/ordered_allreduce.h"
 #include "topology/topology.h"
+#include "transport/shm_group.h"
 
 namespace nvgroup {
 namespace {
@@ -18,9 +20,10 @@ namespace {
 // Largest byte count handed to one MPI call: MPI counts are int.
 constexpr size_t kMaxMpiBytes = size_t{1} << 30;
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
+bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
+}
 
 class CpuCommunicator final : public Communicator {
  public:
@@ -42,8 +45,8 @@ class CpuCommunicator final : public Communicator {
                     void* stream) override;
   Status Broadcast(void* buf, size_t bytes, int root, void* stream) override;
 
-  void* registered_buffer() override { return registered_.get(); }
-  size_t registered_capacity() const override { return registered_bytes_; }
+  void* registered_buffer() override { return shm_->buffer(topo_.group_rank); }
+  size_t registered_capacity() const override { return shm_->capacity(); }
 
   Status WaitEvent(void*, void*) override { return Status::Ok(); }
   Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype, double scale,
@@ -57,17 +60,17 @@ class CpuCommunicator final : public Communicator {
       return Status::Aborted("communicator was aborted (shutdown or a lost peer)");
     return Status::Ok();
   }
-  Status FlatAllreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
+  Status HierarchicalAllreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   Topology topo_;
   TopologyComms comms_;
   AllreduceAlgorithm algorithm_ = AllreduceAlgorithm::kAuto;
   size_t chunk_bytes_ = 0;
-  size_t registered_bytes_ = 0;
-  std::unique_ptr<char, FreeDeleter> registered_;
-  std::vector<char> scratch_;  // flat path: the `size` incoming copies of this rank's slice
-  std::atomic<bool> aborted_{false};
+  std::atomic<bool> aborted_{false};  // before shm_, which holds a pointer to it
+  std::unique_ptr<ShmGroup> shm_;
+  std::vector<char> flat_scratch_;   // OrderedAllreduce over all ranks
+  std::vector<char> cross_scratch_;  // OrderedAllreduce over the peers
 };
 
 Status CpuCommunicator::Init(MPI_Comm comm, const CommunicatorOptions& options, const Knobs& knobs) {
@@ -79,15 +82,19 @@ Status CpuCommunicator::Init(MPI_Comm comm, const CommunicatorOptions& options, 
                                   &comms_));
   algorithm_ = knobs.algorithm;
   chunk_bytes_ = options.pipeline_chunk_bytes > 0 ? options.pipeline_chunk_bytes : knobs.pipeline_chunk;
-  registered_bytes_ = options.registered_bytes > 0
-                          ? options.registered_bytes
-                          : std::max<size_t>(knobs.fusion_threshold, size_t{64} << 20);
-  void* p = nullptr;
-  // 4096: page alignment, so the buffer can later be a shared mapping of the same shape.
-  if (posix_memalign(&p, 4096, registered_bytes_) != 0)
-    return Status::Internal("cannot allocate the registered buffer of " +
-                            std::to_string(registered_bytes_) + " bytes");
-  registered_.reset(static_cast<char*>(p));
+  const size_t registered_bytes = options.registered_bytes > 0
+                                      ? options.registered_bytes
+                                      : std::max<size_t>(knobs.fusion_threshold, size_t{64} << 20);
+  // One float64 element at least, so every dtype can move through it in pieces.
+  if (registered_bytes < sizeof(double))
+    return Status::InvalidArgument("registered_bytes=" + std::to_string(registered_bytes) +
+                                   " is too small (at least 8 bytes)");
+  std::vector<int> global_ranks(topo_.group_size);
+  NVG_MPI_CHECK(MPI_Allgather(&topo_.rank, 1, MPI_INT, global_ranks.data(), 1, MPI_INT, comms_.group));
+  StatusOr<std::unique_ptr<ShmGroup>> shm =
+      ShmGroup::Create(comms_.group, global_ranks, registered_bytes, options.timeout_seconds, &aborted_);
+  if (!shm.ok()) return shm.status().WithContext("setting up the group's shared memory");
+  shm_ = shm.consume();
   return Status::Ok();
 }
 
@@ -99,48 +106,47 @@ Status CpuCommunicator::Allreduce(const void* in, void* out, size_t count, DataT
                                    " elements with a null input or output pointer");
   NVG_RETURN_IF_ERROR(CheckNotAborted());
   if (count == 0) return Status::Ok();
-  return FlatAllreduce(in, out, count, dtype, op);
+  const bool flat = algorithm_ == AllreduceAlgorithm::kMpi ||
+                    (algorithm_ == AllreduceAlgorithm::kAuto && topo_.group_size == 1);
+  if (flat)
+    return OrderedAllreduce(comm_, in, out, count, dtype, op,
+                            op == ReduceOp::kAverage ? topo_.size : 1, chunk_bytes_, &flat_scratch_);
+  Status s = HierarchicalAllreduce(in, out, count, dtype, op);
+  if (!s.ok()) shm_->MarkFailed();  // peers waiting on us fail at once instead of timing out
+  return s;
 }
 
-Status CpuCommunicator::FlatAllreduce(const void* in, void* out, size_t count, DataType dtype,
-                                      ReduceOp op) {
-  const int n = topo_.size, me = topo_.rank;
+// Pieces of at most registered_capacity() bytes: each piece's input is copied to
+// the start of the registered buffer (unless it already lies there), then
+//   barrier "inputs in place"  -- orders every member's copy-in before peers read it;
+//   the skeleton over HostPrimitives;
+//   barrier "reads done"       -- orders every member's reads of our buffer
+//                                 before we copy the next piece (or the caller
+//                                 fuses the next message) into it.
+Status CpuCommunicator::HierarchicalAllreduce(const void* in, void* out, size_t count,
+                                              DataType dtype, ReduceOp op) {
   const size_t esize = DataTypeSize(dtype);
-  // Pieces hold a whole number of 16-byte units per slice (as the skeleton's chunks).
-  const size_t unit = std::max<size_t>(1, ChunkSlices::kSliceAlignBytes / esize) * n;
-  const size_t piece_elems = std::max(unit, (chunk_bytes_ / esize) / unit * unit);
-  scratch_.resize(piece_elems * esize + unit * esize);  // n slices of <= piece/n + one unit each
-  std::vector<int> send_counts(n), send_displs(n), recv_counts(n), recv_displs(n);
-  std::vector<const void*> sources(n);
-  const int divisor = op == ReduceOp::kAverage ? n : 1;
-
+  char* reg = shm_->buffer(topo_.group_rank);
+  const size_t capacity = shm_->capacity();
+  const bool in_place = in == reg && count * esize <= capacity;
+  if (!in_place && Overlaps(in, count * esize, reg, capacity))
+    return Status::InvalidArgument(
+        "allreduce input overlaps the registered buffer but does not fit it from its start (" +
+        std::to_string(count * esize) + " bytes, capacity " + std::to_string(capacity) + ")");
+  if (Overlaps(out, count * esize, reg, capacity) && !(in_place && out == reg))
+    return Status::InvalidArgument(
+        "allreduce output overlaps the registered buffer; it may only be the registered buffer "
+        "itself, with the input there too");
+  const size_t piece_elems = in_place ? count : capacity / esize;
+  const bool force = algorithm_ == AllreduceAlgorithm::kHierarchical;
   for (size_t offset = 0; offset < count; offset += piece_elems) {
-    ChunkSlices piece;
-    piece.offset = 0;  // slice offsets relative to the piece
-    piece.count = std::min(piece_elems, count - offset);
-    piece.group_size = n;
-    piece.element_size = esize;
-    const size_t mine = piece.SliceCount(me) * esize;
-    for (int k = 0; k < n; ++k) {
-      send_counts[k] = static_cast<int>(piece.SliceCount(k) * esize);
-      send_displs[k] = static_cast<int>(piece.SliceOffset(k) * esize);
-      recv_counts[k] = static_cast<int>(mine);
-      recv_displs[k] = static_cast<int>(k * mine);
-      sources[k] = scratch_.data() + k * mine;
-    }
-    const char* piece_in = static_cast<const char*>(in) + offset * esize;
-    char* piece_out = static_cast<char*>(out) + offset * esize;
-    // Alltoallv returns once our send buffer is consumed, so writing our slice of
-    // `out` below cannot disturb what peers receive even when in == out.
-    NVG_MPI_CHECK(MPI_Alltoallv(piece_in, send_counts.data(), send_displs.data(), MPI_BYTE,
-                                scratch_.data(), recv_counts.data(), recv_displs.data(), MPI_BYTE,
-                                comm_));
-    if (mine > 0)
-      NVG_RETURN_IF_ERROR(ReduceFold(dtype, op, sources.data(), n,
-                                     piece_out + piece.SliceOffset(me) * esize, mine / esize, divisor));
-    NVG_MPI_CHECK(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, piece_out, send_counts.data(),
-                                 send_displs.data(), MPI_BYTE, comm_));
-    NVG_RETURN_IF_ERROR(CheckNotAborted());
+    const size_t n = std::min(piece_elems, count - offset);
+    if (!in_place) std::memcpy(reg, static_cast<const char*>(in) + offset * esize, n * esize);
+    NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: inputs in place"));
+    HostPrimitives prims(topo_, shm_.get(), comms_.cross, dtype, op, chunk_bytes_, &cross_scratch_);
+    NVG_RETURN_IF_ERROR(RunHierarchicalAllreduce(prims, n, static_cast<char*>(out) + offset * esize,
+                                                 chunk_bytes_, force));
+    NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: reads done"));
   }
   return Status::Ok();
 }

@@ -1,0 +1,72 @@
+// HostPrimitives: the CPU implementation of the primitives the hierarchical
+// allreduce skeleton (cc/algorithms/hierarchical_allreduce.h) calls, over the
+// group's shared-memory registered buffers (cc/transport/shm_group.h) and MPI.
+//
+// How it works (the CPU analogue of the NV-group kernels). Before the skeleton
+// runs, every member's input lies at the start of its registered buffer and the
+// caller has passed a group barrier; after it, the caller passes another one
+// before any registered buffer is written again (see CpuCommunicator).
+//  * GroupReduceScatter(chunk): group rank r folds slice r of the chunk over
+//    all members' buffers, read directly from shared memory in group_rank
+//    order, and writes the result over slice r of its own buffer. No one else
+//    reads or writes that slice before the allgather barrier, and the other
+//    slices r reads belong to members who only overwrite their own slice, so
+//    no barrier is needed inside the chunk.
+//  * CrossAllreduce(chunk): slice r is allreduced in place with the peers
+//    (OrderedAllreduce over the cross communicator, group_index order). With a
+//    single group there is nothing to do.
+//  * GroupAllgather(chunk, out): barrier (orders every member's final slice of
+//    the chunk before the reads, and every member's reads of the chunk's inputs
+//    in GroupReduceScatter before `out`, which may be the registered buffer, is
+//    written), then copy all slices of the chunk into `out`.
+//  * GroupAllreduce(count, out) (one group, not forced): the reduce-scatter of
+//    the whole message, a barrier (final slices before reads), the allgather.
+// Average divides in the fold that produces the final value: the group fold
+// when there is one group, else the fold over groups.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <vector>
+
+#include "algorithms/hierarchical_allreduce.h"
+#include "nvgroup/communicator.h"
+#include "nvgroup/status.h"
+#include "nvgroup/types.h"
+#include "transport/shm_group.h"
+
+namespace nvgroup {
+
+class HostPrimitives {
+ public:
+  // One per Allreduce piece. `cross_scratch` is reused across calls.
+  HostPrimitives(const Topology& topo, ShmGroup* shm, MPI_Comm cross_comm, DataType dtype,
+                 ReduceOp op, size_t cross_piece_bytes, std::vector<char>* cross_scratch);
+
+  const Topology& topology() const { return topo_; }
+  size_t element_size() const { return esize_; }
+
+  Status GroupAllreduce(size_t count, void* out);
+  Status GroupReduceScatter(const ChunkSlices& chunk);
+  Status CrossAllreduce(const ChunkSlices& chunk);
+  Status GroupAllgather(const ChunkSlices& chunk, void* out);
+
+ private:
+  // Folds slice `me` of `chunk` over the members into our own buffer.
+  Status ReduceOwnSlice(const ChunkSlices& chunk, int average_divisor);
+  // Copies every member's slice of `chunk` into `out` (same element offsets).
+  void GatherSlices(const ChunkSlices& chunk, void* out) const;
+
+  const Topology& topo_;
+  ShmGroup* shm_;
+  MPI_Comm cross_comm_;
+  DataType dtype_;
+  ReduceOp op_;
+  size_t esize_;
+  size_t cross_piece_bytes_;
+  std::vector<char>* cross_scratch_;
+  int final_divisor_;  // divisor of the fold that produces the final value
+};
+
+}  // namespace nvgroup
