@@ -1,0 +1,248 @@
+"""Gradient synchronization shared by DistributedOptimizer (Keras 3 and tf_keras)
+and DistributedGradientTape.
+
+How it works
+------------
+`GradientReducer.reduce(grads, variables)` turns each rank's gradients into the
+reduced gradients (Average by default) of all ranks:
+  * Dense gradients are taken in backprop order (the reverse of the variable
+    order) and split into fusion buckets by `nvgroup_tf.bucketing.assign_buckets`
+    (or by the Horovod-style `groups` / `num_groups` when given). Each bucket is
+    ONE grouped_allreduce named after its index and its variables' paths, so
+    the name is the same on every rank and stable across steps (the engine's
+    response cache hits from the second step on). Inside a tf.function each
+    bucket's collective depends only on its own gradients, so TF starts it as
+    soon as backprop has produced them, while later layers' gradients are still
+    being computed.
+  * tf.IndexedSlices (embedding gradients) go through nvgroup_tf.allreduce,
+    which allgathers values and indices (cheaper than a dense reduce when few
+    rows are touched); with sparse_as_dense=True they are densified first and
+    fused with the dense ones.
+  * None gradients stay None. With one rank nothing is communicated (as Horovod).
+
+`LocalAggregator` implements backward_passes_per_step=N (Horovod semantics):
+every call adds the local gradients to accumulators; every N-th call the sum
+(divided by N when average_aggregated_gradients) is reduced and applied, and
+the accumulators are zeroed; other calls only advance the optimizer's
+iteration counter. All ranks count the same calls, so they take the same
+branch and issue the same collectives.
+"""
+import os
+from typing import Callable, Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from nvgroup_tf import bucketing
+
+MiB = 1 << 20
+
+# Default bucket cap. Measured with examples/resnet50 (2 ranks, CPU, 64x64
+# images, batch 8 per rank): see the bucket-cap table in examples/resnet50/README.md.
+DEFAULT_BUCKET_CAP_MB = 25.0
+# First bucket: small so the first collective starts early (PyTorch DDP uses
+# 1 MiB for the same reason: shared/ANCHORS.md section 6).
+FIRST_BUCKET_CAP_BYTES = 1 * MiB
+BUCKET_CAP_ENV = "NVGROUP_BUCKET_CAP_MB"
+
+
+def resolve_bucket_cap_bytes(bucket_cap_bytes: Optional[int]) -> int:
+    """Constructor argument, else NVGROUP_BUCKET_CAP_MB, else the default. 0 = no fusion."""
+    if bucket_cap_bytes is not None:
+        if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 0:
+            raise ValueError("bucket_cap_bytes must be a non-negative int (0 disables fusion), got %r"
+                             % (bucket_cap_bytes,))
+        return bucket_cap_bytes
+    raw = os.environ.get(BUCKET_CAP_ENV)
+    if raw is None or raw.strip() == "":
+        return int(DEFAULT_BUCKET_CAP_MB * MiB)
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0.0 or mb == float("inf"):
+        raise ValueError("%s=%r: expected a non-negative number of MiB (0 disables fusion)"
+                         % (BUCKET_CAP_ENV, raw))
+    return int(mb * MiB)
+
+
+def variable_path(variable, index: int) -> str:
+    """Stable identity of a variable across ranks: Keras 3 `.path`, else the TF name."""
+    path = getattr(variable, "path", None)
+    if path:
+        return str(path)
+    name = getattr(variable, "name", None)
+    return str(name) if name else "source_%d" % index
+
+
+def _core():
+    import nvgroup_tf  # the core API; imported late: it may import this package
+    return nvgroup_tf
+
+
+def _num_bytes(grad, variable) -> int:
+    shape = grad.shape if grad.shape.is_fully_defined() else tf.TensorShape(getattr(variable, "shape", None))
+    if not shape.is_fully_defined():
+        return 0  # unknown at trace time: counts as small; assignment stays deterministic
+    return int(shape.num_elements()) * tf.as_dtype(grad.dtype).size
+
+
+class GradientReducer:
+    """Allreduces lists of gradients in fusion buckets. See the module docstring."""
+
+    def __init__(self, op=None, compression=None, sparse_as_dense=False, device_dense="",
+                 device_sparse="", num_groups=0, groups=None, bucket_cap_bytes=None,
+                 name_prefix="DistributedOptimizer"):
+        core = _core()
+        self.op = core.Average if op is None else op
+        self.compression = core.Compression.none if compression is None else compression
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.device_dense = device_dense
+        self.device_sparse = device_sparse
+        if groups is not None and num_groups:
+            raise ValueError("give num_groups or groups, not both")
+        if isinstance(groups, int):  # Horovod accepts groups=<int> as num_groups
+            groups, num_groups = None, groups
+        if not isinstance(num_groups, int) or num_groups < 0:
+            raise ValueError("num_groups must be a non-negative int, got %r" % (num_groups,))
+        self.num_groups = num_groups
+        self.group_paths = None
+        if groups is not None:
+            self.group_paths = [[variable_path(v, -1) for v in g] for g in groups]
+            seen = [p for g in self.group_paths for p in g]
+            if len(seen) != len(set(seen)):
+                raise ValueError("groups: a variable appears in more than one group")
+        self.cap_bytes = resolve_bucket_cap_bytes(bucket_cap_bytes)
+        self.first_cap_bytes = min(FIRST_BUCKET_CAP_BYTES, self.cap_bytes)
+        self.name_prefix = name_prefix
+
+    def _buckets(self, sizes: List[int], dtypes: List[str], paths: List[str]) -> List[List[int]]:
+        """Buckets of positions into the backprop-ordered dense list."""
+        n = len(sizes)
+        if self.group_paths is not None:
+            where = {p: k for k, g in enumerate(self.group_paths) for p in g}
+            explicit: Dict[int, List[int]] = {}
+            rest = []
+            for i, p in enumerate(paths):
+                (explicit.setdefault(where[p], []) if p in where else rest).append(i)
+            by_dtype = []
+            for bucket in explicit.values():  # a fused buffer has one dtype
+                per = {}
+                for i in bucket:
+                    per.setdefault(dtypes[i], []).append(i)
+                by_dtype.extend(per.values())
+            if rest:
+                sub = bucketing.assign_buckets([sizes[i] for i in rest], [dtypes[i] for i in rest],
+                                               self.cap_bytes, self.first_cap_bytes)
+                by_dtype.extend([rest[j] for j in b] for b in sub)
+            return sorted(by_dtype, key=lambda b: b[0])
+        if self.num_groups:
+            # Horovod: split the list into num_groups parts of (nearly) equal count.
+            k = min(self.num_groups, n)
+            bounds = [n * j // k for j in range(k + 1)] if k else [0]
+            out = []
+            for j in range(k):
+                per = {}
+                for i in range(bounds[j], bounds[j + 1]):
+                    per.setdefault(dtypes[i], []).append(i)
+                out.extend(per.values())
+            return sorted(out, key=lambda b: b[0])
+        return bucketing.assign_buckets(sizes, dtypes, self.cap_bytes, self.first_cap_bytes)
+
+    def reduce(self, grads: Sequence, variables: Sequence) -> List:
+        """Returns the reduced gradients, same length and order as `grads`."""
+        grads = list(grads)
+        if len(grads) != len(variables):
+            raise ValueError("%s: %d gradients for %d variables" % (self.name_prefix, len(grads), len(variables)))
+        core = _core()
+        if core.size() == 1:
+            return grads
+        out = list(grads)
+        paths = [variable_path(v, i) for i, v in enumerate(variables)]
+        dense = []   # positions into grads, backprop order
+        for i in reversed(range(len(grads))):
+            g = grads[i]
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if self.sparse_as_dense:
+                    with tf.device(self.device_dense):
+                        grads[i] = tf.convert_to_tensor(g)
+                    dense.append(i)
+                else:
+                    with tf.device(self.device_sparse):
+                        out[i] = core.allreduce(g, op=self.op, compression=self.compression,
+                                                name="nvg_sparse_grad_%s" % bucketing.bucket_name(i, [paths[i]]))
+                continue
+            dense.append(i)
+        sizes = [_num_bytes(grads[i], variables[i]) for i in dense]
+        dtypes = [tf.as_dtype(grads[i].dtype).name for i in dense]
+        dense_paths = [paths[i] for i in dense]
+        with tf.name_scope(self.name_prefix + "_Allreduce"):
+            for k, bucket in enumerate(self._buckets(sizes, dtypes, dense_paths)):
+                members = [dense[j] for j in bucket]
+                with tf.device(self.device_dense):
+                    reduced = core.grouped_allreduce(
+                        [grads[i] for i in members], op=self.op, compression=self.compression,
+                        name=bucketing.bucket_name(k, [paths[i] for i in members]))
+                for i, r in zip(members, reduced):
+                    out[i] = r
+        return out
+
+
+class LocalAggregator:
+    """backward_passes_per_step > 1: accumulate locally, reduce every N-th call."""
+
+    def __init__(self, backward_passes_per_step: int, average_aggregated_gradients: bool):
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                or backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be an int >= 1, got %r" % (backward_passes_per_step,))
+        self.n = backward_passes_per_step
+        self.average = bool(average_aggregated_gradients)
+        self.counter = None
+        self.accumulators: Optional[List] = None
+
+    def _build(self, grads, variables):
+        # init_scope lifts creation out of any tf.function being traced, so the
+        # variables exist once, whatever retracing happens later.
+        with tf.init_scope():
+            self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="nvg_backward_passes")
+            self.accumulators = [
+                None if g is None else tf.Variable(tf.zeros(v.shape, dtype=g.dtype), trainable=False,
+                                                   name="nvg_grad_accumulator")
+                for g, v in zip(grads, variables)]
+
+    def step(self, grads: Sequence, variables: Sequence, apply_fn: Callable[[List], None],
+             skip_fn: Callable[[], None]) -> None:
+        """Accumulates `grads`; on every N-th call runs apply_fn(aggregated grads)
+        (which reduces and applies), otherwise skip_fn()."""
+        grads = list(grads)
+        if self.accumulators is None:
+            self._build(grads, variables)
+        if len(grads) != len(self.accumulators) or any(
+                (g is None) != (a is None) for g, a in zip(grads, self.accumulators)):
+            raise ValueError("backward_passes_per_step: the set of gradients changed between calls")
+        updates = [self.counter.assign_add(1)]
+        for g, a in zip(grads, self.accumulators):
+            if g is not None:
+                updates.append(a.assign_add(tf.convert_to_tensor(g)))
+
+        def boundary():
+            aggregated = [None if a is None else (a.read_value() / self.n if self.average else a.read_value())
+                          for a in self.accumulators]
+            apply_fn(aggregated)
+            # Zero only after the reduced values are applied (apply's ops consume
+            # `aggregated`, which is a snapshot, so this ordering is by data).
+            with tf.control_dependencies([t for t in aggregated if t is not None]):
+                for a in self.accumulators:
+                    if a is not None:
+                        a.assign(tf.zeros_like(a))
+            return tf.constant(True)
+
+        def not_boundary():
+            skip_fn()
+            return tf.constant(False)
+
+        # The counter update and accumulation happen before the branch reads them.
+        with tf.control_dependencies(updates):
+            is_boundary = tf.equal(self.counter.read_value() % self.n, 0)
+        tf.cond(is_boundary, boundary, not_boundary)

@@ -1,0 +1,51 @@
+"""DistributedGradientTape: tf.GradientTape whose gradient() returns gradients
+reduced over all ranks (custom training loops; Horovod's API).
+
+    with tf.GradientTape() as tape:
+        loss = ...
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+
+How it works: the returned object is a tf.GradientTape of the same class that
+takes over the recorded tape (the tape's internal state, as Horovod does), so
+`gradient()` first computes the local gradients, then reduces them with the
+same bucketed path as DistributedOptimizer (_keras_impl/reduce.py). Sources
+are identified by their `.path` (Keras 3 variables) or `.name`; nested source
+structures come back in the same structure.
+"""
+import tensorflow as tf
+
+from nvgroup_tf._keras_impl.reduce import GradientReducer
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
+                            sparse_as_dense=False, op=None, num_groups=0, groups=None,
+                            bucket_cap_bytes=None, persistent=None, watch_accessed_variables=None):
+    """Wraps `gradtape`. Arguments as DistributedOptimizer's (compression defaults
+    to Compression.none, op to Average)."""
+    if not isinstance(gradtape, tf.GradientTape):
+        raise TypeError("DistributedGradientTape expects a tf.GradientTape, got %s" % type(gradtape).__name__)
+    reducer = GradientReducer(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                              device_dense=device_dense, device_sparse=device_sparse,
+                              num_groups=num_groups, groups=groups, bucket_cap_bytes=bucket_cap_bytes,
+                              name_prefix="DistributedGradientTape")
+    cls = type(gradtape)
+    dist_cls = type("Distributed" + cls.__name__, (_DistributedTapeMixin, cls), {})
+    tape = dist_cls(persistent=gradtape._persistent if persistent is None else persistent,
+                    watch_accessed_variables=(gradtape._watch_accessed_variables
+                                              if watch_accessed_variables is None else watch_accessed_variables))
+    # Take over what `gradtape` recorded (tf.GradientTape's state in TF 2.x).
+    tape._tape = gradtape._tape
+    tape._recording = gradtape._recording
+    tape._watched_variables = gradtape._watched_variables
+    tape._nvg_reducer = reducer
+    return tape
+
+
+class _DistributedTapeMixin:
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        grads = super().gradient(target, sources, output_gradients=output_gradients, **kwargs)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads, expand_composites=False)
+        reduced = self._nvg_reducer.reduce(flat_grads, flat_sources)
+        return tf.nest.pack_sequence_as(grads, reduced)

@@ -1,0 +1,189 @@
+"""Keras callbacks for data-parallel training (Horovod's names and semantics).
+
+They subclass `tf.keras.callbacks.Callback`, which is Keras 3 normally and
+tf_keras under TF_USE_LEGACY_KERAS=1, so one module serves both.
+
+  * BroadcastGlobalVariablesCallback(root_rank): every rank starts from rank
+    root_rank's weights and optimizer state.
+  * MetricAverageCallback(): epoch-end metrics (logs) averaged over ranks.
+  * LearningRateScheduleCallback(initial_lr, multiplier, ...): lr =
+    initial_lr * multiplier(epoch) inside [start_epoch, end_epoch).
+  * LearningRateWarmupCallback(initial_lr, warmup_epochs, ...): lr ramps from
+    initial_lr / size to initial_lr over warmup_epochs ("Accurate, Large
+    Minibatch SGD", Goyal et al. 2017, as Horovod does).
+"""
+import numpy as np
+import tensorflow as tf
+
+import nvgroup_tf as core
+
+_Callback = tf.keras.callbacks.Callback
+
+
+def _optimizer_variables(optimizer):
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def _optimizer_built(optimizer):
+    if hasattr(optimizer, "built"):          # Keras 3
+        return bool(optimizer.built)
+    return bool(_optimizer_variables(optimizer))  # tf_keras: slots exist after the first step
+
+
+class BroadcastGlobalVariablesCallback(_Callback):
+    """Broadcasts the model's variables (and the optimizer's, once they exist)
+    from root_rank at the start of training.
+
+    Keras 3 builds the optimizer before on_train_begin, so everything is
+    broadcast before the first step and all ranks take identical steps. tf_keras
+    creates optimizer slots in the first step: those are broadcast after it
+    (as Horovod does), the model's weights before it.
+    """
+
+    def __init__(self, root_rank=0, device=""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        self._model_done = False
+        self._optimizer_done = False
+
+    def _broadcast(self):
+        with tf.device(self.device):
+            if not self._model_done:
+                core.broadcast_variables(self.model.variables, self.root_rank,
+                                         name="nvg_bcast_model_variables")
+                self._model_done = True
+            optimizer = getattr(self.model, "optimizer", None)
+            if not self._optimizer_done and optimizer is not None and _optimizer_built(optimizer):
+                core.broadcast_variables(_optimizer_variables(optimizer), self.root_rank,
+                                         name="nvg_bcast_optimizer_variables")
+                self._optimizer_done = True
+
+    def on_train_begin(self, logs=None):
+        self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self._optimizer_done:
+            self._broadcast()
+
+
+class MetricAverageCallback(_Callback):
+    """Replaces each numeric entry of the epoch-end logs by its average over
+    ranks (one allreduce of all metrics, in sorted-name order, so every rank
+    sends the same layout). Place it before callbacks that read the metrics."""
+
+    def __init__(self, device=""):
+        super().__init__()
+        self.device = device
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs:
+            return
+        names = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number))
+        if not names:
+            return
+        values = tf.constant([float(logs[k]) for k in names], dtype=tf.float64)
+        with tf.device(self.device):
+            averaged = core.allreduce(values, op=core.Average, name="nvg_metric_average")
+        for k, v in zip(names, averaged.numpy().tolist()):
+            logs[k] = v
+
+
+def _get_lr(optimizer):
+    lr = optimizer.learning_rate
+    return float(lr.numpy() if hasattr(lr, "numpy") else lr)
+
+
+class LearningRateScheduleCallback(_Callback):
+    """lr = initial_lr * multiplier(epoch) for start_epoch <= epoch < end_epoch.
+
+    multiplier: a constant or a function of the epoch. staircase=True changes
+    the lr at epoch starts (integer epochs); staircase=False every batch, with
+    the fractional epoch epoch + batch / steps_per_epoch (steps_per_epoch is
+    taken from fit's params when not given). momentum_correction scales the
+    momentum by new_lr / old_lr for the batch in which the lr changed (Goyal et
+    al.) when the optimizer's momentum is a variable (tf_keras); a Keras 3
+    optimizer's momentum is a Python float baked into the compiled step, so
+    there it is left alone.
+    """
+
+    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
+                 momentum_correction=True, steps_per_epoch=None, verbose=0):
+        super().__init__()
+        self.initial_lr = float(initial_lr)
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self.current_epoch = None
+        self._restore_momentum = None
+
+    def _in_range(self, epoch):
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def _adjust(self, epoch):
+        optimizer = self.model.optimizer
+        old_lr = _get_lr(optimizer)
+        new_lr = self.initial_lr * float(self.multiplier(epoch))
+        optimizer.learning_rate = new_lr
+        momentum = getattr(optimizer, "momentum", None)
+        if self.momentum_correction and old_lr > 0 and hasattr(momentum, "assign"):
+            self._restore_momentum = float(momentum.numpy())
+            momentum.assign(self._restore_momentum * new_lr / old_lr)
+
+    def on_train_begin(self, logs=None):
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+        if not self.staircase and not self.steps_per_epoch:
+            raise ValueError("%s: staircase=False needs steps_per_epoch (fit did not report it)"
+                             % type(self).__name__)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        epoch = self.current_epoch
+        if epoch is None or not self._in_range(epoch):
+            return
+        if self.staircase:
+            if batch == 0:
+                self._adjust(epoch)
+        else:
+            self._adjust(epoch + float(batch) / self.steps_per_epoch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._restore_momentum is not None:
+            self.model.optimizer.momentum.assign(self._restore_momentum)
+            self._restore_momentum = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = _get_lr(self.model.optimizer)
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Gradual warmup: lr goes from initial_lr / size to initial_lr over
+    warmup_epochs, per batch. At fractional epoch e (counted so each epoch ends
+    on a round number: e = epoch + (batch + 1) / steps_per_epoch), the
+    multiplier is (e * (size - 1) / warmup_epochs + 1) / size."""
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None,
+                 verbose=0):
+        def multiplier(epoch):
+            epoch += 1.0 / self.steps_per_epoch
+            n = core.size()
+            return 1.0 / n * (epoch * (n - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch,
+                         verbose=verbose)
+        self.warmup_epochs = warmup_epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and core.rank() == 0:
+            print("\nEpoch %d: finished gradual learning rate warmup to %g." % (epoch + 1, _get_lr(self.model.optimizer)))

@@ -1,0 +1,50 @@
+"""nvgroup_tf.keras under mpirun: few launches, many checks each (importing
+TensorFlow costs seconds per rank; see keras_worker.py for the checks)."""
+import os
+
+import pytest
+
+from mpi_util import REPO, run_mpi
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "keras_worker.py")
+LEGACY_WORKER = os.path.join(HERE, "legacy_worker.py")
+
+ALL_CHECKS = ["fit_average_matches_single_process", "fit_sum_equals_scaled_lr", "backward_passes_per_step",
+              "broadcast_callback_equalizes_ranks", "metric_average_callback", "lr_warmup_and_schedule",
+              "mixed_precision_loss_scale", "sparse_embedding_gradients", "distributed_gradient_tape",
+              "bad_input_errors"]
+THREE_RANK_CHECKS = ["fit_average_matches_single_process", "backward_passes_per_step",
+                     "broadcast_callback_equalizes_ranks", "mixed_precision_loss_scale",
+                     "sparse_embedding_gradients"]
+
+
+def _ops_built():
+    return os.path.exists(os.path.join(REPO, "nvgroup_tf", "lib", "libnvgroup_tf_ops.so"))
+
+
+pytestmark = pytest.mark.skipif(not _ops_built(), reason="TF op library not built (python setup.py build_ext --inplace)")
+
+
+def _check_all_ok(result, checks, np):
+    for name in checks:
+        for r in range(np):
+            assert "[rank %d] ok %s" % (r, name) in result.output, "%s missing on rank %d:\n%s" % (
+                name, r, result.output[-20000:])
+
+
+def test_keras3_two_ranks():
+    res = run_mpi(WORKER, 2, ALL_CHECKS, timeout=400)
+    _check_all_ok(res, ALL_CHECKS, 2)
+
+
+def test_keras3_three_ranks():
+    res = run_mpi(WORKER, 3, THREE_RANK_CHECKS, timeout=400)
+    _check_all_ok(res, THREE_RANK_CHECKS, 3)
+
+
+def test_legacy_tf_keras_two_ranks():
+    pytest.importorskip("tf_keras", reason="tf-keras not installed (scripts/setup.sh installs it)")
+    checks = ["fit_matches_reference", "broadcast_callback", "backward_passes_per_step", "mixed_precision"]
+    res = run_mpi(LEGACY_WORKER, 2, checks, env={"TF_USE_LEGACY_KERAS": "1"}, timeout=300)
+    _check_all_ok(res, checks, 2)
