@@ -29,4 +29,11 @@ StatusOr<std::unique_ptr<Communicator>> CreateCudaCommunicator(MPI_Comm comm, in
                                                                const CommunicatorOptions& options,
                                                                const Topology& host_topology);
 
+// Overrides the measured kernel launch choices of a CUDA communicator (for the
+// benchmark's tuning sweep): one-shot up to `oneshot_max_bytes` (at most the
+// 16 MiB staging half), grid caps 1..128. Must be called with the same values
+// on every rank, between collectives.
+Status SetCudaKernelTuning(Communicator* comm, size_t oneshot_max_bytes, int oneshot_blocks,
+                           int twoshot_blocks);
+
 }  // namespace nvgroup

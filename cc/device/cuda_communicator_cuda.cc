@@ -1,0 +1,485 @@
+// CudaCommunicator: owns the device state (topology, IPC region, streams,
+// control words) and runs every Allreduce through the one hierarchical
+// skeleton with DevicePrimitives. See cuda_communicator.h for the overview and
+// cc/kernels/p2p_allreduce.cuh for the NVLink protocol.
+#include "device/cuda_communicator.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "algorithms/hierarchical_allreduce.h"
+#include "common/cuda_checks.h"
+#include "common/env.h"
+#include "device/device_primitives.h"
+#include "device/device_topology.h"
+
+#if defined(OPEN_MPI) && OPEN_MPI
+#include <mpi-ext.h>
+#endif
+
+namespace nvgroup {
+namespace {
+
+// Staging half of the one-shot kernel, bytes: caps oneshot_max_bytes.
+// TensorRT-LLM uses one-shot up to 16 MB on <= 2 GPUs (ANCHORS.md §2), so the
+// measured threshold cannot usefully exceed that.
+constexpr size_t kOneShotStagingBytes = 16u << 20;
+// Default registered buffer: the engine's fusion threshold or 64 MiB, whichever
+// is larger (communicator.h).
+constexpr size_t kMinRegisteredBytes = 64u << 20;
+// Launch defaults, measured on 2x H200 with allreduce_perf --sweep (see
+// docs/PERFORMANCE.md "Tuning"): one-shot wins up to this size, and these
+// grid caps give the best time per size band.
+constexpr size_t kDefaultOneShotMaxBytes = 512u << 10;
+constexpr int kDefaultOneShotBlocks = 32;
+constexpr int kDefaultTwoShotBlocks = 64;
+// BatchedScaledCopy descriptor slots in flight (pinned host + device each).
+constexpr int kCopySlots = 4;
+
+bool MpiIsCudaAware() {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return MPIX_Query_cuda_support() == 1;
+#else
+  return false;  // no compile-time support: never hand MPI device pointers
+#endif
+}
+
+bool MpiFinalized() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  return finalized != 0;
+}
+
+class CudaCommunicator final : public Communicator {
+ public:
+  static StatusOr<std::unique_ptr<Communicator>> Create(MPI_Comm comm, int device_ordinal,
+                                                        const CommunicatorOptions& options,
+                                                        const Topology& host_topology);
+  ~CudaCommunicator() override;
+
+  const Topology& topology() const override { return group_.topo; }
+  Device device() const override { return Device::Cuda(group_.device); }
+  Status Allreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
+                   void* stream) override;
+  Status Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes_per_rank,
+                    void* stream) override;
+  Status Broadcast(void* buf, size_t bytes, int root, void* stream) override;
+  void* registered_buffer() override { return group_.region->data(group_.topo.group_rank); }
+  size_t registered_capacity() const override { return group_.region->data_bytes(); }
+  Status WaitEvent(void* event, void* stream) override;
+  Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
+                           double scale, void* stream) override;
+  Status Synchronize(void* stream) override;
+  void Abort() override;
+
+  Status SetTuning(const KernelTuning& tuning);
+
+ private:
+  CudaCommunicator() = default;
+  Status Init(MPI_Comm comm, int device_ordinal, const CommunicatorOptions& options,
+              const Topology& host_topology);
+  Status CheckHealthy() const;
+  Status CheckDevicePointer(const void* p, const char* what) const;
+  cudaStream_t StreamOf(void* stream) const {
+    return stream != nullptr ? static_cast<cudaStream_t>(stream) : stream_;
+  }
+  Status AllreducePiece(const void* in, void* out, size_t count, bool in_registered,
+                        size_t offset, DataType dtype, ReduceOp op, cudaStream_t stream);
+
+  MPI_Comm comm_ = MPI_COMM_NULL;  // dup of the caller's communicator
+  DeviceGroup group_;
+  std::vector<int> member_ranks_;  // global rank of each group_rank, for messages
+  cudaStream_t stream_ = nullptr;
+  size_t chunk_bytes_ = 0;
+  bool force_hierarchy_ = false;
+  std::atomic<bool> aborted_{false};
+  bool initialized_ = false;  // Init completed on every rank (destructor barrier)
+
+  // BatchedScaledCopy: descriptors go pinned host -> device; a slot is reused
+  // once the kernel that read it (event) is done.
+  struct CopySlot {
+    DeviceCopySpec* host = nullptr;
+    DeviceCopySpec* device = nullptr;
+    size_t capacity = 0;
+    cudaEvent_t done = nullptr;
+  };
+  CopySlot slots_[kCopySlots];
+  int next_slot_ = 0;
+};
+
+Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const CommunicatorOptions& options,
+                              const Topology& host_topology) {
+  auto knobs = ParseKnobsFromEnvironment();
+  if (!knobs.ok()) return knobs.status();
+  const Knobs& k = knobs.value();
+  NVG_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
+
+  const int requested = options.group_size > 0 ? options.group_size : k.group_size;
+  NVG_RETURN_IF_ERROR_CTX(ResolveDeviceTopology(comm_, device_ordinal, requested, &group_.topo,
+                                                &group_.comms, &group_.device),
+                          "resolving the GPU topology");
+  if (group_.topo.rank != host_topology.rank || group_.topo.size != host_topology.size ||
+      group_.topo.local_rank != host_topology.local_rank)
+    return Status::Internal("CUDA topology disagrees with the host topology passed in (rank " +
+                            std::to_string(host_topology.rank) + "/" +
+                            std::to_string(host_topology.size) + " vs " +
+                            std::to_string(group_.topo.rank) + "/" +
+                            std::to_string(group_.topo.size) + ")");
+  const Topology& topo = group_.topo;
+  member_ranks_.resize(topo.group_size);
+  NVG_MPI_CHECK(MPI_Allgather(&topo.rank, 1, MPI_INT, member_ranks_.data(), 1, MPI_INT,
+                              group_.comms.group));
+
+  group_.tuning.oneshot_max_bytes =
+      k.oneshot_max_bytes > 0 ? k.oneshot_max_bytes : kDefaultOneShotMaxBytes;
+  if (group_.tuning.oneshot_max_bytes > kOneShotStagingBytes)
+    return Status::InvalidArgument("NVGROUP_ONESHOT_MAX_BYTES=" +
+                                   std::to_string(group_.tuning.oneshot_max_bytes) +
+                                   " exceeds the one-shot staging buffer of " +
+                                   std::to_string(kOneShotStagingBytes) + " bytes");
+  group_.tuning.oneshot_blocks = kDefaultOneShotBlocks;
+  group_.tuning.twoshot_blocks = kDefaultTwoShotBlocks;
+  group_.timeout_ns = static_cast<uint64_t>(options.timeout_seconds * 1e9);
+  group_.cuda_aware_mpi = MpiIsCudaAware();
+  chunk_bytes_ = options.pipeline_chunk_bytes > 0 ? options.pipeline_chunk_bytes : k.pipeline_chunk;
+  force_hierarchy_ = k.algorithm == AllreduceAlgorithm::kHierarchical;
+
+  const size_t registered = options.registered_bytes > 0
+                                ? options.registered_bytes
+                                : std::max(k.fusion_threshold, kMinRegisteredBytes);
+  auto region = IpcRegion::Create(group_.comms.group, registered,
+                                  topo.group_size > 1 ? kOneShotStagingBytes : 0);
+  if (!region.ok()) return region.status().WithContext("registering the IPC buffers");
+  group_.region = region.consume();
+
+  NVG_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&group_.control_host),
+                               sizeof(DeviceControl), cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(const_cast<DeviceControl*>(group_.control_host), 0, sizeof(DeviceControl));
+  NVG_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&group_.control_device),
+                                          group_.control_host, 0));
+  NVG_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  NVG_CUDA_CHECK(cudaStreamCreateWithFlags(&group_.cross_stream, cudaStreamNonBlocking));
+  for (int k2 = 0; k2 < 2; ++k2) {
+    NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.reduce_scattered[k2], cudaEventDisableTiming));
+    NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.folded[k2], cudaEventDisableTiming));
+  }
+  NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.received, cudaEventDisableTiming));
+  for (CopySlot& s : slots_)
+    NVG_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
+
+  if (topo.group_count > 1) {
+    // A slice is at most ceil(chunk / G) rounded up to 16 bytes.
+    group_.slice_capacity = (chunk_bytes_ / topo.group_size + 16 + 255) / 256 * 256;
+    const size_t all = group_.slice_capacity * topo.group_count;
+    NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_send), group_.slice_capacity));
+    NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_recv), all));
+    for (char*& d : group_.device_recv) NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), all));
+  }
+  return Status::Ok();
+}
+
+CudaCommunicator::~CudaCommunicator() {
+  (void)cudaSetDevice(group_.device);
+  const bool healthy = initialized_ && !aborted_ && group_.control_host != nullptr && group_.control_host->failure == 0;
+  if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
+  if (group_.cross_stream != nullptr) (void)cudaStreamSynchronize(group_.cross_stream);
+  // Every member must be done with every region before any member frees its
+  // own: a barrier, unless a peer is known lost (it would never arrive).
+  if (healthy && group_.comms.group != MPI_COMM_NULL && !MpiFinalized())
+    (void)MPI_Barrier(group_.comms.group);
+  group_.region.reset();
+  for (CopySlot& s : slots_) {
+    if (s.host != nullptr) (void)cudaFreeHost(s.host);
+    if (s.device != nullptr) (void)cudaFree(s.device);
+    if (s.done != nullptr) (void)cudaEventDestroy(s.done);
+  }
+  if (group_.host_send != nullptr) (void)cudaFreeHost(group_.host_send);
+  if (group_.host_recv != nullptr) (void)cudaFreeHost(group_.host_recv);
+  for (char* d : group_.device_recv)
+    if (d != nullptr) (void)cudaFree(d);
+  for (int k = 0; k < 2; ++k) {
+    if (group_.reduce_scattered[k] != nullptr) (void)cudaEventDestroy(group_.reduce_scattered[k]);
+    if (group_.folded[k] != nullptr) (void)cudaEventDestroy(group_.folded[k]);
+  }
+  if (group_.received != nullptr) (void)cudaEventDestroy(group_.received);
+  if (group_.cross_stream != nullptr) (void)cudaStreamDestroy(group_.cross_stream);
+  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  if (group_.control_host != nullptr) (void)cudaFreeHost(const_cast<DeviceControl*>(group_.control_host));
+  (void)cudaGetLastError();
+  if (comm_ != MPI_COMM_NULL && !MpiFinalized()) (void)MPI_Comm_free(&comm_);
+}
+
+Status CudaCommunicator::CheckHealthy() const {
+  const DeviceControl* c = group_.control_host;
+  if (c->failure == kFailureTimeout) {
+    const int p = c->failed_peer;
+    return Status::Unavailable(
+        "NV-group barrier timed out: group rank " + std::to_string(p) + " (rank " +
+        std::to_string(p < static_cast<int>(member_ranks_.size()) ? member_ranks_[p] : -1) +
+        ") did not arrive within " + std::to_string(group_.timeout_ns / 1e9) + " s (block " +
+        std::to_string(c->failed_block) +
+        "); the peer died or hung. This communicator cannot be used any more.");
+  }
+  if (c->failure == kFailureAborted || aborted_ || c->abort)
+    return Status::Aborted("the CUDA communicator was aborted");
+  return Status::Ok();
+}
+
+Status CudaCommunicator::CheckDevicePointer(const void* p, const char* what) const {
+  cudaPointerAttributes attr;
+  cudaError_t err = cudaPointerGetAttributes(&attr, p);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  const bool ok = err == cudaSuccess &&
+                  ((attr.type == cudaMemoryTypeDevice && attr.device == group_.device) ||
+                   attr.type == cudaMemoryTypeManaged);
+  if (!ok)
+    return Status::InvalidArgument(std::string(what) + " pointer is not device memory of cuda:" +
+                                   std::to_string(group_.device));
+  return Status::Ok();
+}
+
+Status CudaCommunicator::Allreduce(const void* in, void* out, size_t count, DataType dtype,
+                                   ReduceOp op, void* stream_arg) {
+  NVG_RETURN_IF_ERROR(CheckHealthy());
+  if (!SupportsReduction(dtype))
+    return Status::InvalidArgument(std::string("allreduce: dtype ") + DataTypeName(dtype) +
+                                   " cannot be reduced (float16/bfloat16/float32/float64/int32/"
+                                   "int64 only)");
+  if (static_cast<int>(op) < 0 || static_cast<int>(op) > static_cast<int>(ReduceOp::kProduct))
+    return Status::InvalidArgument("allreduce: unknown reduce op " +
+                                   std::to_string(static_cast<int>(op)));
+  if (count == 0) return Status::Ok();
+  if (in == nullptr || out == nullptr)
+    return Status::InvalidArgument("allreduce: null input or output pointer with count " +
+                                   std::to_string(count));
+  NVG_RETURN_IF_ERROR(CheckDevicePointer(in, "allreduce: input"));
+  NVG_RETURN_IF_ERROR(CheckDevicePointer(out, "allreduce: output"));
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  cudaStream_t stream = StreamOf(stream_arg);
+  const size_t esize = DataTypeSize(dtype);
+  const size_t bytes = count * esize;
+
+  if (group_.topo.size == 1) {  // Average over one rank is the identity
+    if (in != out) NVG_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream));
+    return Status::Ok();
+  }
+
+  // Inputs inside the registered buffer are used in place (the engine fuses
+  // there at the same offset on every rank); see communicator.h.
+  const char* reg = static_cast<const char*>(group_.region->data(group_.topo.group_rank));
+  const size_t capacity = group_.region->data_bytes();
+  const char* in_c = static_cast<const char*>(in);
+  const char* out_c = static_cast<const char*>(out);
+  const bool in_reg = in_c >= reg && in_c < reg + capacity;
+  const bool out_reg = out_c + bytes > reg && out_c < reg + capacity;
+  if (out_reg && out != in)
+    return Status::InvalidArgument(
+        "allreduce: the output overlaps the registered buffer but is not the input "
+        "(only in-place use of the registered buffer is supported)");
+  if (in_reg) {
+    const size_t offset = in_c - reg;
+    if (offset % 16 != 0 || offset + bytes > capacity)
+      return Status::InvalidArgument("allreduce: input at offset " + std::to_string(offset) +
+                                     " of the registered buffer with " + std::to_string(bytes) +
+                                     " bytes is misaligned or exceeds its " +
+                                     std::to_string(capacity) + " bytes");
+    return AllreducePiece(in, out, count, true, offset, dtype, op, stream);
+  }
+  // Any other input: pieces of at most the registered capacity (whole 16-byte
+  // units per group member so every piece stays aligned).
+  const size_t unit = std::max<size_t>(1, 16 / esize) * group_.topo.group_size;
+  const size_t piece = std::max(unit, capacity / esize / unit * unit);
+  for (size_t first = 0; first < count; first += piece) {
+    const size_t n = std::min(piece, count - first);
+    NVG_RETURN_IF_ERROR_CTX(
+        AllreducePiece(in_c + first * esize, static_cast<char*>(out) + first * esize, n, false, 0,
+                       dtype, op, stream),
+        "allreduce of elements " + std::to_string(first) + ".." + std::to_string(first + n));
+  }
+  return Status::Ok();
+}
+
+Status CudaCommunicator::AllreducePiece(const void* in, void* out, size_t count,
+                                        bool in_registered, size_t offset, DataType dtype,
+                                        ReduceOp op, cudaStream_t stream) {
+  const bool flat = group_.topo.group_count == 1 && !force_hierarchy_;
+  if (!flat && !in_registered) {  // the skeleton starts from the registered buffer
+    NVG_CUDA_CHECK(cudaMemcpyAsync(registered_buffer(), in, count * DataTypeSize(dtype),
+                                   cudaMemcpyDeviceToDevice, stream));
+    in = registered_buffer();
+    in_registered = true;
+  }
+  DevicePrimitives prims(&group_, in, in_registered, offset, dtype, op, stream);
+  NVG_RETURN_IF_ERROR(RunHierarchicalAllreduce(prims, count, out, chunk_bytes_, force_hierarchy_));
+  return Status::Ok();
+}
+
+// Host staging through MPI: correct and simple (not a tuned path).
+Status CudaCommunicator::Allgatherv(const void* in, void* out,
+                                    const std::vector<size_t>& bytes_per_rank, void* stream_arg) {
+  NVG_RETURN_IF_ERROR(CheckHealthy());
+  const int size = group_.topo.size;
+  if (static_cast<int>(bytes_per_rank.size()) != size)
+    return Status::InvalidArgument("allgatherv: " + std::to_string(bytes_per_rank.size()) +
+                                   " byte counts given for " + std::to_string(size) + " ranks");
+  std::vector<int> counts(size), displs(size);
+  size_t total = 0;
+  for (int r = 0; r < size; ++r) {
+    if (total > static_cast<size_t>(INT_MAX) || bytes_per_rank[r] > static_cast<size_t>(INT_MAX))
+      return Status::InvalidArgument("allgatherv: more than 2^31-1 bytes in total");
+    counts[r] = static_cast<int>(bytes_per_rank[r]);
+    displs[r] = static_cast<int>(total);
+    total += bytes_per_rank[r];
+  }
+  const size_t mine = bytes_per_rank[group_.topo.rank];
+  if ((mine > 0 && in == nullptr) || (total > 0 && out == nullptr))
+    return Status::InvalidArgument("allgatherv: null input or output pointer");
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  cudaStream_t stream = StreamOf(stream_arg);
+  std::vector<char> send(mine), recv(total);
+  NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: `in` is produced
+  if (mine > 0) NVG_CUDA_CHECK(cudaMemcpy(send.data(), in, mine, cudaMemcpyDeviceToHost));
+  NVG_MPI_CHECK(MPI_Allgatherv(send.data(), static_cast<int>(mine), MPI_BYTE, recv.data(),
+                               counts.data(), displs.data(), MPI_BYTE, comm_));
+  if (total > 0) {
+    NVG_CUDA_CHECK(cudaMemcpyAsync(out, recv.data(), total, cudaMemcpyHostToDevice, stream));
+    NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // recv is freed on return
+  }
+  return Status::Ok();
+}
+
+Status CudaCommunicator::Broadcast(void* buf, size_t bytes, int root, void* stream_arg) {
+  NVG_RETURN_IF_ERROR(CheckHealthy());
+  if (root < 0 || root >= group_.topo.size)
+    return Status::InvalidArgument("broadcast: root " + std::to_string(root) + " outside 0.." +
+                                   std::to_string(group_.topo.size - 1));
+  if (bytes > static_cast<size_t>(INT_MAX))
+    return Status::InvalidArgument("broadcast: more than 2^31-1 bytes");
+  if (bytes == 0) return Status::Ok();
+  if (buf == nullptr) return Status::InvalidArgument("broadcast: null buffer");
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  cudaStream_t stream = StreamOf(stream_arg);
+  std::vector<char> host(bytes);
+  NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: the root's buffer is produced
+  if (group_.topo.rank == root)
+    NVG_CUDA_CHECK(cudaMemcpy(host.data(), buf, bytes, cudaMemcpyDeviceToHost));
+  NVG_MPI_CHECK(MPI_Bcast(host.data(), static_cast<int>(bytes), MPI_BYTE, root, comm_));
+  if (group_.topo.rank != root) {
+    NVG_CUDA_CHECK(cudaMemcpyAsync(buf, host.data(), bytes, cudaMemcpyHostToDevice, stream));
+    NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // host is freed on return
+  }
+  return Status::Ok();
+}
+
+Status CudaCommunicator::WaitEvent(void* event, void* stream) {
+  if (event == nullptr) return Status::Ok();
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  NVG_CUDA_CHECK(cudaStreamWaitEvent(StreamOf(stream), static_cast<cudaEvent_t>(event), 0));
+  return Status::Ok();
+}
+
+Status CudaCommunicator::BatchedScaledCopy(const CopySpec* copies, size_t num_copies,
+                                           DataType dtype, double scale, void* stream_arg) {
+  NVG_RETURN_IF_ERROR(CheckHealthy());
+  if (scale != 1.0 && !SupportsReduction(dtype))
+    return Status::InvalidArgument(std::string("batched copy: dtype ") + DataTypeName(dtype) +
+                                   " cannot be scaled");
+  std::vector<DeviceCopySpec> specs;
+  specs.reserve(num_copies);
+  size_t blocks = 0;
+  for (size_t i = 0; i < num_copies; ++i) {
+    if (copies[i].count == 0) continue;
+    if (copies[i].src == nullptr || copies[i].dst == nullptr)
+      return Status::InvalidArgument("batched copy: copy " + std::to_string(i) +
+                                     " has a null pointer");
+    specs.push_back({copies[i].src, copies[i].dst, copies[i].count, blocks});
+    blocks += CopyBlocksFor(copies[i].count);
+  }
+  if (specs.empty()) return Status::Ok();
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  cudaStream_t stream = StreamOf(stream_arg);
+  CopySlot& slot = slots_[next_slot_];
+  next_slot_ = (next_slot_ + 1) % kCopySlots;
+  NVG_CUDA_CHECK(cudaEventSynchronize(slot.done));  // orders: the slot's last kernel read it
+  if (slot.capacity < specs.size()) {
+    if (slot.host != nullptr) NVG_CUDA_CHECK(cudaFreeHost(slot.host));
+    if (slot.device != nullptr) NVG_CUDA_CHECK(cudaFree(slot.device));
+    slot.host = nullptr;
+    slot.device = nullptr;
+    slot.capacity = 0;
+    const size_t cap = std::max<size_t>(256, specs.size() * 2);
+    NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&slot.host), cap * sizeof(DeviceCopySpec)));
+    NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&slot.device), cap * sizeof(DeviceCopySpec)));
+    slot.capacity = cap;
+  }
+  std::memcpy(slot.host, specs.data(), specs.size() * sizeof(DeviceCopySpec));
+  NVG_CUDA_CHECK(cudaMemcpyAsync(slot.device, slot.host, specs.size() * sizeof(DeviceCopySpec),
+                                 cudaMemcpyHostToDevice, stream));
+  NVG_RETURN_IF_ERROR(LaunchBatchedScaledCopy(slot.device, specs.size(), blocks, dtype, scale, stream));
+  NVG_CUDA_CHECK(cudaEventRecord(slot.done, stream));
+  return Status::Ok();
+}
+
+Status CudaCommunicator::Synchronize(void* stream) {
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  NVG_CUDA_CHECK(cudaStreamSynchronize(StreamOf(stream)));
+  return CheckHealthy();
+}
+
+void CudaCommunicator::Abort() {
+  aborted_ = true;
+  if (group_.control_host != nullptr) group_.control_host->abort = 1;
+}
+
+Status CudaCommunicator::SetTuning(const KernelTuning& t) {
+  if (t.oneshot_max_bytes > group_.region->staging_bytes() ||
+      t.oneshot_blocks < 1 || t.oneshot_blocks > kMaxBlocks || t.twoshot_blocks < 1 ||
+      t.twoshot_blocks > kMaxBlocks)
+    return Status::InvalidArgument("kernel tuning out of range: one-shot max " +
+                                   std::to_string(t.oneshot_max_bytes) + " bytes (staging " +
+                                   std::to_string(group_.region->staging_bytes()) + "), blocks " +
+                                   std::to_string(t.oneshot_blocks) + "/" +
+                                   std::to_string(t.twoshot_blocks) + " (1.." +
+                                   std::to_string(kMaxBlocks) + ")");
+  group_.tuning = t;
+  return Status::Ok();
+}
+
+StatusOr<std::unique_ptr<Communicator>> CudaCommunicator::Create(
+    MPI_Comm comm, int device_ordinal, const CommunicatorOptions& options,
+    const Topology& host_topology) {
+  std::unique_ptr<CudaCommunicator> c(new CudaCommunicator());
+  Status s = c->Init(comm, device_ordinal, options, host_topology);
+  // Agreement: a local failure (e.g. cudaMalloc) fails creation on every rank.
+  int ok = s.ok() ? 1 : 0, all_ok = 0;
+  if (c->comm_ != MPI_COMM_NULL)
+    NVG_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, c->comm_));
+  if (!s.ok()) return s.WithContext("creating the CUDA communicator");
+  if (all_ok == 0)
+    return Status::Internal("creating the CUDA communicator failed on another rank (see its error)");
+  c->initialized_ = true;
+  return std::unique_ptr<Communicator>(std::move(c));
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Communicator>> CreateCudaCommunicator(MPI_Comm comm, int device_ordinal,
+                                                               const CommunicatorOptions& options,
+                                                               const Topology& host_topology) {
+  return CudaCommunicator::Create(comm, device_ordinal, options, host_topology);
+}
+
+Status SetCudaKernelTuning(Communicator* comm, size_t oneshot_max_bytes, int oneshot_blocks,
+                           int twoshot_blocks) {
+  auto* cuda = dynamic_cast<CudaCommunicator*>(comm);
+  if (cuda == nullptr) return Status::InvalidArgument("not a CUDA communicator");
+  return cuda->SetTuning({oneshot_max_bytes, oneshot_blocks, twoshot_blocks});
+}
+
+}  // namespace nvgroup
