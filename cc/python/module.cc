@@ -4,9 +4,11 @@
 
 namespace nvgroup {
 void RegisterCommunicatorBindings(pybind11::module_& m);
+void RegisterEngineBindings(pybind11::module_& m);
 }  // namespace nvgroup
 
 PYBIND11_MODULE(_engine, m) {
   m.doc() = "nvgroup_tf native engine";
   nvgroup::RegisterCommunicatorBindings(m);
+  nvgroup::RegisterEngineBindings(m);
 }

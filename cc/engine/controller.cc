@@ -1,0 +1,206 @@
+#include "engine/controller.h"
+
+#include <functional>
+#include <sstream>
+
+namespace nvgroup {
+namespace {
+
+std::string FormatDouble(double v) {
+  std::ostringstream s;
+  s.precision(17);
+  s << v;
+  return s.str();
+}
+
+std::string GroupText(const RequestMessage& q) {
+  if (q.group_size == 0) return "no group";
+  std::ostringstream s;
+  s << "a group of " << q.group_size << " (id " << std::hex << q.group_id << ")";
+  return s.str();
+}
+
+// If `value` differs across ranks: "Mismatched <what> for '<name>': rank 0 has
+// A, ranks [1, 3] have B, ..." (ranks grouped by value, in order of first
+// appearance). Empty string when all ranks agree.
+std::string Mismatch(const std::vector<RequestMessage>& by_rank, const std::string& what,
+                     const std::function<std::string(const RequestMessage&)>& value) {
+  std::vector<std::string> values;
+  std::vector<std::vector<int>> ranks;
+  for (size_t r = 0; r < by_rank.size(); ++r) {
+    std::string v = value(by_rank[r]);
+    size_t i = 0;
+    while (i < values.size() && values[i] != v) ++i;
+    if (i == values.size()) {
+      values.push_back(v);
+      ranks.emplace_back();
+    }
+    ranks[i].push_back(static_cast<int>(r));
+  }
+  if (values.size() <= 1) return std::string();
+  std::string msg = "Mismatched " + what + " for '" + by_rank[0].name + "': ";
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i) msg += ", ";
+    if (ranks[i].size() == 1) {
+      msg += "rank " + std::to_string(ranks[i][0]) + " has " + values[i];
+    } else {
+      msg += "ranks [";
+      for (size_t j = 0; j < ranks[i].size(); ++j) msg += (j ? ", " : "") + std::to_string(ranks[i][j]);
+      msg += "] have " + values[i];
+    }
+  }
+  return msg;
+}
+
+}  // namespace
+
+ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank) {
+  const RequestMessage& first = by_rank[0];
+  ResponseMessage resp;
+  resp.name = first.name;
+  resp.type = first.type;
+  resp.dtype = first.dtype;
+  resp.device_kind = first.device_kind;
+  resp.op = first.op;
+  resp.prescale_factor = first.prescale_factor;
+  resp.postscale_factor = first.postscale_factor;
+  resp.root_rank = first.root_rank;
+  resp.shape = first.shape;
+  resp.group_id = first.group_id;
+  resp.group_size = first.group_size;
+
+  const std::string type = CollectiveTypeName(first.type);
+  std::string err = Mismatch(by_rank, "collective types", [](const RequestMessage& q) {
+    return std::string(CollectiveTypeName(q.type));
+  });
+  if (err.empty())
+    err = Mismatch(by_rank, type + " dtypes",
+                   [](const RequestMessage& q) { return std::string(DataTypeName(q.dtype)); });
+  if (err.empty())
+    err = Mismatch(by_rank, type + " device kinds", [](const RequestMessage& q) {
+      return std::string(q.device_kind == DeviceKind::kCpu ? "CPU" : "CUDA");
+    });
+  if (err.empty() && first.type == CollectiveType::kAllreduce) {
+    err = Mismatch(by_rank, "allreduce ops",
+                   [](const RequestMessage& q) { return std::string(ReduceOpName(q.op)); });
+    if (err.empty())
+      err = Mismatch(by_rank, "allreduce prescale factors",
+                     [](const RequestMessage& q) { return FormatDouble(q.prescale_factor); });
+    if (err.empty())
+      err = Mismatch(by_rank, "allreduce postscale factors",
+                     [](const RequestMessage& q) { return FormatDouble(q.postscale_factor); });
+  }
+  if (err.empty() && first.type == CollectiveType::kBroadcast)
+    err = Mismatch(by_rank, "broadcast root ranks",
+                   [](const RequestMessage& q) { return std::to_string(q.root_rank); });
+  if (err.empty()) {
+    if (first.type == CollectiveType::kAllgather) {
+      err = Mismatch(by_rank, "allgather tensor shapes (all but the first dimension must agree)",
+                     [](const RequestMessage& q) {
+                       std::vector<int64_t> rest = q.shape;
+                       if (!rest.empty()) rest[0] = -1;
+                       std::string s = ShapeToString(rest);
+                       return rest.empty() ? s : "[?" + s.substr(s.find_first_of(",]"));
+                     });
+    } else {
+      err = Mismatch(by_rank, type + " tensor shapes",
+                     [](const RequestMessage& q) { return ShapeToString(q.shape); });
+    }
+  }
+  if (err.empty()) err = Mismatch(by_rank, type + " groups", GroupText);
+  if (!err.empty()) {
+    resp.error_code = StatusCode::kFailedPrecondition;
+    resp.error_message = err;
+    return resp;
+  }
+  if (first.type == CollectiveType::kAllgather)
+    for (const RequestMessage& q : by_rank) resp.first_dims.push_back(q.shape[0]);
+  return resp;
+}
+
+Coordinator::Coordinator(int size, StallInspector* stall) : size_(size), stall_(stall) {}
+
+void Coordinator::AddRequest(int rank, RequestMessage request, double now) {
+  if (stall_ != nullptr) stall_->RecordReport(request.name, rank, now);
+  auto [it, inserted] = table_.try_emplace(request.name);
+  Pending& p = it->second;
+  if (inserted) {
+    p.by_rank.resize(size_);
+    p.reported.assign(size_, false);
+  }
+  if (!p.reported[rank]) {
+    p.reported[rank] = true;
+    ++p.count;
+  }
+  p.by_rank[rank] = std::move(request);
+  if (p.count < size_) return;
+  ResponseMessage resp = BuildResponse(p.by_rank);
+  if (stall_ != nullptr) stall_->Remove(resp.name);
+  table_.erase(it);
+  Release(std::move(resp));
+}
+
+void Coordinator::Release(ResponseMessage response) {
+  if (response.group_size <= 1) {
+    ready_.push_back(std::move(response));
+    return;
+  }
+  // Errors go out at once (their group can never run whole); successes wait
+  // for the rest of the group. Both count towards the group's completion.
+  const uint64_t id = response.group_id;
+  const uint32_t group_size = response.group_size;
+  HeldGroup& g = groups_[id];
+  ++g.completed;
+  if (response.ok())
+    g.held.push_back(std::move(response));
+  else
+    ready_.push_back(std::move(response));
+  if (g.completed < group_size) return;
+  for (ResponseMessage& m : g.held) ready_.push_back(std::move(m));
+  groups_.erase(id);
+}
+
+void Coordinator::Forget(const std::string& name) {
+  if (stall_ != nullptr) stall_->Remove(name);
+  table_.erase(name);
+}
+
+std::vector<ResponseMessage> Coordinator::TakeReadyResponses() {
+  std::vector<ResponseMessage> out;
+  out.swap(ready_);
+  return out;
+}
+
+std::vector<ResponseMessage> Coordinator::TakeStalledResponses(double now) {
+  std::vector<ResponseMessage> out;
+  if (stall_ == nullptr) return out;
+  for (StallInspector::Stalled& s : stall_->Check(now)) {
+    auto it = table_.find(s.name);
+    if (it == table_.end()) continue;
+    const RequestMessage* any = nullptr;
+    for (int r = 0; r < size_ && any == nullptr; ++r)
+      if (it->second.reported[r]) any = &it->second.by_rank[r];
+    ResponseMessage resp;
+    resp.name = s.name;
+    resp.error_code = StatusCode::kDeadlineExceeded;
+    resp.error_message = s.message;
+    if (any != nullptr && any->group_size > 1) {
+      auto g = groups_.find(any->group_id);
+      if (g != groups_.end()) {
+        for (ResponseMessage& m : g->second.held) {
+          ResponseMessage member_err;
+          member_err.name = m.name;
+          member_err.error_code = StatusCode::kDeadlineExceeded;
+          member_err.error_message = "member of a group with stalled tensor: " + s.message;
+          out.push_back(std::move(member_err));
+        }
+        groups_.erase(g);
+      }
+    }
+    table_.erase(it);
+    out.push_back(std::move(resp));
+  }
+  return out;
+}
+
+}  // namespace nvgroup

@@ -1,0 +1,65 @@
+// Coordinator: rank 0's side of negotiation (Horovod's controller, without MPI).
+//
+// How it works. Each negotiation round rank 0 feeds it every rank's newly
+// reported requests (AddRequest). A name is *complete* once all ranks have
+// reported it; BuildResponse then checks that the ranks agree on every
+// parameter and yields either the agreed response or an error naming the
+// tensor, the parameter and each rank's value. Complete responses are released
+// in the order they completed (the deterministic order every rank executes),
+// except grouped ones: they wait until every member of their group is
+// complete, then are released together, adjacent. Names that completed through
+// the response cache instead are dropped with Forget. The class is pure (no
+// MPI, no clock of its own), so it is deterministic and testable.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/stall_inspector.h"
+#include "engine/wire_format.h"
+
+namespace nvgroup {
+
+// The response for one name given every rank's request (index = rank).
+// Mismatches become kFailedPrecondition responses such as
+// "Mismatched allreduce tensor shapes for 'w': rank 0 has [2, 3], rank 1 has [3, 3]".
+ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank);
+
+class Coordinator {
+ public:
+  // `stall` (may be null) is told about reports and completions.
+  Coordinator(int size, StallInspector* stall);
+
+  void AddRequest(int rank, RequestMessage request, double now);
+  // `name` completed through the response cache: drop what rank 0 holds for it.
+  void Forget(const std::string& name);
+  // Responses released since the last call, in execution order.
+  std::vector<ResponseMessage> TakeReadyResponses();
+  // Error responses for names stalled past NVGROUP_STALL_SHUTDOWN_TIME (and
+  // for the completed members of their groups, which can never be released).
+  std::vector<ResponseMessage> TakeStalledResponses(double now);
+
+ private:
+  struct Pending {
+    std::vector<RequestMessage> by_rank;
+    std::vector<bool> reported;
+    int count = 0;
+  };
+  void Release(ResponseMessage response);
+
+  int size_;
+  StallInspector* stall_;
+  std::unordered_map<std::string, Pending> table_;
+  // Groups with members still incomplete: how many members completed, and the
+  // successful ones held back until the whole group can run.
+  struct HeldGroup {
+    uint32_t completed = 0;
+    std::vector<ResponseMessage> held;
+  };
+  std::unordered_map<uint64_t, HeldGroup> groups_;
+  std::vector<ResponseMessage> ready_;
+};
+
+}  // namespace nvgroup

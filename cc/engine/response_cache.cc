@@ -1,0 +1,68 @@
+#include "engine/response_cache.h"
+
+namespace nvgroup {
+
+bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage& response,
+                            int rank) {
+  if (!response.ok() || request.name != response.name || request.type != response.type ||
+      request.dtype != response.dtype || request.device_kind != response.device_kind ||
+      request.op != response.op || request.prescale_factor != response.prescale_factor ||
+      request.postscale_factor != response.postscale_factor ||
+      request.root_rank != response.root_rank || request.group_id != response.group_id ||
+      request.group_size != response.group_size)
+    return false;
+  if (request.type != CollectiveType::kAllgather) return request.shape == response.shape;
+  if (request.shape.size() != response.shape.size() || request.shape.empty()) return false;
+  if (rank < 0 || static_cast<size_t>(rank) >= response.first_dims.size()) return false;
+  if (request.shape[0] != response.first_dims[rank]) return false;
+  for (size_t d = 1; d < request.shape.size(); ++d)
+    if (request.shape[d] != response.shape[d]) return false;
+  return true;
+}
+
+ResponseCache::ResponseCache(int capacity) : slots_(capacity > 0 ? capacity : 0) {}
+
+int ResponseCache::Find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? -1 : it->second;
+}
+
+int ResponseCache::GroupCount(uint64_t group_id) const {
+  auto it = group_counts_.find(group_id);
+  return it == group_counts_.end() ? 0 : it->second;
+}
+
+void ResponseCache::Erase(int slot) {
+  Slot& s = slots_[slot];
+  by_name_.erase(s.response.name);
+  if (s.response.group_id != 0 && --group_counts_[s.response.group_id] == 0)
+    group_counts_.erase(s.response.group_id);
+  s = Slot();
+}
+
+void ResponseCache::Put(const ResponseMessage& response) {
+  if (slots_.empty()) return;
+  int slot = Find(response.name);
+  if (slot >= 0) {
+    Erase(slot);
+  } else {
+    for (int i = 0; i < capacity() && slot < 0; ++i)
+      if (!slots_[i].used) slot = i;
+    if (slot < 0) {  // full: evict the least recently used (lowest clock; unique)
+      slot = 0;
+      for (int i = 1; i < capacity(); ++i)
+        if (slots_[i].last_use < slots_[slot].last_use) slot = i;
+      Erase(slot);
+    }
+  }
+  Slot& s = slots_[slot];
+  s.used = true;
+  s.response = response;
+  s.last_use = ++clock_;
+  by_name_[response.name] = slot;
+  if (response.group_id != 0) ++group_counts_[response.group_id];
+}
+
+void ResponseCache::Touch(int slot) { slots_[slot].last_use = ++clock_; }
+
+}  // namespace nvgroup

@@ -1,0 +1,62 @@
+// Response cache: negotiation-free agreement for collectives seen before.
+//
+// How it works. Every rank holds an identical cache of successful responses,
+// `capacity` slots indexed by slot number. It stays identical because it only
+// changes while all ranks process the same ordered response list: Put() for
+// each successful response negotiated through rank 0, Touch() for each cache
+// hit, in the same order everywhere, with a deterministic LRU (a logical clock,
+// lowest free slot first). A rank whose ready request matches slot s (same
+// name and parameters, see Matches) sets bit s of its bit vector; one bitwise
+// AND allreduce tells every rank which slots are ready on all ranks, and those
+// run without a round trip to rank 0. A request whose parameters changed does
+// not match, goes through rank 0, and its new response replaces the slot
+// (Put on an existing name), which invalidates the old entry on every rank.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/wire_format.h"
+
+namespace nvgroup {
+
+// True if `request` (this rank's, `rank`) is what `response` was negotiated
+// for: same collective, dtype, device kind, op, scale factors, root and group,
+// and the same shape (allgather: same trailing dimensions and this rank's
+// first dimension as recorded for `rank`).
+bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage& response,
+                            int rank);
+
+class ResponseCache {
+ public:
+  explicit ResponseCache(int capacity);
+
+  int capacity() const { return static_cast<int>(slots_.size()); }
+  // Slot holding `name`, or -1.
+  int Find(const std::string& name) const;
+  const ResponseMessage& Get(int slot) const { return slots_[slot].response; }
+  // Number of cached responses of group `group_id`.
+  int GroupCount(uint64_t group_id) const;
+
+  // Inserts `response` (replacing the entry of the same name, if any); evicts
+  // the least recently used entry when full. No-op when capacity is 0.
+  void Put(const ResponseMessage& response);
+  void Touch(int slot);
+
+ private:
+  struct Slot {
+    bool used = false;
+    uint64_t last_use = 0;
+    ResponseMessage response;
+  };
+  void Erase(int slot);
+
+  std::vector<Slot> slots_;
+  std::unordered_map<std::string, int> by_name_;
+  std::unordered_map<uint64_t, int> group_counts_;
+  uint64_t clock_ = 0;
+};
+
+}  // namespace nvgroup

@@ -1,0 +1,530 @@
+// Python bindings of the engine (nvgroup/engine.h): init/shutdown/topology and
+// asynchronous collectives on raw addresses (numpy `a.ctypes.data`, cupy
+// `a.data.ptr`), returning integer handles that wait()/poll() resolve.
+//
+// A handle is shared between the engine's `done` callback (background thread,
+// no GIL) and wait()/poll() (Python thread). The callback only stores the
+// Status and signals a condition variable; wait() releases the GIL while it
+// blocks. Allgather outputs are allocated by the binding, off the GIL: host
+// memory handed to numpy without a copy at wait(), or cudaMalloc'd memory
+// returned as (address, shape) and released with free_cuda().
+//
+// Errors: a non-OK Status raises EngineError (a RuntimeError) whose text is
+// Status::ToString(), e.g. "FAILED_PRECONDITION: Mismatched allreduce ...".
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cctype>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#ifdef NVGROUP_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+#include "engine/controller.h"
+#include "engine/fusion.h"
+#include "engine/wire_format.h"
+#include "nvgroup/engine.h"
+
+namespace py = pybind11;
+
+namespace nvgroup {
+namespace {
+
+class EngineError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+void ThrowIfError(const Status& status) {
+  if (!status.ok()) throw EngineError(status.ToString());
+}
+
+template <typename T>
+T ValueOrThrow(StatusOr<T> v) {
+  ThrowIfError(v.status());
+  return v.consume();
+}
+
+std::string Lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+DataType ParseDataType(const std::string& name) {
+  const std::string n = Lower(name);
+  for (int i = 0; i < kNumDataTypes; ++i)
+    if (n == DataTypeName(static_cast<DataType>(i))) return static_cast<DataType>(i);
+  throw EngineError("INVALID_ARGUMENT: unknown dtype '" + name + "'");
+}
+
+ReduceOp ParseReduceOp(const std::string& name) {
+  const std::string n = Lower(name);
+  for (int i = 0; i <= static_cast<int>(ReduceOp::kProduct); ++i)
+    if (n == Lower(ReduceOpName(static_cast<ReduceOp>(i)))) return static_cast<ReduceOp>(i);
+  throw EngineError("INVALID_ARGUMENT: unknown reduce op '" + name +
+                    "' (expected sum, average, min, max or product)");
+}
+
+Device ParseDevice(const std::string& name) {
+  const std::string n = Lower(name);
+  if (n == "cpu") return Device::Cpu();
+  if (n == "cuda" || n == "gpu") return Device::Cuda(0);
+  for (const char* prefix : {"cuda:", "gpu:"}) {
+    const size_t p = std::string(prefix).size();
+    if (n.rfind(prefix, 0) == 0 && n.size() > p && n.find_first_not_of("0123456789", p) == std::string::npos)
+      return Device::Cuda(std::stoi(n.substr(p)));
+  }
+  throw EngineError("INVALID_ARGUMENT: unknown device '" + name + "' (expected 'cpu' or 'cuda:N')");
+}
+
+// --- Handles ---------------------------------------------------------------
+
+struct Handle {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Status status;
+  // Allgather output (allocated by AllocateOutput on the background thread).
+  bool is_allgather = false;
+  DataType dtype = DataType::kFloat32;
+  Device device;
+  std::vector<int64_t> out_shape;
+  std::shared_ptr<std::vector<char>> host_out;
+  void* cuda_out = nullptr;
+};
+
+// Objects the caller asked us to keep alive until wait() (its arrays), by
+// handle id. A Python dict, touched only with the GIL held (a Handle may die
+// on the background thread, so it holds no Python object); leaked on purpose
+// so no Python object is destroyed after the interpreter.
+py::dict& KeepAlive() {
+  static py::dict* d = new py::dict();
+  return *d;
+}
+
+std::mutex g_handles_mu;
+std::unordered_map<int64_t, std::shared_ptr<Handle>> g_handles;
+int64_t g_next_handle = 1;
+
+int64_t Register(std::shared_ptr<Handle> h) {
+  std::lock_guard<std::mutex> lock(g_handles_mu);
+  int64_t id = g_next_handle++;
+  g_handles[id] = std::move(h);
+  return id;
+}
+
+std::shared_ptr<Handle> Lookup(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_handles_mu);
+  auto it = g_handles.find(id);
+  if (it == g_handles.end()) throw EngineError("INVALID_ARGUMENT: unknown or already waited handle " + std::to_string(id));
+  return it->second;
+}
+
+void Forget(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_handles_mu);
+  g_handles.erase(id);
+}
+
+DoneCallback DoneFor(const std::shared_ptr<Handle>& h) {
+  return [h](const Status& s) {
+    {
+      std::lock_guard<std::mutex> lock(h->mu);
+      h->status = s;
+      h->done = true;
+    }
+    h->cv.notify_all();
+  };
+}
+
+AllocateOutputFn AllocatorFor(const std::shared_ptr<Handle>& h) {
+  return [h](const std::vector<int64_t>& shape, void** out) -> Status {
+    const size_t bytes = static_cast<size_t>(NumElements(shape)) * DataTypeSize(h->dtype);
+    h->out_shape = shape;
+    if (h->device.kind == DeviceKind::kCpu) {
+      h->host_out = std::make_shared<std::vector<char>>(std::max<size_t>(bytes, 1));
+      *out = h->host_out->data();
+      return Status::Ok();
+    }
+#ifdef NVGROUP_WITH_CUDA
+    int previous = 0;
+    cudaError_t e = cudaGetDevice(&previous);
+    if (e == cudaSuccess) e = cudaSetDevice(h->device.ordinal);
+    if (e == cudaSuccess) e = cudaMalloc(&h->cuda_out, std::max<size_t>(bytes, 1));
+    cudaSetDevice(previous);
+    if (e != cudaSuccess)
+      return Status::Internal(std::string("cudaMalloc of the allgather output failed: ") + cudaGetErrorString(e));
+    *out = h->cuda_out;
+    return Status::Ok();
+#else
+    return Status::Unimplemented("CUDA allgather needs a CUDA build");
+#endif
+  };
+}
+
+py::object NumpyDtype(DataType dtype) {
+  if (dtype == DataType::kBFloat16) {
+    try {
+      return py::module_::import("ml_dtypes").attr("bfloat16");
+    } catch (const py::error_already_set&) {
+      return py::dtype("uint16");  // raw bits when ml_dtypes is missing
+    }
+  }
+  return py::dtype(dtype == DataType::kBool ? "bool" : DataTypeName(dtype));
+}
+
+py::object AllgatherResult(Handle& h) {
+  if (h.device.kind != DeviceKind::kCpu)
+    return py::make_tuple(reinterpret_cast<uintptr_t>(h.cuda_out), h.out_shape);
+  auto* owner = new std::shared_ptr<std::vector<char>>(h.host_out);
+  py::capsule free_when_done(owner, [](void* p) { delete static_cast<std::shared_ptr<std::vector<char>>*>(p); });
+  py::dtype dt = py::dtype::from_args(NumpyDtype(h.dtype));
+  std::vector<py::ssize_t> shape(h.out_shape.begin(), h.out_shape.end());
+  return py::array(dt, shape, h.host_out->data(), free_when_done);
+}
+
+// Waits (GIL released); returns None, or the allgather output. Raises on error.
+py::object Wait(int64_t id, py::object timeout) {
+  std::shared_ptr<Handle> h = Lookup(id);
+  bool finished;
+  {
+    py::gil_scoped_release release;
+    std::unique_lock<std::mutex> lock(h->mu);
+    if (timeout.is_none()) {
+      h->cv.wait(lock, [&] { return h->done; });
+      finished = true;
+    } else {
+      finished = h->cv.wait_for(lock, std::chrono::duration<double>(timeout.cast<double>()),
+                                [&] { return h->done; });
+    }
+  }
+  if (!finished) {
+    PyErr_SetString(PyExc_TimeoutError, ("collective handle " + std::to_string(id) + " is still in flight").c_str());
+    throw py::error_already_set();
+  }
+  Forget(id);
+  if (KeepAlive().contains(py::int_(id))) KeepAlive().attr("pop")(py::int_(id));
+  ThrowIfError(h->status);
+  if (h->is_allgather) return AllgatherResult(*h);
+  return py::none();
+}
+
+bool Poll(int64_t id) {
+  std::shared_ptr<Handle> h = Lookup(id);
+  std::lock_guard<std::mutex> lock(h->mu);
+  return h->done;
+}
+
+CollectiveRequest MakeAllreduce(const std::string& name, uintptr_t in, uintptr_t out,
+                                std::vector<int64_t> shape, const std::string& dtype,
+                                const std::string& op, double prescale, double postscale,
+                                const std::string& device, uintptr_t ready_event) {
+  CollectiveRequest q;
+  q.name = name;
+  q.type = CollectiveType::kAllreduce;
+  q.input = reinterpret_cast<const void*>(in);
+  q.output = reinterpret_cast<void*>(out);
+  q.shape = std::move(shape);
+  q.dtype = ParseDataType(dtype);
+  q.op = ParseReduceOp(op);
+  q.prescale_factor = prescale;
+  q.postscale_factor = postscale;
+  q.device = ParseDevice(device);
+  q.ready_event = reinterpret_cast<void*>(ready_event);
+  return q;
+}
+
+int64_t SubmitOne(CollectiveRequest q, std::shared_ptr<Handle> h, py::object keepalive) {
+  q.done = DoneFor(h);
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = Enqueue(std::move(q));
+  }
+  ThrowIfError(s);
+  const int64_t id = Register(std::move(h));
+  if (!keepalive.is_none()) KeepAlive()[py::int_(id)] = keepalive;
+  return id;
+}
+
+// --- Testing hooks: pure parts of the engine, no MPI -------------------------
+
+py::dict RequestToDict(const RequestMessage& q) {
+  py::dict d;
+  d["name"] = q.name;
+  d["type"] = static_cast<int>(q.type);
+  d["dtype"] = static_cast<int>(q.dtype);
+  d["device_kind"] = static_cast<int>(q.device_kind);
+  d["op"] = static_cast<int>(q.op);
+  d["prescale"] = q.prescale_factor;
+  d["postscale"] = q.postscale_factor;
+  d["root"] = q.root_rank;
+  d["shape"] = q.shape;
+  d["group_id"] = q.group_id;
+  d["group_size"] = q.group_size;
+  return d;
+}
+
+RequestMessage RequestFromDict(const py::dict& d) {
+  RequestMessage q;
+  q.name = d["name"].cast<std::string>();
+  q.type = static_cast<CollectiveType>(d["type"].cast<int>());
+  q.dtype = static_cast<DataType>(d["dtype"].cast<int>());
+  q.device_kind = static_cast<DeviceKind>(d["device_kind"].cast<int>());
+  q.op = static_cast<ReduceOp>(d["op"].cast<int>());
+  q.prescale_factor = d["prescale"].cast<double>();
+  q.postscale_factor = d["postscale"].cast<double>();
+  q.root_rank = d["root"].cast<int32_t>();
+  q.shape = d["shape"].cast<std::vector<int64_t>>();
+  q.group_id = d["group_id"].cast<uint64_t>();
+  q.group_size = d["group_size"].cast<uint32_t>();
+  return q;
+}
+
+py::dict ResponseToDict(const ResponseMessage& r) {
+  py::dict d;
+  d["name"] = r.name;
+  d["error_code"] = static_cast<int>(r.error_code);
+  d["error_message"] = r.error_message;
+  d["type"] = static_cast<int>(r.type);
+  d["dtype"] = static_cast<int>(r.dtype);
+  d["device_kind"] = static_cast<int>(r.device_kind);
+  d["op"] = static_cast<int>(r.op);
+  d["prescale"] = r.prescale_factor;
+  d["postscale"] = r.postscale_factor;
+  d["root"] = r.root_rank;
+  d["shape"] = r.shape;
+  d["first_dims"] = r.first_dims;
+  d["group_id"] = r.group_id;
+  d["group_size"] = r.group_size;
+  return d;
+}
+
+ResponseMessage ResponseFromDict(const py::dict& d) {
+  ResponseMessage r;
+  r.name = d["name"].cast<std::string>();
+  r.error_code = static_cast<StatusCode>(d["error_code"].cast<int>());
+  r.error_message = d["error_message"].cast<std::string>();
+  r.type = static_cast<CollectiveType>(d["type"].cast<int>());
+  r.dtype = static_cast<DataType>(d["dtype"].cast<int>());
+  r.device_kind = static_cast<DeviceKind>(d["device_kind"].cast<int>());
+  r.op = static_cast<ReduceOp>(d["op"].cast<int>());
+  r.prescale_factor = d["prescale"].cast<double>();
+  r.postscale_factor = d["postscale"].cast<double>();
+  r.root_rank = d["root"].cast<int32_t>();
+  r.shape = d["shape"].cast<std::vector<int64_t>>();
+  r.first_dims = d["first_dims"].cast<std::vector<int64_t>>();
+  r.group_id = d["group_id"].cast<uint64_t>();
+  r.group_size = d["group_size"].cast<uint32_t>();
+  return r;
+}
+
+void RegisterTestingBindings(py::module_& t) {
+  t.doc() = "Pure engine internals (wire format, fusion planner, response builder) for unit tests.";
+  t.def("encode_request_list", [](const std::vector<py::dict>& requests) {
+    std::vector<RequestMessage> qs;
+    for (const py::dict& d : requests) qs.push_back(RequestFromDict(d));
+    std::vector<uint8_t> b = EncodeRequestList(qs);
+    return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+  });
+  t.def("decode_request_list", [](const py::bytes& data) {
+    std::string s = data;
+    std::vector<RequestMessage> qs;
+    ThrowIfError(DecodeRequestList(reinterpret_cast<const uint8_t*>(s.data()), s.size(), &qs));
+    py::list out;
+    for (const RequestMessage& q : qs) out.append(RequestToDict(q));
+    return out;
+  });
+  t.def("encode_response_list", [](const std::vector<py::dict>& responses, int fatal_code,
+                                   const std::string& fatal_message) {
+    ResponseList list;
+    list.fatal_code = static_cast<StatusCode>(fatal_code);
+    list.fatal_message = fatal_message;
+    for (const py::dict& d : responses) list.responses.push_back(ResponseFromDict(d));
+    std::vector<uint8_t> b = EncodeResponseList(list);
+    return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+  }, py::arg("responses"), py::arg("fatal_code") = 0, py::arg("fatal_message") = "");
+  t.def("decode_response_list", [](const py::bytes& data) {
+    std::string s = data;
+    ResponseList list;
+    ThrowIfError(DecodeResponseList(reinterpret_cast<const uint8_t*>(s.data()), s.size(), &list));
+    py::list out;
+    for (const ResponseMessage& r : list.responses) out.append(ResponseToDict(r));
+    return py::make_tuple(static_cast<int>(list.fatal_code), list.fatal_message, out);
+  });
+  t.def("plan_fusion", [](const std::vector<py::dict>& responses, size_t threshold) {
+    std::vector<ResponseMessage> rs;
+    for (const py::dict& d : responses) rs.push_back(ResponseFromDict(d));
+    py::list out;
+    for (const FusionBucket& b : PlanFusion(rs, threshold)) {
+      py::dict d;
+      d["responses"] = b.responses;
+      d["offsets"] = b.offsets;
+      d["bytes"] = b.bytes;
+      d["fusable"] = b.fusable;
+      out.append(d);
+    }
+    return out;
+  });
+  t.def("build_response", [](const std::vector<py::dict>& by_rank) {
+    if (by_rank.empty()) throw EngineError("INVALID_ARGUMENT: build_response needs one request per rank");
+    std::vector<RequestMessage> qs;
+    for (const py::dict& d : by_rank) qs.push_back(RequestFromDict(d));
+    return ResponseToDict(BuildResponse(qs));
+  });
+}
+
+}  // namespace
+
+void RegisterEngineBindings(py::module_& m) {
+  py::register_exception<EngineError>(m, "EngineError", PyExc_RuntimeError);
+
+  m.def("init", [](int64_t comm_f) {
+    EngineOptions options;
+    options.mpi_comm_fortran = comm_f;
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Init(options);
+    }
+    ThrowIfError(s);
+  }, py::arg("comm_f") = -1, "Collective: starts the engine over the MPI communicator (Fortran handle; -1 = COMM_WORLD).");
+  m.def("shutdown", [] {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Shutdown();
+    }
+    ThrowIfError(s);
+  });
+  m.def("finalize_mpi", [] {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = FinalizeMpi();
+    }
+    ThrowIfError(s);
+  });
+  m.def("is_initialized", &IsInitialized);
+  m.def("rank", [] { return ValueOrThrow(Rank()); });
+  m.def("size", [] { return ValueOrThrow(Size()); });
+  m.def("local_rank", [] { return ValueOrThrow(LocalRank()); });
+  m.def("local_size", [] { return ValueOrThrow(LocalSize()); });
+  m.def("cross_rank", [] { return ValueOrThrow(CrossRank()); });
+  m.def("cross_size", [] { return ValueOrThrow(CrossSize()); });
+
+  m.def("allreduce_async",
+        [](const std::string& name, uintptr_t in_ptr, uintptr_t out_ptr, std::vector<int64_t> shape,
+           const std::string& dtype, const std::string& op, double prescale, double postscale,
+           const std::string& device, uintptr_t ready_event, py::object keepalive) {
+          auto h = std::make_shared<Handle>();
+          return SubmitOne(MakeAllreduce(name, in_ptr, out_ptr, std::move(shape), dtype, op, prescale,
+                                         postscale, device, ready_event),
+                           h, std::move(keepalive));
+        },
+        py::arg("name"), py::arg("in_ptr"), py::arg("out_ptr"), py::arg("shape"), py::arg("dtype"),
+        py::arg("op") = "sum", py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
+        py::arg("device") = "cpu", py::arg("ready_event") = 0, py::arg("keepalive") = py::none());
+
+  m.def("grouped_allreduce_async",
+        [](const std::vector<py::tuple>& items, py::object keepalive) {
+          // Each item: (name, in_ptr, out_ptr, shape, dtype[, op, prescale, postscale, device, ready_event]).
+          std::vector<CollectiveRequest> qs;
+          std::vector<std::shared_ptr<Handle>> hs;
+          for (const py::tuple& t : items) {
+            if (t.size() < 5 || t.size() > 10)
+              throw EngineError("INVALID_ARGUMENT: grouped_allreduce_async items are (name, in_ptr, out_ptr, "
+                                "shape, dtype[, op, prescale, postscale, device, ready_event])");
+            auto get_s = [&](size_t i, const char* dflt) { return t.size() > i ? t[i].cast<std::string>() : std::string(dflt); };
+            auto get_d = [&](size_t i) { return t.size() > i ? t[i].cast<double>() : 1.0; };
+            qs.push_back(MakeAllreduce(t[0].cast<std::string>(), t[1].cast<uintptr_t>(), t[2].cast<uintptr_t>(),
+                                       t[3].cast<std::vector<int64_t>>(), t[4].cast<std::string>(),
+                                       get_s(5, "sum"), get_d(6), get_d(7), get_s(8, "cpu"),
+                                       t.size() > 9 ? t[9].cast<uintptr_t>() : 0));
+            hs.push_back(std::make_shared<Handle>());
+            qs.back().done = DoneFor(hs.back());
+          }
+          Status s;
+          {
+            py::gil_scoped_release release;
+            s = EnqueueGroup(std::move(qs));
+          }
+          ThrowIfError(s);
+          std::vector<int64_t> ids;
+          for (auto& h : hs) ids.push_back(Register(h));
+          if (!keepalive.is_none())
+            for (int64_t id : ids) KeepAlive()[py::int_(id)] = keepalive;
+          return ids;
+        },
+        py::arg("items"), py::arg("keepalive") = py::none());
+
+  m.def("allgather_async",
+        [](const std::string& name, uintptr_t in_ptr, std::vector<int64_t> shape, const std::string& dtype,
+           const std::string& device, uintptr_t ready_event, py::object keepalive) {
+          auto h = std::make_shared<Handle>();
+          h->is_allgather = true;
+          h->dtype = ParseDataType(dtype);
+          h->device = ParseDevice(device);
+          CollectiveRequest q;
+          q.name = name;
+          q.type = CollectiveType::kAllgather;
+          q.input = reinterpret_cast<const void*>(in_ptr);
+          q.shape = std::move(shape);
+          q.dtype = h->dtype;
+          q.device = h->device;
+          q.ready_event = reinterpret_cast<void*>(ready_event);
+          q.allocate_output = AllocatorFor(h);
+          return SubmitOne(std::move(q), h, std::move(keepalive));
+        },
+        py::arg("name"), py::arg("in_ptr"), py::arg("shape"), py::arg("dtype"), py::arg("device") = "cpu",
+        py::arg("ready_event") = 0, py::arg("keepalive") = py::none());
+
+  m.def("broadcast_async",
+        [](const std::string& name, uintptr_t in_ptr, uintptr_t out_ptr, std::vector<int64_t> shape,
+           const std::string& dtype, int root, const std::string& device, uintptr_t ready_event,
+           py::object keepalive) {
+          CollectiveRequest q;
+          q.name = name;
+          q.type = CollectiveType::kBroadcast;
+          q.input = reinterpret_cast<const void*>(in_ptr);
+          q.output = reinterpret_cast<void*>(out_ptr);
+          q.shape = std::move(shape);
+          q.dtype = ParseDataType(dtype);
+          q.root_rank = root;
+          q.device = ParseDevice(device);
+          q.ready_event = reinterpret_cast<void*>(ready_event);
+          return SubmitOne(std::move(q), std::make_shared<Handle>(), std::move(keepalive));
+        },
+        py::arg("name"), py::arg("in_ptr"), py::arg("out_ptr"), py::arg("shape"), py::arg("dtype"),
+        py::arg("root"), py::arg("device") = "cpu", py::arg("ready_event") = 0,
+        py::arg("keepalive") = py::none());
+
+  m.def("wait", &Wait, py::arg("handle"), py::arg("timeout") = py::none(),
+        "Blocks until the collective is done (GIL released). Returns None, or the allgather output "
+        "(numpy array on the CPU; (address, shape) on CUDA). Raises EngineError on failure, "
+        "TimeoutError if `timeout` seconds pass first (the handle stays valid).");
+  m.def("poll", &Poll, py::arg("handle"));
+  m.def("free_cuda", [](uintptr_t ptr) {
+#ifdef NVGROUP_WITH_CUDA
+    cudaError_t e = cudaFree(reinterpret_cast<void*>(ptr));
+    if (e != cudaSuccess) throw EngineError(std::string("INTERNAL: cudaFree failed: ") + cudaGetErrorString(e));
+#else
+    (void)ptr;
+    throw EngineError("UNIMPLEMENTED: free_cuda needs a CUDA build");
+#endif
+  }, py::arg("ptr"), "Frees a CUDA allgather output returned by wait().");
+
+  py::module_ t = m.def_submodule("testing");
+  RegisterTestingBindings(t);
+}
+
+}  // namespace nvgroup
