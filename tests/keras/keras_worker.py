@@ -237,7 +237,7 @@ def check_mixed_precision_loss_scale():
         # step together (and halve its loss scale), not hang or diverge.
         xb = rank_slice(x)[:B].copy()
         if RANK == SIZE - 1:
-            xb[0, 0] = 6.0e4  # overflows float16 activations/gradients
+            xb[0, 0] = np.inf  # non-finite activations and gradients on this rank only
         model.fit(xb, rank_slice(y)[:B], batch_size=B, epochs=1, shuffle=False, verbose=0)
         assert_same_on_all_ranks(model.get_weights(), "weights after a step with inf on one rank")
         for a, b in zip(model.get_weights(), before):
@@ -324,6 +324,21 @@ def check_bad_input_errors():
         assert "NVGROUP_BUCKET_CAP_MB='lots'" in str(e), e
     finally:
         del os.environ["NVGROUP_BUCKET_CAP_MB"]
+
+
+def check_load_model_makes_optimizer_distributed():
+    import tempfile
+    x, y = global_data(seed=41)
+    model = dense_model(13)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    path = os.path.join(tempfile.mkdtemp(), "rank%d.keras" % RANK)
+    model.save(path)
+    loaded = hvd.load_model(path)
+    init = loaded.get_weights()
+    assert type(loaded.optimizer).__name__ == "DistributedSGD", type(loaded.optimizer)
+    loaded.fit(rank_slice(x), rank_slice(y), batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_same_on_all_ranks(loaded.get_weights(), "weights after load_model + fit")
+    assert_close(loaded.get_weights(), reference_fit(init, x, y, LR), "load_model + fit vs reference")
 
 
 def main(names):

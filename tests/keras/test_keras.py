@@ -13,7 +13,7 @@ LEGACY_WORKER = os.path.join(HERE, "legacy_worker.py")
 ALL_CHECKS = ["fit_average_matches_single_process", "fit_sum_equals_scaled_lr", "backward_passes_per_step",
               "broadcast_callback_equalizes_ranks", "metric_average_callback", "lr_warmup_and_schedule",
               "mixed_precision_loss_scale", "sparse_embedding_gradients", "distributed_gradient_tape",
-              "bad_input_errors"]
+              "load_model_makes_optimizer_distributed", "bad_input_errors"]
 THREE_RANK_CHECKS = ["fit_average_matches_single_process", "backward_passes_per_step",
                      "broadcast_callback_equalizes_ranks", "mixed_precision_loss_scale",
                      "sparse_embedding_gradients"]

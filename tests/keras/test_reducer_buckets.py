@@ -1,0 +1,45 @@
+"""GradientReducer's bucket choice: size-based by default, Horovod's groups /
+num_groups when given (single process, no collectives)."""
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from nvgroup_tf._keras_impl.reduce import GradientReducer, resolve_bucket_cap_bytes  # noqa: E402
+
+MiB = 1 << 20
+
+
+class _Var:
+    def __init__(self, path):
+        self.path = path
+
+
+def test_default_and_env_cap(monkeypatch):
+    monkeypatch.delenv("NVGROUP_BUCKET_CAP_MB", raising=False)
+    assert resolve_bucket_cap_bytes(None) == 25 * MiB
+    monkeypatch.setenv("NVGROUP_BUCKET_CAP_MB", "2.5")
+    assert resolve_bucket_cap_bytes(None) == int(2.5 * MiB)
+    assert resolve_bucket_cap_bytes(123) == 123  # the argument wins
+    for bad in ("-1", "nan", "inf", "x"):
+        monkeypatch.setenv("NVGROUP_BUCKET_CAP_MB", bad)
+        with pytest.raises(ValueError, match="NVGROUP_BUCKET_CAP_MB"):
+            resolve_bucket_cap_bytes(None)
+
+
+def test_size_buckets_first_small():
+    r = GradientReducer(bucket_cap_bytes=4 * MiB)
+    sizes = [MiB // 2, MiB // 2, MiB // 2, 3 * MiB, MiB]
+    assert r._buckets(sizes, ["float32"] * 5, list("abcde")) == [[0, 1], [2, 3], [4]]
+
+
+def test_num_groups_and_groups():
+    r = GradientReducer(num_groups=2)
+    assert r._buckets([4] * 5, ["float32"] * 5, list("abcde")) == [[0, 1], [2, 3, 4]]
+    r = GradientReducer(groups=[[_Var("a"), _Var("d")], [_Var("b")]], bucket_cap_bytes=0)
+    # explicit groups (split by dtype), the rest bucketed by size (cap 0: alone)
+    assert r._buckets([4] * 5, ["float32", "float32", "float32", "float16", "float32"], list("abcde")) == [
+        [0], [1], [2], [3], [4]]
+    r = GradientReducer(groups=[[_Var("a"), _Var("c")]], bucket_cap_bytes=MiB)
+    assert r._buckets([4] * 4, ["float32"] * 4, list("abcd")) == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match="more than one group"):
+        GradientReducer(groups=[[_Var("a")], [_Var("a")]])
