@@ -173,23 +173,6 @@ __device__ __forceinline__ bool Aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
-// Loads `n` (<= kElems) elements at p widened into acc; 16-byte load when the
-// unit is full and aligned. ld.global.cg: cached in L2 only, never in a stale
-// L1 line (peer data changes between launches).
-template <typename T>
-__device__ __forceinline__ void LoadUnit(const T* p, int n, bool vec,
-                                         typename AccumulatorOf<T>::type* acc) {
-  constexpr int kE = Unit<T>::kElems;
-  if (vec && n == kE) {
-    uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p));
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int k = 0; k < kE; ++k) acc[k] = Widen<T>(e[k]);
-  } else {
-    for (int k = 0; k < n; ++k) acc[k] = Widen<T>(p[k]);
-  }
-}
-
 template <typename T>
 __device__ __forceinline__ void StoreUnit(T* p, int n, bool vec,
                                           const typename AccumulatorOf<T>::type* acc) {
@@ -205,7 +188,8 @@ __device__ __forceinline__ void StoreUnit(T* p, int n, bool vec,
   }
 }
 
-// Bit-exact copy of one unit.
+// Bit-exact copy of one unit. Loads of registered memory use ld.global.cg
+// (cached in L2 only, never in a possibly stale L1 line: peers change it).
 template <typename T>
 __device__ __forceinline__ void CopyUnit(const T* src, T* dst, int n, bool vec) {
   if (vec && n == Unit<T>::kElems) {
@@ -310,7 +294,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock) OneShotCopyInFoldKernel(P2pL
   constexpr int kE = Unit<T>::kElems;
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
-  if (a.control->abort) return;
 
   T* src[G];
 #pragma unroll
@@ -346,7 +329,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock) TwoShotKernel(P2pLaunch a) {
   constexpr int kE = Unit<T>::kElems;
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
-  if (a.control->abort) return;
 
   T* src[G];
 #pragma unroll

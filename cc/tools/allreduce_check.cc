@@ -1,0 +1,441 @@
+// allreduce_check: GPU correctness suite of the CUDA communicator, run under
+// mpirun (one rank per GPU, or more ranks than GPUs with NVGROUP_GROUP_SIZE to
+// exercise the hierarchy on one machine).
+//
+// For every dtype x op x size (1 element to --max_elems, odd sizes, inputs and
+// outputs misaligned on every other case) it allreduces random data (never
+// zeros; any rank can regenerate any rank's input from a hash) out of place,
+// in place, and in place on the registered buffer (the engine's path), and
+// checks EVERY element:
+//   * bitwise against the host fold in the communicator's order
+//     (cc/cpu/host_reduce.h ReduceFold: group members by group_rank, then groups
+//     by group_index), integers exact;
+//   * that host fold against a float64 reference within a rounding bound;
+//   * output poisoned (0xFF) before each run, so unwritten elements fail;
+//   * results bitwise equal on all ranks (hash allgather).
+// Then: many tensors fused through BatchedScaledCopy (prescale) -> in-place
+// Allreduce on the registered buffer -> BatchedScaledCopy (postscale), as the
+// engine does; Allgatherv; Broadcast; bad input (a clear error on every rank);
+// and a dead peer (a barrier that times out, then Abort()).
+//
+// Usage: allreduce_check [--mode auto|oneshot|twoshot] [--max_elems N]
+//                        [--large] [--quick] [--no_timeout_test]
+// Exit code 0 only if every check passed; prints one summary line per section.
+#include <cuda_runtime.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "device/cuda_communicator.h"
+#include "tools/tool_common.h"
+#include "topology/topology.h"
+
+namespace nvgroup {
+namespace tools {
+namespace {
+
+struct Args {
+  std::string mode = "auto";
+  size_t max_elems = 3u << 20;
+  bool large = false;
+  bool quick = false;
+  bool timeout_test = true;
+};
+
+Args ParseArgs(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string s = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) Die("missing value after " + s);
+      return argv[++i];
+    };
+    if (s == "--mode") a.mode = next();
+    else if (s == "--max_elems") a.max_elems = std::stoull(next());
+    else if (s == "--large") a.large = true;
+    else if (s == "--quick") a.quick = true;
+    else if (s == "--no_timeout_test") a.timeout_test = false;
+    else Die("unknown argument " + s);
+  }
+  return a;
+}
+
+struct Suite {
+  Communicator* comm;
+  Layout layout;
+  bool hierarchical;
+  int rank;
+  long long cases = 0;
+  long long wrong = 0;  // elements (or checks) that failed on this rank
+};
+
+void Report(const Suite& s, const char* what, long long wrong_here) {
+  if (wrong_here > 0)
+    std::fprintf(stderr, "[rank %d] %s: %lld wrong\n", s.rank, what, wrong_here);
+}
+
+// Compares `got` with `expected` element by element; prints the first few.
+long long Compare(const Suite& s, const std::string& label, DataType dtype, const void* got,
+                  const void* expected, size_t count) {
+  const size_t es = DataTypeSize(dtype);
+  long long bad = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (std::memcmp(static_cast<const char*>(got) + i * es,
+                    static_cast<const char*>(expected) + i * es, es) != 0) {
+      if (bad < 3)
+        std::fprintf(stderr, "[rank %d] %s: element %zu is %.9g, expected %.9g\n", s.rank,
+                     label.c_str(), i, ToDouble(dtype, got, i), ToDouble(dtype, expected, i));
+      ++bad;
+    }
+  }
+  return bad;
+}
+
+// The host fold against float64: |fold - exact| within a rounding bound.
+long long CheckAgainstFloat64(const Suite& s, const std::string& label, DataType dtype,
+                              ReduceOp op, const std::vector<std::vector<char>>& inputs,
+                              const std::vector<char>& expected, size_t count) {
+  if (!IsFloatingPoint(dtype)) return 0;  // integers: the fold is exact modular arithmetic
+  const double u = UnitRoundoff(dtype);
+  const int n = s.layout.size;
+  long long bad = 0;
+  for (size_t i = 0; i < count; ++i) {
+    double acc = ToDouble(dtype, inputs[0].data(), i), mag = std::fabs(acc);
+    for (int r = 1; r < n; ++r) {
+      const double x = ToDouble(dtype, inputs[r].data(), i);
+      switch (op) {
+        case ReduceOp::kMin: acc = std::min(acc, x); break;
+        case ReduceOp::kMax: acc = std::max(acc, x); break;
+        case ReduceOp::kProduct: acc *= x; break;
+        default: acc += x;
+      }
+      mag += std::fabs(x);
+    }
+    double bound = 0;
+    if (op == ReduceOp::kSum) bound = (n + 1) * u * mag;
+    if (op == ReduceOp::kAverage) { acc /= n; bound = (n + 2) * u * mag / n; }
+    if (op == ReduceOp::kProduct) bound = (2 * n + 1) * u * std::fabs(acc);
+    const double got = ToDouble(dtype, expected.data(), i);
+    if (!(std::fabs(got - acc) <= bound)) {
+      if (bad < 3)
+        std::fprintf(stderr, "[rank %d] %s: fold %.12g vs float64 %.12g (bound %.3g) at %zu\n",
+                     s.rank, label.c_str(), got, acc, bound, i);
+      ++bad;
+    }
+  }
+  return bad;
+}
+
+// Bitwise equality of `bytes` across ranks.
+long long CheckRanksEqual(const Suite& s, const void* data, size_t bytes) {
+  uint64_t h = HashBytes(data, bytes);
+  std::vector<uint64_t> all(s.layout.size);
+  MPI_Allgather(&h, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
+  for (uint64_t x : all)
+    if (x != all[0]) return 1;
+  return 0;
+}
+
+void RunCase(Suite& s, DataType dtype, ReduceOp op, size_t count, uint64_t seed, bool misalign) {
+  const size_t es = DataTypeSize(dtype), bytes = count * es;
+  const std::string label = std::string(ShortName(dtype)) + " " + ReduceOpName(op) + " n=" +
+                            std::to_string(count) + (misalign ? " misaligned" : "");
+  std::vector<std::vector<char>> inputs(s.layout.size, std::vector<char>(bytes));
+  for (int r = 0; r < s.layout.size; ++r) FillInput(seed, r, dtype, op, count, inputs[r].data());
+  std::vector<char> expected, got(bytes);
+  ExpectedResult(s.layout, s.hierarchical, dtype, op, inputs, count, &expected);
+  long long bad = CheckAgainstFloat64(s, label + " (host fold)", dtype, op, inputs, expected, count);
+
+  char *d_in = nullptr, *d_out = nullptr;
+  CheckCuda(cudaMalloc(&d_in, bytes + 16), "cudaMalloc");
+  CheckCuda(cudaMalloc(&d_out, bytes + 16), "cudaMalloc");
+  char* in = d_in + (misalign ? es : 0);
+  char* out = d_out + (misalign ? es : 0);
+  const std::vector<char>& mine = inputs[s.rank];
+
+  // Out of place.
+  CheckCuda(cudaMemcpy(in, mine.data(), bytes, cudaMemcpyHostToDevice), "H2D");
+  CheckCuda(cudaMemset(out, 0xff, bytes), "poison");
+  Check(s.comm->Allreduce(in, out, count, dtype, op, nullptr), label);
+  Check(s.comm->Synchronize(nullptr), label);
+  CheckCuda(cudaMemcpy(got.data(), out, bytes, cudaMemcpyDeviceToHost), "D2H");
+  bad += Compare(s, label + " out-of-place", dtype, got.data(), expected.data(), count);
+  bad += CheckRanksEqual(s, got.data(), bytes);
+  // Input untouched by an out-of-place call.
+  std::vector<char> in_after(bytes);
+  CheckCuda(cudaMemcpy(in_after.data(), in, bytes, cudaMemcpyDeviceToHost), "D2H");
+  bad += Compare(s, label + " input preserved", dtype, in_after.data(), mine.data(), count);
+
+  // In place.
+  CheckCuda(cudaMemcpy(out, mine.data(), bytes, cudaMemcpyHostToDevice), "H2D");
+  Check(s.comm->Allreduce(out, out, count, dtype, op, nullptr), label);
+  Check(s.comm->Synchronize(nullptr), label);
+  CheckCuda(cudaMemcpy(got.data(), out, bytes, cudaMemcpyDeviceToHost), "D2H");
+  bad += Compare(s, label + " in-place", dtype, got.data(), expected.data(), count);
+
+  // In place on the registered buffer (what the engine does after fusing).
+  if (bytes <= s.comm->registered_capacity()) {
+    void* reg = s.comm->registered_buffer();
+    CheckCuda(cudaMemcpy(reg, mine.data(), bytes, cudaMemcpyHostToDevice), "H2D");
+    Check(s.comm->Allreduce(reg, reg, count, dtype, op, nullptr), label);
+    Check(s.comm->Synchronize(nullptr), label);
+    CheckCuda(cudaMemcpy(got.data(), reg, bytes, cudaMemcpyDeviceToHost), "D2H");
+    bad += Compare(s, label + " registered", dtype, got.data(), expected.data(), count);
+  }
+  CheckCuda(cudaFree(d_in), "cudaFree");
+  CheckCuda(cudaFree(d_out), "cudaFree");
+  s.cases += 1;
+  s.wrong += bad;
+}
+
+// Engine-style fused path: 161 tensors of odd sizes -> registered buffer with
+// prescale (one launch), in-place Average, back out with postscale (one launch).
+void RunFused(Suite& s, DataType dtype, uint64_t seed) {
+  const int kTensors = 161;  // as many tensors as PyTorch ResNet-50 has gradients
+  const size_t es = DataTypeSize(dtype);
+  const double prescale = 0.5, postscale = 3.0;
+  std::vector<size_t> counts(kTensors), offsets(kTensors);
+  size_t total = 0;
+  for (int t = 0; t < kTensors; ++t) {
+    counts[t] = 1 + Mix(seed + t) % (t % 10 == 0 ? 200000 : 3000);
+    offsets[t] = total;
+    total += (counts[t] * es + 15) / 16 * 16 / es;  // Horovod pads each tensor to 16 bytes
+  }
+  if (total * es > s.comm->registered_capacity()) Die("fused test exceeds the registered buffer");
+  // Every rank's whole fused input, scaled as the device will scale it.
+  std::vector<std::vector<char>> fused(s.layout.size, std::vector<char>(total * es, 0));
+  std::vector<std::vector<char>> tensors(kTensors);
+  for (int r = 0; r < s.layout.size; ++r) {
+    for (int t = 0; t < kTensors; ++t) {
+      std::vector<char> raw(counts[t] * es);
+      FillInput(seed * 31 + t, r, dtype, ReduceOp::kAverage, counts[t], raw.data());
+      Check(ScaledCopy(dtype, raw.data(), fused[r].data() + offsets[t] * es, counts[t], prescale),
+            "host scaled copy");
+      if (r == s.rank) tensors[t] = raw;
+    }
+  }
+  std::vector<char> reduced;
+  ExpectedResult(s.layout, s.hierarchical, dtype, ReduceOp::kAverage, fused, total, &reduced);
+
+  char* reg = static_cast<char*>(s.comm->registered_buffer());
+  CheckCuda(cudaMemset(reg, 0, total * es), "memset");  // padding: defined values
+  std::vector<char*> d_in(kTensors), d_out(kTensors);
+  std::vector<Communicator::CopySpec> in_specs(kTensors), out_specs(kTensors);
+  for (int t = 0; t < kTensors; ++t) {
+    CheckCuda(cudaMalloc(&d_in[t], counts[t] * es), "cudaMalloc");
+    CheckCuda(cudaMalloc(&d_out[t], counts[t] * es), "cudaMalloc");
+    CheckCuda(cudaMemcpy(d_in[t], tensors[t].data(), counts[t] * es, cudaMemcpyHostToDevice), "H2D");
+    CheckCuda(cudaMemset(d_out[t], 0xff, counts[t] * es), "poison");
+    in_specs[t] = {d_in[t], reg + offsets[t] * es, counts[t]};
+    out_specs[t] = {reg + offsets[t] * es, d_out[t], counts[t]};
+  }
+  const std::string label = std::string("fused ") + ShortName(dtype);
+  Check(s.comm->BatchedScaledCopy(in_specs.data(), kTensors, dtype, prescale, nullptr), label);
+  Check(s.comm->Allreduce(reg, reg, total, dtype, ReduceOp::kAverage, nullptr), label);
+  Check(s.comm->BatchedScaledCopy(out_specs.data(), kTensors, dtype, postscale, nullptr), label);
+  Check(s.comm->Synchronize(nullptr), label);
+  long long bad = 0;
+  for (int t = 0; t < kTensors; ++t) {
+    std::vector<char> want(counts[t] * es), got(counts[t] * es);
+    Check(ScaledCopy(dtype, reduced.data() + offsets[t] * es, want.data(), counts[t], postscale),
+          "host scaled copy");
+    CheckCuda(cudaMemcpy(got.data(), d_out[t], counts[t] * es, cudaMemcpyDeviceToHost), "D2H");
+    bad += Compare(s, label + " tensor " + std::to_string(t), dtype, got.data(), want.data(), counts[t]);
+    bad += CheckRanksEqual(s, got.data(), got.size());
+    CheckCuda(cudaFree(d_in[t]), "cudaFree");
+    CheckCuda(cudaFree(d_out[t]), "cudaFree");
+  }
+  Report(s, label.c_str(), bad);
+  s.cases += 1;
+  s.wrong += bad;
+}
+
+void RunAllgatherBroadcast(Suite& s) {
+  const int n = s.layout.size;
+  std::vector<size_t> sizes(n);
+  size_t total = 0;
+  for (int r = 0; r < n; ++r) total += (sizes[r] = 1000 * (r + 1) + 3 * r + 1);
+  std::vector<char> want(total), mine(sizes[s.rank]);
+  for (int r = 0, off = 0; r < n; off += sizes[r], ++r)
+    for (size_t i = 0; i < sizes[r]; ++i) want[off + i] = static_cast<char>(Mix(r * 7919 + i));
+  size_t my_off = 0;
+  for (int r = 0; r < s.rank; ++r) my_off += sizes[r];
+  std::memcpy(mine.data(), want.data() + my_off, sizes[s.rank]);
+  char *d_in, *d_out;
+  CheckCuda(cudaMalloc(&d_in, sizes[s.rank]), "cudaMalloc");
+  CheckCuda(cudaMalloc(&d_out, total), "cudaMalloc");
+  CheckCuda(cudaMemcpy(d_in, mine.data(), mine.size(), cudaMemcpyHostToDevice), "H2D");
+  CheckCuda(cudaMemset(d_out, 0xff, total), "poison");
+  Check(s.comm->Allgatherv(d_in, d_out, sizes, nullptr), "allgatherv");
+  std::vector<char> got(total);
+  CheckCuda(cudaMemcpy(got.data(), d_out, total, cudaMemcpyDeviceToHost), "D2H");
+  long long bad = got == want ? 0 : 1;
+  Report(s, "allgatherv", bad);
+
+  const int root = n - 1;
+  const size_t bb = 12345;
+  std::vector<char> bwant(bb);
+  for (size_t i = 0; i < bb; ++i) bwant[i] = static_cast<char>(Mix(i + 17));
+  if (s.rank == root) CheckCuda(cudaMemcpy(d_out, bwant.data(), bb, cudaMemcpyHostToDevice), "H2D");
+  else CheckCuda(cudaMemset(d_out, 0xff, bb), "poison");
+  Check(s.comm->Broadcast(d_out, bb, root, nullptr), "broadcast");
+  std::vector<char> bgot(bb);
+  CheckCuda(cudaMemcpy(bgot.data(), d_out, bb, cudaMemcpyDeviceToHost), "D2H");
+  long long bbad = bgot == bwant ? 0 : 1;
+  Report(s, "broadcast", bbad);
+  CheckCuda(cudaFree(d_in), "cudaFree");
+  CheckCuda(cudaFree(d_out), "cudaFree");
+  s.cases += 2;
+  s.wrong += bad + bbad;
+}
+
+// Bad input must be a clear kInvalidArgument on every rank, never a crash.
+void RunBadInput(Suite& s) {
+  long long bad = 0;
+  auto expect_invalid = [&](const Status& st, const char* what) {
+    if (st.code() != StatusCode::kInvalidArgument) {
+      std::fprintf(stderr, "[rank %d] bad input '%s' gave %s\n", s.rank, what, st.ToString().c_str());
+      ++bad;
+    } else if (s.rank == 0) {
+      std::printf("#   bad input '%s' -> %s\n", what, st.ToString().c_str());
+    }
+  };
+  char* d = nullptr;
+  CheckCuda(cudaMalloc(&d, 1024), "cudaMalloc");
+  std::vector<float> host(16);
+  expect_invalid(s.comm->Allreduce(d, d, 16, DataType::kUint8, ReduceOp::kSum, nullptr), "uint8 allreduce");
+  expect_invalid(s.comm->Allreduce(host.data(), d, 16, DataType::kFloat32, ReduceOp::kSum, nullptr),
+                 "host input pointer");
+  expect_invalid(s.comm->Allreduce(nullptr, d, 16, DataType::kFloat32, ReduceOp::kSum, nullptr),
+                 "null input");
+  expect_invalid(s.comm->Allreduce(d, d, 16, DataType::kFloat32, static_cast<ReduceOp>(9), nullptr),
+                 "unknown op");
+  expect_invalid(s.comm->Broadcast(d, 16, s.layout.size, nullptr), "broadcast root out of range");
+  expect_invalid(s.comm->Allgatherv(d, d, std::vector<size_t>(s.layout.size + 1, 4), nullptr),
+                 "allgatherv with wrong rank count");
+  Communicator::CopySpec spec{d, d, 4};
+  expect_invalid(s.comm->BatchedScaledCopy(&spec, 1, DataType::kBool, 2.0, nullptr), "scaled bool copy");
+  CheckCuda(cudaFree(d), "cudaFree");
+  s.cases += 1;
+  s.wrong += bad;
+}
+
+// Dead peer: on a second communicator with a 2 s timeout, rank 0 enters an
+// allreduce that nobody else joins. Its barrier must give up and Synchronize
+// must report kUnavailable naming the missing peer; the others then Abort()
+// their communicator (so destruction skips the closing barrier).
+void RunTimeout(Suite& s, const Topology& host) {
+  CommunicatorOptions opt;
+  opt.timeout_seconds = 2.0;
+  opt.registered_bytes = 1 << 20;
+  auto c = CreateCudaCommunicator(MPI_COMM_WORLD, -1, opt, host);
+  Check(c.status(), "second communicator");
+  std::unique_ptr<Communicator> comm = c.consume();
+  long long bad = 0;
+  if (comm->topology().group_size < 2) return;  // no NVLink barrier to time out
+  float* d = nullptr;
+  CheckCuda(cudaMalloc(&d, 4096), "cudaMalloc");
+  CheckCuda(cudaMemset(d, 0, 4096), "memset");
+  int verdict = 0;
+  if (s.rank == 0) {
+    const double t0 = MPI_Wtime();
+    Status st = comm->Allreduce(d, d, 1024, DataType::kFloat32, ReduceOp::kSum, nullptr);
+    if (st.ok()) st = comm->Synchronize(nullptr);
+    const double waited = MPI_Wtime() - t0;
+    std::printf("#   dead peer -> after %.1f s: %s\n", waited, st.ToString().c_str());
+    verdict = st.code() == StatusCode::kUnavailable && waited < 10 ? 1 : 0;
+    if (!verdict) ++bad;
+    Status again = comm->Allreduce(d, d, 1024, DataType::kFloat32, ReduceOp::kSum, nullptr);
+    if (again.code() != StatusCode::kUnavailable) ++bad;  // poisoned for good
+  }
+  MPI_Bcast(&verdict, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  comm->Abort();
+  comm.reset();
+  CheckCuda(cudaFree(d), "cudaFree");
+  Report(s, "dead peer", bad);
+  s.cases += 1;
+  s.wrong += bad;
+}
+
+}  // namespace
+}  // namespace tools
+}  // namespace nvgroup
+
+int main(int argc, char** argv) {
+  using namespace nvgroup;
+  using namespace nvgroup::tools;
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  Args args = ParseArgs(argc, argv);
+  Topology host;
+  TopologyComms comms;
+  Check(SplitNodes(MPI_COMM_WORLD, &host, &comms), "SplitNodes");
+  CommunicatorOptions opt;
+  opt.registered_bytes = 256u << 20;  // the 1 GiB case runs in 4 pieces
+  opt.timeout_seconds = 30;
+  auto created = CreateCudaCommunicator(MPI_COMM_WORLD, -1, opt, host);
+  Check(created.status(), "CreateCudaCommunicator");
+  std::unique_ptr<Communicator> comm = created.consume();
+  if (args.mode == "oneshot") Check(SetCudaKernelTuning(comm.get(), 16u << 20, 32, 64), "tuning");
+  else if (args.mode == "twoshot") Check(SetCudaKernelTuning(comm.get(), 0, 32, 64), "tuning");
+  else if (args.mode != "auto") Die("--mode must be auto, oneshot or twoshot");
+
+  Suite s{comm.get(), GatherLayout(comm->topology()), false, host.rank};
+  const char* algo = std::getenv("NVGROUP_ALLREDUCE_ALGORITHM");
+  s.hierarchical = s.layout.group_count > 1 || (algo != nullptr && std::string(algo) == "hierarchical");
+  const Topology& t = comm->topology();
+  int dev = comm->device().ordinal;
+  char bus[32] = {};
+  cudaDeviceGetPCIBusId(bus, sizeof(bus), dev);
+  std::printf("# rank %d: cuda:%d bus %s group %d/%d rank-in-group %d/%d\n", t.rank, dev, bus,
+              t.group_index, t.group_count, t.group_rank, t.group_size);
+  std::fflush(stdout);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (host.rank == 0)
+    std::printf("# allreduce_check: %d ranks, %d group(s) of %d, mode %s, %s path\n", t.size,
+                t.group_count, t.group_size, args.mode.c_str(),
+                s.hierarchical ? "hierarchical" : "flat NV-group");
+
+  const DataType dtypes[] = {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16,
+                             DataType::kFloat64, DataType::kInt32, DataType::kInt64};
+  const ReduceOp ops[] = {ReduceOp::kSum, ReduceOp::kAverage, ReduceOp::kMin, ReduceOp::kMax,
+                          ReduceOp::kProduct};
+  std::vector<size_t> sizes = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 100, 255, 1000, 4097,
+                               65539, 262149, 1048583, 3145729};
+  if (args.quick) sizes = {1, 3, 8, 17, 1000, 65539};
+  uint64_t seed = 1;
+  for (DataType d : dtypes) {
+    const long long before = s.wrong;
+    for (ReduceOp op : ops)
+      for (size_t i = 0; i < sizes.size(); ++i)
+        if (sizes[i] <= args.max_elems) RunCase(s, d, op, sizes[i], seed++, i % 2 == 1);
+    Report(s, ShortName(d), s.wrong - before);
+    if (host.rank == 0) std::printf("#   %-8s all ops, %zu sizes: done\n", ShortName(d), sizes.size());
+    std::fflush(stdout);
+  }
+  if (args.large) {  // 16 MiB+odd, 256 MiB (one piece), 1 GiB (four pieces), bf16 96 MiB+odd
+    RunCase(s, DataType::kFloat32, ReduceOp::kSum, (4u << 20) + 3, seed++, true);
+    RunCase(s, DataType::kFloat32, ReduceOp::kSum, 64u << 20, seed++, false);
+    RunCase(s, DataType::kBFloat16, ReduceOp::kAverage, (48u << 20) + 5, seed++, false);
+    RunCase(s, DataType::kFloat32, ReduceOp::kAverage, 256u << 20, seed++, false);
+    if (host.rank == 0) std::printf("#   large sizes up to 1 GiB: done\n");
+  }
+  RunFused(s, DataType::kFloat32, seed++);
+  RunFused(s, DataType::kFloat16, seed++);
+  RunFused(s, DataType::kInt32, seed++);
+  RunAllgatherBroadcast(s);
+  RunBadInput(s);
+  comm.reset();
+  if (args.timeout_test) RunTimeout(s, host);
+
+  long long totals[2] = {s.cases, s.wrong}, sum[2];
+  MPI_Allreduce(totals, sum, 2, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  if (host.rank == 0)
+    std::printf("# allreduce_check: %lld case-runs over all ranks, %lld wrong -> %s\n", sum[0],
+                sum[1], sum[1] == 0 ? "PASSED" : "FAILED");
+  MPI_Finalize();
+  return sum[1] == 0 ? 0 : 1;
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds the GPU tools (allreduce_check, allreduce_perf) from the engine's
+# communicator sources: nvcc for cc/kernels/*.cu, g++ for the rest, linked with
+# Open MPI and cudart. setup.py builds libraries, not binaries, hence this.
+# Usage: scripts/device/build_tools.sh [build_dir] [jobs]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BUILD=${1:-build/tools}
+JOBS=${2:-$(nproc)}
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+ARCH=${NVGROUP_CUDA_ARCH:-90}
+mkdir -p "$BUILD"
+MPI_COMPILE=$(mpicxx --showme:compile)
+MPI_LINK=$(mpicxx --showme:link)
+CXXFLAGS="-O3 -std=c++17 -Wall -Wno-unused-function -DOMPI_SKIP_MPICXX=1 -DNVGROUP_WITH_CUDA=1 -Icc/include -Icc -I$CUDA_HOME/include $MPI_COMPILE"
+NVFLAGS="-O3 -std=c++17 -gencode arch=compute_$ARCH,code=sm_$ARCH -DNVGROUP_WITH_CUDA=1 -Icc/include -Icc"
+
+# The communicator's closure: common, topology, host folds (tools' reference), device, tools.
+HOST_SRCS="cc/common/env.cc cc/common/status.cc cc/common/types.cc cc/topology/topology.cc cc/cpu/host_reduce.cc"
+CUDA_CC_SRCS=$(ls cc/device/*_cuda.cc)
+CU_SRCS=$(ls cc/kernels/*.cu)
+
+compile() {  # src -> $BUILD/<flattened>.o, only when stale
+  local src=$1 obj="$BUILD/$(echo "$1" | tr / _).o"
+  if [[ -f "$obj" && "$obj" -nt "$src" && -z "$(find cc -name '*.h' -newer "$obj" -o -name '*.cuh' -newer "$obj" | head -1)" ]]; then return 0; fi
+  if [[ $src == *.cu ]]; then nvcc $NVFLAGS -c "$src" -o "$obj"; else g++ $CXXFLAGS -c "$src" -o "$obj"; fi
+}
+export -f compile
+export BUILD CXXFLAGS NVFLAGS
+printf '%s\n' $CU_SRCS $HOST_SRCS $CUDA_CC_SRCS cc/tools/allreduce_check.cc cc/tools/allreduce_perf.cc |
+  xargs -P "$JOBS" -I{} bash -c 'compile {}'
+LIB_OBJS=""
+for s in $CU_SRCS $HOST_SRCS $CUDA_CC_SRCS; do LIB_OBJS+=" $BUILD/$(echo "$s" | tr / _).o"; done
+for tool in allreduce_check allreduce_perf; do
+  g++ -o "$BUILD/$tool" "$BUILD/cc_tools_$tool.cc.o" $LIB_OBJS $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt
+done
+echo "built $BUILD/allreduce_check $BUILD/allreduce_perf"

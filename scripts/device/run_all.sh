@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One device call: build (or reuse carried) GPU tools, check, sweep, benchmark.
+# Usage (on the GPU machine, repo root): scripts/device/run_all.sh STAGES...
+#   smoke   quick correctness on 2 ranks (auto mode)
+#   check   full correctness: every dtype x op x size, one-/two-shot forced,
+#           large sizes to 1 GiB, hierarchy (G=1 over MPI, 4 ranks as 2x2 on
+#           2 GPUs, forced hierarchical on one group)
+#   sanitize  compute-sanitizer memcheck + racecheck on a quick case
+#   sweep   kernel tuning sweep (one-/two-shot x grid caps)
+#   bench   nccl-tests tables vs NCCL and MPI + ResNet-50 gradient set
+# Logs and JSON go to $OUT (at most 8 files); a short table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+# Never use NVLink multicast on the shared machines (KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
+LOG="$OUT/run_all.log"
+exec > >(tee -a "$LOG") 2>&1
+STATUS=0
+step() { echo "=== $* ($(date -u +%H:%M:%S))"; }
+run() {  # run a command, record failure, keep going
+  "$@"
+  local rc=$?
+  if [[ $rc -ne 0 ]]; then echo "!!! FAILED rc=$rc: $*"; STATUS=1; fi
+  return 0
+}
+
+step "machine"
+nvidia-smi --query-gpu=index,name,pci.bus_id,driver_version,clocks.sm,clocks.mem --format=csv
+nvidia-smi topo -m
+NGPU=$(nvidia-smi -L | wc -l)
+NCCL_DIR=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])" 2>/dev/null)
+NCCL_LIB="$NCCL_DIR/lib/libnccl.so.2"
+echo "NCCL: $NCCL_LIB"; ls -la "$NCCL_LIB"
+
+step "build"
+if ldd build/tools/allreduce_perf 2>/dev/null | grep -q "not found" || [[ ! -x build/tools/allreduce_perf ]] || [[ ${REBUILD:-0} == 1 ]]; then
+  ldd build/tools/allreduce_perf 2>/dev/null | grep "not found"
+  run scripts/device/build_tools.sh build/tools "$(nproc)"
+else
+  echo "using carried build/tools binaries"; ldd build/tools/allreduce_perf | grep -E "mpi|cudart"
+fi
+CHECK=build/tools/allreduce_check
+PERF=build/tools/allreduce_perf
+NP=$NGPU
+
+for stage in "$@"; do
+  case $stage in
+    smoke)
+      step "smoke: $NP ranks, quick"
+      run timeout 300 mpirun -np $NP --bind-to none $CHECK --quick ;;
+    check)
+      step "check: $NP ranks, auto, all dtypes/ops/sizes + large"
+      run timeout 600 mpirun -np $NP --bind-to none $CHECK --large
+      step "check: forced two-shot"
+      run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode twoshot --no_timeout_test
+      step "check: forced one-shot"
+      run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode oneshot --no_timeout_test
+      step "check: forced hierarchical on one group"
+      run timeout 300 mpirun -np $NP --bind-to none -x NVGROUP_ALLREDUCE_ALGORITHM=hierarchical -x NVGROUP_PIPELINE_CHUNK=65536 $CHECK --no_timeout_test --max_elems 1048583
+      step "check: groups of 1 (host-staged MPI between GPUs)"
+      run timeout 300 mpirun -np $NP --bind-to none -x NVGROUP_GROUP_SIZE=1 -x NVGROUP_PIPELINE_CHUNK=65536 $CHECK --no_timeout_test --max_elems 1048583
+      step "check: $((2*NP)) ranks on $NP GPUs as $NP-GPU groups x 2 (NVLink + MPI + pipeline)"
+      run timeout 600 mpirun -np $((2*NP)) --bind-to none -x NVGROUP_GROUP_SIZE=$NP -x NVGROUP_PIPELINE_CHUNK=65536 $CHECK --no_timeout_test --max_elems 1048583 ;;
+    sanitize)
+      step "compute-sanitizer memcheck"
+      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 4097
+      step "compute-sanitizer racecheck"
+      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000 ;;
+    sweep)
+      step "sweep"
+      run timeout 400 mpirun -np $NP --bind-to none $PERF --sweep --max_bytes 256M --nccl_lib "$NCCL_LIB" --json "$OUT/sweep.json" ;;
+    bench)
+      step "bench"
+      run timeout 500 mpirun -np $NP --bind-to none $PERF --max_bytes ${BENCH_MAX:-1G} --nccl_lib "$NCCL_LIB" --resnet benchmarks/resnet50_gradients.txt --json "$OUT/perf.json" > "$OUT/perf.txt" 2>&1
+      sed -n '/^# summary/,$p' "$OUT/perf.txt" ;;
+    *) echo "unknown stage $stage"; STATUS=1 ;;
+  esac
+done
+step "done, status $STATUS"
+exit $STATUS
