@@ -52,7 +52,10 @@ class CpuCommunicator final : public Communicator {
   Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype, double scale,
                            void* stream) override;
   Status Synchronize(void*) override { return Status::Ok(); }
-  void Abort() override { aborted_.store(true, std::memory_order_release); }
+  void Abort() override {
+    aborted_.store(true, std::memory_order_release);
+    if (shm_ != nullptr) shm_->MarkFailed();  // group members stop waiting for us
+  }
 
  private:
   Status CheckNotAborted() const {

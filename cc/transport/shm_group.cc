@@ -141,13 +141,11 @@ ShmGroup::~ShmGroup() {
 }
 
 void ShmGroup::MarkFailed() {
-  broken_ = true;
-  if (!segments_.empty() && segments_[member_] != nullptr)
-    control(member_)->failed.store(1, std::memory_order_release);
+  control(member_)->failed.store(1, std::memory_order_release);
 }
 
 Status ShmGroup::Barrier(const char* what) {
-  if (broken_)
+  if (control(member_)->failed.load(std::memory_order_acquire) != 0)
     return Status::Unavailable(std::string("shared-memory group is broken by an earlier failure (at ") +
                                what + ")");
   const uint64_t gen = ++generation_;

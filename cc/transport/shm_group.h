@@ -34,6 +34,8 @@
 // timeout with kUnavailable naming the group members that did not arrive. A
 // member that gives up sets its own failed flag so peers stop waiting at once;
 // the group is broken from then on (every later barrier fails immediately).
+// Cross-group MPI steps cannot be interrupted this way: a peer lost there is
+// MPI's to report (Open MPI aborts the job).
 #pragma once
 
 #include <mpi.h>
@@ -73,7 +75,8 @@ class ShmGroup {
   Status Barrier(const char* what);
 
   // Tells the peers this member gave up (abort or error): their barriers fail
-  // at once instead of timing out.
+  // at once instead of timing out, and so do this member's later barriers.
+  // Thread safe (one atomic store), so Communicator::Abort may call it.
   void MarkFailed();
 
  private:
@@ -92,7 +95,6 @@ class ShmGroup {
   std::vector<int> global_ranks_;
   std::vector<char*> segments_;  // mapped segments, index = member
   uint64_t generation_ = 0;      // barriers this member has entered
-  bool broken_ = false;
 };
 
 }  // namespace nvgroup

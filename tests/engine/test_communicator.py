@@ -1,0 +1,112 @@
+"""Multi-rank tests of the CPU Communicator (cc/cpu, cc/transport, cc/topology)
+through the pybind11 bindings. Each test launches a worker under mpirun
+(tests/mpi_util.run_mpi); the workers check every element against a float64
+reference and compare all ranks' bytes (see workers/comm_common.py).
+
+Needs the engine module: NVGROUP_WITHOUT_TF=1 python setup.py build_ext --inplace
+"""
+import importlib.util
+import os
+
+import pytest
+
+from mpi_util import REPO, run_mpi
+
+WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
+LARGE = (1 << 20) + 3
+# Ranks outnumber the 2 cores of the CI box: let Open MPI yield while it polls.
+ENV = {"OMPI_MCA_mpi_yield_when_idle": "1"}
+
+if importlib.util.find_spec("nvgroup_tf._engine") is None:
+    raise RuntimeError("nvgroup_tf._engine is not built: run "
+                       "'NVGROUP_WITHOUT_TF=1 python setup.py build_ext --inplace' in " + REPO)
+
+
+def worker(name):
+    return os.path.join(WORKERS, name)
+
+
+def run(script, np, args=(), env=None, timeout=240):
+    full_env = dict(ENV)
+    full_env.update(env or {})
+    return run_mpi(worker(script), np, args=args, env=full_env, timeout=timeout)
+
+
+# --- allreduce: every op x dtype, counts 0, 1, 7, 1000, 2^20+3 -------------------
+
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_allreduce_one_group(np_):
+    """Default topology: one group of all ranks (shared-memory group allreduce)."""
+    # The largest count for every dtype at 3 ranks, for a subset elsewhere (time).
+    largest = "float16,bfloat16,float32,float64,int32,int64" if np_ == 3 else "float16"
+    run("comm_allreduce.py", np_, ["--largest-dtypes", largest])
+
+
+def test_allreduce_two_groups_of_two():
+    """NVGROUP_GROUP_SIZE=2 on 4 ranks: the pipelined hierarchical skeleton."""
+    run("comm_allreduce.py", 4, ["--expect-groups", 2], env={"NVGROUP_GROUP_SIZE": 2})
+
+
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_allreduce_flat_mpi(np_):
+    run("comm_allreduce.py", np_, ["--largest-dtypes", "float64"],
+        env={"NVGROUP_ALLREDUCE_ALGORITHM": "mpi"})
+
+
+def test_allreduce_forced_hierarchy_one_group():
+    run("comm_allreduce.py", 3, ["--largest-dtypes", "int32"],
+        env={"NVGROUP_ALLREDUCE_ALGORITHM": "hierarchical", "NVGROUP_PIPELINE_CHUNK": 1 << 16})
+
+
+def test_allreduce_group_size_one():
+    """3 groups of 1 on 3 ranks (auto takes the flat path; forced runs the skeleton)."""
+    run("comm_allreduce.py", 3, ["--expect-groups", 3, "--largest-dtypes", "float32"],
+        env={"NVGROUP_GROUP_SIZE": 1})
+    run("comm_allreduce.py", 3, ["--expect-groups", 3, "--counts", "0,1,7,1000"],
+        env={"NVGROUP_GROUP_SIZE": 1, "NVGROUP_ALLREDUCE_ALGORITHM": "hierarchical"})
+
+
+@pytest.mark.parametrize("np_,group_size", [(4, 2), (3, 0)])
+def test_allreduce_larger_than_registered_buffer(np_, group_size):
+    """64 KiB registered buffer: 2^20+3 elements go through in many pieces."""
+    run("comm_allreduce.py", np_,
+        ["--registered-bytes", 1 << 16, "--expect-groups", np_ // group_size if group_size else 1,
+         "--counts", "7,1000,%d" % LARGE, "--largest-dtypes", "bfloat16,int64"],
+        env={"NVGROUP_GROUP_SIZE": group_size})
+
+
+# --- determinism across algorithms --------------------------------------------------
+
+def test_hierarchical_equals_flat_on_dyadic_data():
+    run("comm_algorithms.py", 4, ["dyadic"], env={"NVGROUP_GROUP_SIZE": 2})
+
+
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_one_group_paths_compute_the_same_fold(np_):
+    run("comm_algorithms.py", np_, ["same-fold"])
+
+
+# --- allgatherv / broadcast -----------------------------------------------------------
+
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_allgatherv_and_broadcast(np_):
+    run("comm_gather_bcast.py", np_)
+
+
+# --- errors: same error on every rank, never a hang -------------------------------------
+
+def test_bad_group_size_fails_on_every_rank():
+    run("comm_errors.py", 4, ["bad-group"], env={"NVGROUP_GROUP_SIZE": 3}, timeout=60)
+
+
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_bad_arguments(np_):
+    run("comm_errors.py", np_, ["bad-args"], timeout=60)
+
+
+def test_barrier_timeout_names_missing_rank():
+    run("comm_errors.py", 3, ["timeout"], timeout=60)
+
+
+def test_abort_releases_group_members():
+    run("comm_errors.py", 3, ["abort"], timeout=60)
