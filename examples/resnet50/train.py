@@ -1,0 +1,212 @@
+"""Data-parallel ResNet-50 (Keras 3) with nvgroup_tf, Horovod style.
+
+    nvgrouprun -np 2 python examples/resnet50/train.py --image-size 64 --batch-size 8 --steps 20
+
+Synthetic data by default (random images and labels made once per rank and
+repeated: the benchmark measures training, not input). --data-dir reads real
+data: TFRecords in the ImageNet layout (image/encoded, image/class/label) if the
+directory holds *.tfrecord* or train-* files, else an image directory with one
+subdirectory per class. Each rank reads its own shard.
+
+Timing: the first --warmup-steps steps (graph tracing, engine negotiation,
+caches) are not timed. Rank 0 prints a progress line every --log-every steps
+with img/s per rank and in total (ranks step in lockstep under synchronous
+SGD, so total = per-rank x ranks) and at the end a summary plus one line
+"NVG_RESULT {json}" that scaling.py parses.
+
+Checkpoints (--checkpoint-dir) are written by rank 0 only (weights, .h5).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=100, help="timed steps per epoch")
+    p.add_argument("--warmup-steps", type=int, default=5, help="untimed steps before the timed ones")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--lr", type=float, default=0.0125, help="learning rate per rank (scaled by the number of ranks)")
+    p.add_argument("--lr-warmup-epochs", type=float, default=0.0,
+                   help="Goyal et al. warmup from lr to lr*ranks over this many epochs (0: off)")
+    p.add_argument("--mixed-precision", action="store_true", help="mixed_float16 + LossScaleOptimizer")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="gradient fusion bucket cap, MiB (default: NVGROUP_BUCKET_CAP_MB or the library default)")
+    p.add_argument("--fusion-threshold-mb", type=float, default=None, help="sets NVGROUP_FUSION_THRESHOLD")
+    p.add_argument("--cycle-time-ms", type=float, default=None, help="sets NVGROUP_CYCLE_TIME")
+    p.add_argument("--data-dir", default=None, help="TFRecords or class-per-directory images (default: synthetic)")
+    p.add_argument("--checkpoint-dir", default=None, help="rank 0 saves weights here after each epoch")
+    p.add_argument("--intra-op-threads", type=int, default=0,
+                   help="TF intra-op threads per rank (0: this host's cores / ranks on it)")
+    args = p.parse_args(argv)
+    for name in ("batch_size", "image_size", "num_classes", "steps", "epochs", "log_every"):
+        if getattr(args, name) < 1:
+            p.error("--%s must be >= 1" % name.replace("_", "-"))
+    if args.warmup_steps < 0:
+        p.error("--warmup-steps must be >= 0")
+    if args.image_size < 32:
+        p.error("--image-size must be >= 32 (ResNet-50 downsamples by 32)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Engine knobs must be in the environment before init (cc/common/env.h reads them once).
+    if args.fusion_threshold_mb is not None:
+        os.environ["NVGROUP_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * (1 << 20)))
+    if args.cycle_time_ms is not None:
+        os.environ["NVGROUP_CYCLE_TIME"] = str(args.cycle_time_ms)
+
+    import numpy as np
+    import tensorflow as tf
+    import keras
+
+    import nvgroup_tf.keras as hvd
+
+    hvd.init()
+    rank, size, local_size = hvd.rank(), hvd.size(), hvd.local_size()
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:  # one GPU per rank
+        gpu = gpus[hvd.local_rank() % len(gpus)]
+        tf.config.set_visible_devices(gpu, "GPU")
+        tf.config.experimental.set_memory_growth(gpu, True)
+    else:  # CPU: share the host's cores among its ranks
+        threads = args.intra_op_threads or max(1, (os.cpu_count() or 1) // local_size)
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+    if args.mixed_precision:
+        keras.mixed_precision.set_global_policy("mixed_float16")
+
+    untimed = max(1, args.warmup_steps)  # the first step always traces the graph
+    steps_per_epoch = untimed + args.steps
+    dataset = make_dataset(args, rank, size, tf, np)
+
+    keras.utils.set_random_seed(1000 + rank)  # different init per rank: the broadcast fixes it
+    model = keras.applications.ResNet50(weights=None, input_shape=(args.image_size, args.image_size, 3),
+                                        classes=args.num_classes)
+    bucket_cap = None if args.bucket_cap_mb is None else int(args.bucket_cap_mb * (1 << 20))
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(args.lr * size, momentum=0.9),
+                                   bucket_cap_bytes=bucket_cap)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+
+    timer = ThroughputTimer(args, rank, size, untimed, steps_per_epoch)
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+    if args.lr_warmup_epochs > 0:
+        callbacks.append(hvd.callbacks.LearningRateWarmupCallback(args.lr * size, warmup_epochs=args.lr_warmup_epochs,
+                                                                  steps_per_epoch=steps_per_epoch, verbose=1))
+    callbacks.append(timer)
+    if args.checkpoint_dir and rank == 0:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        callbacks.append(keras.callbacks.ModelCheckpoint(
+            os.path.join(args.checkpoint_dir, "resnet50-{epoch:03d}.weights.h5"), save_weights_only=True))
+
+    model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
+              shuffle=False, verbose=0)
+    timer.report()
+    return 0
+
+
+def make_dataset(args, rank, size, tf, np):
+    shape = (args.image_size, args.image_size, 3)
+    if args.data_dir is None:
+        rng = np.random.default_rng(rank)
+        images = rng.uniform(0.0, 1.0, size=(args.batch_size,) + shape).astype(np.float32)
+        labels = rng.integers(0, args.num_classes, size=(args.batch_size,)).astype(np.int32)
+        return tf.data.Dataset.from_tensors((images, labels)).repeat()
+    files = sorted(tf.io.gfile.glob(os.path.join(args.data_dir, "*.tfrecord*")) +
+                   tf.io.gfile.glob(os.path.join(args.data_dir, "train-*")))
+    if files:
+        if len(files) < size:
+            raise SystemExit("--data-dir has %d TFRecord files, fewer than the %d ranks" % (len(files), size))
+        features = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
+                    "image/class/label": tf.io.FixedLenFeature([], tf.int64)}
+
+        def parse(record):
+            ex = tf.io.parse_single_example(record, features)
+            image = tf.image.decode_jpeg(ex["image/encoded"], channels=3)
+            image = tf.image.resize(image, shape[:2]) / 255.0
+            # ImageNet TFRecords number classes from 1.
+            return tf.image.random_flip_left_right(image), tf.cast(ex["image/class/label"] - 1, tf.int32)
+
+        ds = tf.data.Dataset.from_tensor_slices(files).shard(size, rank)
+        ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=4, num_parallel_calls=tf.data.AUTOTUNE)
+        ds = ds.shuffle(1024, seed=rank).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+    else:
+        import keras
+        ds = keras.utils.image_dataset_from_directory(args.data_dir, image_size=shape[:2], batch_size=None,
+                                                      shuffle=True, seed=1)
+        ds = ds.shard(size, rank).map(lambda x, y: (x / 255.0, tf.cast(y, tf.int32)))
+    return ds.repeat().batch(args.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def ThroughputTimer(args, rank, size, untimed, steps_per_epoch):
+    import keras
+
+    class Timer(keras.callbacks.Callback):
+        """Times the steps after the first `untimed` of every epoch (rank 0 prints)."""
+
+        def __init__(self):
+            super().__init__()
+            self.step_times = []
+            self.epoch_rates = []
+            self._t0 = self._t_last = None
+            self._epoch = 0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._epoch = epoch
+            self._t0 = self._t_last = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            now = time.perf_counter()
+            done = batch + 1
+            if done == untimed:
+                self._t0 = self._t_last = now
+                return
+            if done < untimed:
+                return
+            self.step_times.append(now - self._t_last)
+            self._t_last = now
+            timed = done - untimed
+            if rank == 0 and (timed % args.log_every == 0 or done == steps_per_epoch):
+                rate = timed * args.batch_size / (now - self._t0)
+                loss = (logs or {}).get("loss")
+                print("epoch %d step %4d/%d  loss %s  img/s per rank %8.2f  total %9.2f"
+                      % (self._epoch + 1, done, steps_per_epoch,
+                         "-" if loss is None else "%.4f" % float(loss), rate, rate * size), flush=True)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if self._t0 is not None and self._t_last > self._t0:
+                self.epoch_rates.append((steps_per_epoch - untimed) * args.batch_size / (self._t_last - self._t0))
+
+        def report(self):
+            if rank != 0 or not self.epoch_rates:
+                return
+            per_rank = sum(self.epoch_rates) / len(self.epoch_rates)
+            times = sorted(self.step_times)
+            result = {
+                "model": "resnet50", "ranks": size, "batch_size": args.batch_size, "image_size": args.image_size,
+                "num_classes": args.num_classes, "steps": args.steps, "epochs": args.epochs,
+                "warmup_steps": untimed, "mixed_precision": args.mixed_precision,
+                "bucket_cap_mb": args.bucket_cap_mb, "data": "synthetic" if args.data_dir is None else "real",
+                "img_per_sec_per_rank": per_rank, "img_per_sec_total": per_rank * size,
+                "step_time_ms_mean": 1e3 * sum(times) / len(times),
+                "step_time_ms_median": 1e3 * times[len(times) // 2],
+            }
+            print("# ResNet-50: %d rank(s) x batch %d, %dx%d images, %d timed steps x %d epoch(s)"
+                  % (size, args.batch_size, args.image_size, args.image_size, args.steps, args.epochs))
+            print("# img/s per rank %.2f, total %.2f; step time mean %.1f ms, median %.1f ms"
+                  % (per_rank, per_rank * size, result["step_time_ms_mean"], result["step_time_ms_median"]))
+            print("NVG_RESULT " + json.dumps(result), flush=True)
+
+    return Timer()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
