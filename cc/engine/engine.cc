@@ -211,7 +211,8 @@ class Engine {
   bool FillCacheBits(double now, std::vector<uint64_t>* bits);
   std::vector<Work> TakeCacheHits(const std::vector<uint64_t>& bits);
   Status Negotiate(double now, std::vector<Work>* work);
-  Status Execute(std::vector<Work>* work);
+  // The first `cache_hits` entries of `work` came from the response cache.
+  Status Execute(std::vector<Work>* work, size_t cache_hits);
   Status RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>* work);
   Status RunAllreduceAlone(Work* w);
   Status RunAllgather(Work* w);
@@ -599,8 +600,11 @@ Status Engine::RunBroadcast(Work* w) {
   return Status::Ok();
 }
 
-Status Engine::Execute(std::vector<Work>* work) {
+Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
   if (work->empty()) return Status::Ok();
+  NVG_LOG(kDebug) << "cycle " << cycle_ << ": executing " << work->size() << " responses ("
+                  << cache_hits << " from the response cache, " << work->size() - cache_hits
+                  << " negotiated through rank 0)";
   std::vector<ResponseMessage> responses;
   for (const Work& w : *work) responses.push_back(w.response);
   const size_t threshold = std::min(knobs_.fusion_threshold, cpu_comm_->registered_capacity());
@@ -670,11 +674,12 @@ void Engine::Loop() {
       break;
     }
     std::vector<Work> work = TakeCacheHits(bits);
+    const size_t cache_hits = work.size();
     if (!(bits[0] & kNothingToReport)) {
       exit_status = Negotiate(now, &work);
       if (!exit_status.ok()) break;
     }
-    exit_status = Execute(&work);
+    exit_status = Execute(&work, cache_hits);
     if (!exit_status.ok()) break;
   }
 

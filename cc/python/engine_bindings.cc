@@ -195,16 +195,17 @@ py::object AllgatherResult(Handle& h) {
 // Waits (GIL released); returns None, or the allgather output. Raises on error.
 py::object Wait(int64_t id, py::object timeout) {
   std::shared_ptr<Handle> h = Lookup(id);
+  const bool forever = timeout.is_none();
+  const double seconds = forever ? 0.0 : timeout.cast<double>();
   bool finished;
   {
     py::gil_scoped_release release;
     std::unique_lock<std::mutex> lock(h->mu);
-    if (timeout.is_none()) {
+    if (forever) {
       h->cv.wait(lock, [&] { return h->done; });
       finished = true;
     } else {
-      finished = h->cv.wait_for(lock, std::chrono::duration<double>(timeout.cast<double>()),
-                                [&] { return h->done; });
+      finished = h->cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return h->done; });
     }
   }
   if (!finished) {
@@ -258,9 +259,17 @@ int64_t SubmitOne(CollectiveRequest q, std::shared_ptr<Handle> h, py::object kee
 
 // --- Testing hooks: pure parts of the engine, no MPI -------------------------
 
+// Decoded strings may be arbitrary bytes (fuzzed input): keep them as str
+// with surrogate escapes rather than failing the conversion.
+py::str Text(const std::string& s) {
+  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "surrogateescape");
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
+
 py::dict RequestToDict(const RequestMessage& q) {
   py::dict d;
-  d["name"] = q.name;
+  d["name"] = Text(q.name);
   d["type"] = static_cast<int>(q.type);
   d["dtype"] = static_cast<int>(q.dtype);
   d["device_kind"] = static_cast<int>(q.device_kind);
@@ -292,9 +301,9 @@ RequestMessage RequestFromDict(const py::dict& d) {
 
 py::dict ResponseToDict(const ResponseMessage& r) {
   py::dict d;
-  d["name"] = r.name;
+  d["name"] = Text(r.name);
   d["error_code"] = static_cast<int>(r.error_code);
-  d["error_message"] = r.error_message;
+  d["error_message"] = Text(r.error_message);
   d["type"] = static_cast<int>(r.type);
   d["dtype"] = static_cast<int>(r.dtype);
   d["device_kind"] = static_cast<int>(r.device_kind);
@@ -359,7 +368,7 @@ void RegisterTestingBindings(py::module_& t) {
     ThrowIfError(DecodeResponseList(reinterpret_cast<const uint8_t*>(s.data()), s.size(), &list));
     py::list out;
     for (const ResponseMessage& r : list.responses) out.append(ResponseToDict(r));
-    return py::make_tuple(static_cast<int>(list.fatal_code), list.fatal_message, out);
+    return py::make_tuple(static_cast<int>(list.fatal_code), Text(list.fatal_message), out);
   });
   t.def("plan_fusion", [](const std::vector<py::dict>& responses, size_t threshold) {
     std::vector<ResponseMessage> rs;

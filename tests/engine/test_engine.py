@@ -1,0 +1,74 @@
+"""Multi-rank tests of the engine through its pybind11 module: each test runs
+a worker from tests/engine/workers under mpirun (tests/mpi_util.run_mpi); the
+worker checks every result on every rank and exits non-zero on any failure."""
+import json
+import os
+import re
+
+import pytest
+
+from mpi_util import run_mpi
+
+WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
+
+
+def worker(name):
+    return os.path.join(WORKERS, name)
+
+
+def assert_all_ranks_ok(result, np):
+    for r in range(np):
+        assert "[rank %d] OK" % r in result.output, result.output[-20000:]
+
+
+@pytest.mark.parametrize("np", [2, 3, 4])
+def test_collectives(np):
+    """200 random tensors in rank-specific orders, fused == unfused bitwise, grouped,
+    allgather, broadcast, cache invalidation, init after shutdown."""
+    result = run_mpi(worker("engine_collectives.py"), np, env={"NVGROUP_LOG_LEVEL": "debug"}, timeout=150)
+    assert_all_ranks_ok(result, np)
+    # The response cache carries the steady state: the four repeated steps of the
+    # 200 tensors (800 responses) complete without a round trip to rank 0.
+    cached = [int(m.group(1)) for m in re.finditer(
+        r"\[nvgroup rank 0\] DEBUG: cycle \d+: executing \d+ responses \((\d+) from the response cache",
+        result.output)]
+    assert sum(cached) >= 800, "only %d responses came from the cache" % sum(cached)
+
+
+@pytest.mark.parametrize("np", [2, 3, 4])
+def test_errors(np):
+    assert_all_ranks_ok(run_mpi(worker("engine_errors.py"), np, timeout=90), np)
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_shutdown_with_requests_in_flight(np):
+    assert_all_ranks_ok(run_mpi(worker("engine_shutdown.py"), np, timeout=90), np)
+
+
+@pytest.mark.parametrize("mode,env", [("all", {"NVGROUP_FUSION_THRESHOLD": "abc"}), ("one", {}),
+                                      ("differs", {})])
+def test_malformed_environment_fails_init_on_every_rank(mode, env):
+    assert_all_ranks_ok(run_mpi(worker("engine_bad_env.py"), 2, args=[mode], env=env, timeout=60), 2)
+
+
+def test_stall_inspector_warns_then_fails():
+    result = run_mpi(worker("engine_stall.py"), 2, timeout=90,
+                     env={"NVGROUP_STALL_WARNING_TIME": "1", "NVGROUP_STALL_SHUTDOWN_TIME": "3"})
+    assert_all_ranks_ok(result, 2)
+    for name in ("stall/new", "stall/cached"):
+        assert ("[nvgroup rank 0] WARNING: Stalled ranks: tensor '%s' is ready on ranks [0] but missing "
+                "on [1] for 1 s" % name) in result.output
+
+
+def test_peer_timeout_fails_pending_requests(tmp_path):
+    result = run_mpi(worker("engine_timeout.py"), 2, args=[str(tmp_path)], env={"NVGROUP_TIMEOUT": "2"},
+                     timeout=90, check=False)
+    assert not result.timed_out, result.output[-20000:]
+    assert_all_ranks_ok(result, 2)
+
+
+def test_timeline_is_valid_chrome_trace(tmp_path):
+    path = tmp_path / "timeline.json"
+    assert_all_ranks_ok(run_mpi(worker("engine_timeline.py"), 2, args=[str(path)], timeout=60), 2)
+    events = json.loads(path.read_text())
+    assert any(e["name"] == "ALLREDUCE" for e in events)

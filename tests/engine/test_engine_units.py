@@ -1,0 +1,207 @@
+"""Unit tests of the engine's pure parts through nvgroup_tf._engine.testing:
+the negotiation wire format, the fusion planner and the response builder
+(mismatch messages). No MPI."""
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from nvgroup_tf import _engine
+
+T = _engine.testing
+
+# Enum values from cc/include/nvgroup/types.h (fixed by contract).
+ALLREDUCE, ALLGATHER, BROADCAST = 0, 1, 2
+UINT8, INT8, BOOL, F16, BF16, F32, F64, I32, I64 = range(9)
+SUM, AVG, MIN, MAX, PROD = range(5)
+CPU, CUDA = 0, 1
+OK, FAILED_PRECONDITION = 0, 2
+ELEMENT_SIZE = {UINT8: 1, INT8: 1, BOOL: 1, F16: 2, BF16: 2, F32: 4, F64: 8, I32: 4, I64: 8}
+
+
+def request(name="t", type=ALLREDUCE, dtype=F32, device_kind=CPU, op=SUM, prescale=1.0,
+            postscale=1.0, root=0, shape=(2, 3), group_id=0, group_size=0):
+    return dict(name=name, type=type, dtype=dtype, device_kind=device_kind, op=op,
+                prescale=prescale, postscale=postscale, root=root, shape=list(shape),
+                group_id=group_id, group_size=group_size)
+
+
+def response(name="t", error_code=OK, error_message="", first_dims=(), **kw):
+    d = request(name=name, **kw)
+    d.update(error_code=error_code, error_message=error_message, first_dims=list(first_dims))
+    return d
+
+
+def random_request(rng):
+    return request(
+        name="".join(rng.choice("abcxyz/_:0123456789\u00e9") for _ in range(rng.randint(0, 40))),
+        type=rng.randint(0, 2), dtype=rng.randint(0, 8), device_kind=rng.randint(0, 1),
+        op=rng.randint(0, 4), prescale=rng.uniform(-4, 4), postscale=rng.choice([1.0, 0.25, -1e300]),
+        root=rng.randint(-2**31, 2**31 - 1),
+        shape=[rng.randint(-2**63, 2**63 - 1) for _ in range(rng.randint(0, 5))],
+        group_id=rng.randint(0, 2**64 - 1), group_size=rng.randint(0, 2**32 - 1))
+
+
+def random_response(rng):
+    d = random_request(rng)
+    d.update(error_code=rng.randint(0, 7), error_message="x" * rng.randint(0, 100),
+             first_dims=[rng.randint(0, 1000) for _ in range(rng.randint(0, 6))])
+    return d
+
+
+# --- wire format -------------------------------------------------------------
+
+def test_request_list_round_trip():
+    rng = random.Random(1)
+    for n in (0, 1, 7, 200):
+        reqs = [random_request(rng) for _ in range(n)]
+        assert T.decode_request_list(T.encode_request_list(reqs)) == reqs
+
+
+def test_response_list_round_trip():
+    rng = random.Random(2)
+    for n in (0, 1, 9, 100):
+        resps = [random_response(rng) for _ in range(n)]
+        code, message, decoded = T.decode_response_list(T.encode_response_list(resps, 6, "fatal!"))
+        assert (code, message, decoded) == (6, "fatal!", resps)
+
+
+def assert_malformed(decode, data):
+    with pytest.raises(_engine.EngineError, match="INTERNAL: malformed negotiation message"):
+        decode(data)
+
+
+def test_every_truncation_is_an_error():
+    rng = random.Random(3)
+    for encode, decode, make in (
+            (T.encode_request_list, T.decode_request_list, random_request),
+            (T.encode_response_list, T.decode_response_list, random_response)):
+        data = encode([make(rng) for _ in range(3)])
+        for cut in range(len(data)):
+            assert_malformed(decode, data[:cut])
+        assert_malformed(decode, data + b"\0")  # trailing bytes
+
+
+def test_bad_header_enum_and_huge_counts():
+    good = T.encode_request_list([request()])
+    assert_malformed(T.decode_request_list, b"XXXX" + good[4:])              # magic
+    assert_malformed(T.decode_request_list, good[:4] + b"\x09" + good[5:])   # version
+    assert_malformed(T.decode_response_list, good)                           # kind
+    # count field claiming 2^32-1 requests in a short message: rejected before allocating
+    assert_malformed(T.decode_request_list, good[:6] + b"\xff\xff\xff\xff" + good[10:])
+    # dtype byte out of range (offset: header 6 + count 4 + name length 4 + "t" 1 + type 1)
+    bad = bytearray(good)
+    bad[6 + 4 + 4 + 1 + 1] = 77
+    with pytest.raises(_engine.EngineError, match="dtype value 77 out of range"):
+        T.decode_request_list(bytes(bad))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.integers(0, 2**31), st.integers(0, 255))
+def test_garbled_bytes_never_crash(noise, position, value):
+    rng = random.Random(position)
+    for encode, decode, make in (
+            (T.encode_request_list, T.decode_request_list, random_request),
+            (T.encode_response_list, T.decode_response_list, random_response)):
+        for data in (noise, bytearray(encode([make(rng) for _ in range(2)]))):
+            data = bytearray(data)
+            if data:
+                data[position % len(data)] = value
+            try:
+                decode(bytes(data))
+            except _engine.EngineError as e:
+                assert "malformed negotiation message" in str(e)
+
+
+# --- fusion planner ----------------------------------------------------------
+
+def nbytes(r):
+    n = 1
+    for d in r["shape"]:
+        n *= d
+    return n * ELEMENT_SIZE[r["dtype"]]
+
+
+def check_plan(responses, threshold, plan):
+    placed = sorted(i for b in plan for i in b["responses"])
+    assert placed == list(range(len(responses)))          # every response exactly once
+    firsts = [b["responses"][0] for b in plan]
+    assert firsts == sorted(firsts)                       # buckets in order of first response
+    for b in plan:
+        rs = [responses[i] for i in b["responses"]]
+        if len(rs) > 1:
+            keys = {(r["dtype"], r["op"], r["prescale"], r["postscale"], r["device_kind"]) for r in rs}
+            assert len(keys) == 1 and all(r["type"] == ALLREDUCE and r["error_code"] == OK for r in rs)
+            assert b["bytes"] <= threshold
+        assert b["responses"] == sorted(b["responses"])
+        end = 0
+        for i, off in zip(b["responses"], b["offsets"]):
+            assert off % 16 == 0 and off >= end           # 16-byte aligned, no overlap
+            end = off + nbytes(responses[i])
+        assert b["bytes"] == end
+
+
+def test_plan_fusion_packs_compatible_tensors_in_order():
+    rs = [response("a", shape=[10]), response("b", dtype=F64, shape=[3]), response("c", shape=[5]),
+          response("d", op=MAX, shape=[1]), response("e", shape=[1])]
+    plan = T.plan_fusion(rs, 1 << 20)
+    assert [b["responses"] for b in plan] == [[0, 2, 4], [1], [3]]
+    assert plan[0]["offsets"] == [0, 48, 80]     # 40 B -> pad to 48; 20 B -> pad to 80
+    assert plan[0]["bytes"] == 84
+    check_plan(rs, 1 << 20, plan)
+
+
+def test_plan_fusion_threshold_zero_and_large_tensors():
+    rs = [response(str(i), shape=[100]) for i in range(4)]
+    assert [b["responses"] for b in T.plan_fusion(rs, 0)] == [[0], [1], [2], [3]]
+    assert [b["responses"] for b in T.plan_fusion(rs, 800)] == [[0, 1], [2, 3]]
+    big = [response("big", shape=[1000]), response("s", shape=[1])]
+    assert [b["responses"] for b in T.plan_fusion(big, 100)] == [[0], [1]]
+
+
+def test_plan_fusion_keeps_errors_allgather_broadcast_alone():
+    rs = [response("a", shape=[4]), response("x", error_code=FAILED_PRECONDITION, error_message="m"),
+          response("g", type=ALLGATHER, shape=[2], first_dims=[2, 2]),
+          response("b", type=BROADCAST, shape=[4]), response("c", shape=[4])]
+    plan = T.plan_fusion(rs, 1 << 20)
+    assert [b["responses"] for b in plan] == [[0, 4], [1], [2], [3]]
+    assert [b["fusable"] for b in plan] == [True, False, False, False]
+
+
+def test_plan_fusion_random_is_valid_and_deterministic():
+    rng = random.Random(5)
+    for _ in range(50):
+        rs = [response(str(i), dtype=rng.choice([F16, F32, F64, I32]), op=rng.choice([SUM, AVG]),
+                       type=rng.choice([ALLREDUCE] * 5 + [BROADCAST]),
+                       shape=[rng.randint(0, 300)]) for i in range(rng.randint(1, 60))]
+        threshold = rng.choice([0, 64, 1000, 4096, 1 << 20])
+        plan = T.plan_fusion(rs, threshold)
+        check_plan(rs, threshold, plan)
+        assert plan == T.plan_fusion(rs, threshold)
+
+
+# --- response builder (rank 0's validation) ------------------------------------
+
+def test_build_response_agrees_and_collects_first_dims():
+    r = T.build_response([request(type=ALLGATHER, shape=[r + 1, 3]) for r in range(3)])
+    assert r["error_code"] == OK and r["first_dims"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("field,values,text", [
+    ("shape", [[2, 3], [3, 3]], "Mismatched allreduce tensor shapes for 't': rank 0 has [2, 3], rank 1 has [3, 3]"),
+    ("dtype", [F32, F64], "Mismatched allreduce dtypes for 't': rank 0 has float32, rank 1 has float64"),
+    ("op", [SUM, MAX], "Mismatched allreduce ops for 't': rank 0 has Sum, rank 1 has Max"),
+    ("type", [ALLREDUCE, BROADCAST], "Mismatched collective types for 't': rank 0 has allreduce, rank 1 has broadcast"),
+    ("prescale", [1.0, 0.5], "Mismatched allreduce prescale factors for 't': rank 0 has 1, rank 1 has 0.5"),
+])
+def test_build_response_mismatch_messages(field, values, text):
+    r = T.build_response([request(**{field: v}) for v in values])
+    assert r["error_code"] == FAILED_PRECONDITION and r["error_message"] == text
+
+
+def test_build_response_groups_ranks_by_value():
+    r = T.build_response([request(type=BROADCAST, root=v) for v in (0, 1, 0, 1, 1)])
+    assert r["error_message"] == ("Mismatched broadcast root ranks for 't': ranks [0, 2] have 0, "
+                                  "ranks [1, 3, 4] have 1")
+    r = T.build_response([request(type=ALLGATHER, shape=s) for s in ([1, 2], [5, 2], [1, 3])])
+    assert "rank 2 has [?, 3]" in r["error_message"]
