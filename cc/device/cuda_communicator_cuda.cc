@@ -85,7 +85,7 @@ class CudaCommunicator final : public Communicator {
   Status Init(MPI_Comm comm, int device_ordinal, const CommunicatorOptions& options,
               const Topology& host_topology);
   Status CheckHealthy() const;
-  Status CheckDevicePointer(const void* p, const char* what) const;
+  Status CheckDevicePointer(const void* p, const char* what);
   cudaStream_t StreamOf(void* stream) const {
     return stream != nullptr ? static_cast<cudaStream_t>(stream) : stream_;
   }
@@ -111,6 +111,11 @@ class CudaCommunicator final : public Communicator {
   };
   CopySlot slots_[kCopySlots];
   int next_slot_ = 0;
+  // Pointers recently found to be device memory of this GPU: the check costs a
+  // driver call (cudaPointerGetAttributes), repeated calls reuse buffers.
+  static constexpr int kCheckedPointers = 8;
+  const void* checked_[kCheckedPointers] = {};
+  int next_checked_ = 0;
 };
 
 Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const CommunicatorOptions& options,
@@ -231,7 +236,9 @@ Status CudaCommunicator::CheckHealthy() const {
   return Status::Ok();
 }
 
-Status CudaCommunicator::CheckDevicePointer(const void* p, const char* what) const {
+Status CudaCommunicator::CheckDevicePointer(const void* p, const char* what) {
+  for (const void* c : checked_)
+    if (c == p) return Status::Ok();
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, p);
   if (err != cudaSuccess) (void)cudaGetLastError();
@@ -241,6 +248,8 @@ Status CudaCommunicator::CheckDevicePointer(const void* p, const char* what) con
   if (!ok)
     return Status::InvalidArgument(std::string(what) + " pointer is not device memory of cuda:" +
                                    std::to_string(group_.device));
+  checked_[next_checked_] = p;
+  next_checked_ = (next_checked_ + 1) % kCheckedPointers;
   return Status::Ok();
 }
 

@@ -60,7 +60,7 @@ Status DevicePrimitives::GroupAllreduce(size_t count, void* out) {
   a.in = in_;
   a.out = out;
   a.divisor = divisor;
-  a.phases = (in_registered_ ? 0 : kPhaseCopyIn) | kPhaseReduceScatter | kPhaseAllgather;
+  a.phases = (in_registered_ ? 0 : kPhasePushScatter) | kPhaseReduceScatter | kPhaseAllgather;
   return LaunchTwoShotAllreduce(a, stream_);
 }
 

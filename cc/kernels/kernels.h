@@ -22,8 +22,10 @@ namespace nvgroup {
 constexpr int kMaxGroupSize = 8;
 // Most blocks one launch may use. The barrier is per block (block b of every
 // member meets block b of every other member), so all blocks of a launch must be
-// resident at once: 128 < 132 SMs of an H100/H200 SXM, one block per SM.
-constexpr int kMaxBlocks = 128;
+// resident at once: the kernels are built for 2 blocks of 512 threads per SM
+// (__launch_bounds__(512, 2), <= 64 registers), 256 < 2 x 132 SMs of an
+// H100/H200 SXM.
+constexpr int kMaxBlocks = 256;
 // Threads per block: 512 as in vLLM's and TensorRT-LLM's NVLink allreduces (see
 // /work/shared/ANCHORS.md §2); the flag exchange needs threadIdx < group size.
 constexpr int kThreadsPerBlock = 512;
@@ -71,7 +73,7 @@ struct P2pLaunch {
   // Average: divide by this in the write that produces the final value (number
   // of ranks); 1 for intermediate levels and for other ops.
   int divisor = 1;
-  const void* in = nullptr;  // copy-in source (one-shot; two-shot kCopyIn)
+  const void* in = nullptr;  // copy-in source (one-shot) / push source (kPhasePushScatter)
   void* out = nullptr;       // result destination (one-shot; two-shot kAllgather)
   size_t count = 0;          // elements
   int phases = 0;            // two-shot only: kPhase* bits
@@ -81,7 +83,7 @@ struct P2pLaunch {
 };
 
 // Two-shot phases (bits of P2pLaunch::phases).
-constexpr int kPhaseCopyIn = 1;         // in -> own data (all slices)
+constexpr int kPhasePushScatter = 1;    // in's slice p -> member p's slot group_rank
 constexpr int kPhaseReduceScatter = 2;  // slice group_rank over members -> own data
 constexpr int kPhaseAllgather = 4;      // every member's slice -> out
 

@@ -23,18 +23,23 @@
 //   The region is cut into G *slices* (slice p owned by group rank p; the
 //   slice stride is a multiple of one 16-byte *unit*, so every full unit is
 //   aligned), each slice into units of 16 bytes (the last unit of the last
-//   slice may be partial: the scalar tail).
-//   1. copy-in (kPhaseCopyIn, only when the input is not already in the
-//      registered buffer): this rank copies unit u of every slice into its data;
-//   2. barrier: every member's data is complete;
-//   3. reduce-scatter (kPhaseReduceScatter): rank r folds unit u of slice r
-//      over all members in group_rank order and writes it into slice r of its
-//      own data (in place: nobody else reads slice r of rank r in this phase);
+//   slice may be partial: the scalar tail). Two ways to reduce-scatter:
+//   * pull (the input already lies in the registered buffer, the engine's
+//     fused path): after a barrier (every member's data is complete), rank r
+//     folds unit u of slice r over all members' data in group_rank order,
+//     loading the peers' units over NVLink;
+//   * push (any other input; kPhasePushScatter): rank r first stores slice p of
+//     its input into member p's *slot* r (at r * stride in p's data) over
+//     NVLink, for every p != r; after a barrier (every slot is filled) it folds
+//     unit u of slice r from its own slots (local loads) and its own input, in
+//     group_rank order. No copy-in pass, no remote loads in this phase.
+//   Either way the result goes to slice r of this rank's data (and of out);
+//   nobody else reads that place during the phase. Then:
 //   4. barrier: every member's reduced slice is complete;
 //   5. allgather (kPhaseAllgather): rank r copies unit u of slice p from member
-//      p's data into out, for every p;
+//      p's data into out, for every p != r (loads over NVLink);
 //   6. end barrier: every member has finished reading this rank's data, so the
-//      next call may overwrite it.
+//      next call may overwrite it (and push into it: no start barrier needed).
 //   Thread mapping: global thread t handles units t, t + stride, ... of every
 //   slice in every phase, so the thread that reads a value on one GPU has the
 //   same index as the thread that wrote it on the other (vLLM's rule: cross-GPU
@@ -51,7 +56,9 @@
 //   * stores v into member p's arrived[v & 1][b][r] with st.release.sys, which
 //     orders everything block b wrote before the barrier (the __syncthreads
 //     before it makes the block's writes precede thread p's release);
-//   * spins with ld.acquire.sys until its own arrived[v & 1][b][p] == v, so
+//   * spins with relaxed sys-scope loads until its own arrived[v & 1][b][p] ==
+//     v, then issues fence.acq_rel.sys (relaxed load + fence = acquire pattern
+//     of the PTX memory model; one fence instead of an acquire per poll), so
 //     everything member p's block b wrote before arriving is visible here; a
 //     __syncthreads then extends that to the whole block.
 // Two parities: member p may already be at the next barrier (v + 1) and write
@@ -227,15 +234,49 @@ __device__ __forceinline__ void FoldMembers(T* const* src, size_t elem, int n, R
   }
 }
 
+// Push variant of the fold: slot[q] is member q's contribution in this rank's
+// registered memory (aligned), except q == r, which is read from `own_in`.
+template <typename T, int G>
+__device__ __forceinline__ void FoldPushed(T* const* slot, const T* own_in, bool in_vec, int r,
+                                           int n, ReduceOp op,
+                                           typename AccumulatorOf<T>::type* acc) {
+  using A = typename AccumulatorOf<T>::type;
+  constexpr int kE = Unit<T>::kElems;
+  if (n == kE && in_vec) {
+    uint4 raw[G];
+#pragma unroll
+    for (int q = 0; q < G; ++q)
+      raw[q] = __ldcg(reinterpret_cast<const uint4*>(q == r ? own_in : slot[q]));
+    const T* e0 = reinterpret_cast<const T*>(&raw[0]);
+#pragma unroll
+    for (int k = 0; k < kE; ++k) acc[k] = Widen<T>(e0[k]);
+#pragma unroll
+    for (int q = 1; q < G; ++q) {
+      const T* e = reinterpret_cast<const T*>(&raw[q]);
+#pragma unroll
+      for (int k = 0; k < kE; ++k) acc[k] = Apply<A>(op, acc[k], Widen<T>(e[k]));
+    }
+  } else {
+    for (int k = 0; k < n; ++k) acc[k] = Widen<T>(r == 0 ? own_in[k] : slot[0][k]);
+#pragma unroll
+    for (int q = 1; q < G; ++q)
+      for (int k = 0; k < n; ++k)
+        acc[k] = Apply<A>(op, acc[k], Widen<T>(q == r ? own_in[k] : slot[q][k]));
+  }
+}
+
 // ---------------------------------------------------------------- barrier
 
 __device__ __forceinline__ void StoreRelease(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ uint32_t LoadAcquire(const uint32_t* p) {
+__device__ __forceinline__ uint32_t LoadRelaxed(const uint32_t* p) {
   uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+__device__ __forceinline__ void FenceAcqRelSystem() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 __device__ __forceinline__ uint64_t GlobalTimerNs() {
   uint64_t t;
@@ -261,7 +302,7 @@ __device__ __forceinline__ bool GroupBarrier(const P2pLaunch& a, int* failed) {
     const uint32_t* mine = &own->arrived[v & 1][blockIdx.x][p];
     uint64_t deadline = 0;
     uint32_t polls = 0;
-    while (LoadAcquire(mine) != v) {
+    while (LoadRelaxed(mine) != v) {
       if (++polls % kPollsPerCheck != 0) continue;
       int why = 0;
       if (a.control->abort) {
@@ -280,6 +321,7 @@ __device__ __forceinline__ bool GroupBarrier(const P2pLaunch& a, int* failed) {
         break;
       }
     }
+    FenceAcqRelSystem();  // acquire: member p's writes before its arrival are visible
   }
   __syncthreads();  // the acquire above (thread p) now covers the whole block
   return *failed == 0;
@@ -289,7 +331,7 @@ __device__ __forceinline__ bool GroupBarrier(const P2pLaunch& a, int* failed) {
 
 // One-shot: copy-in, barrier, fold all members into out. See "How it works".
 template <typename T, int G>
-__global__ void __launch_bounds__(kThreadsPerBlock) OneShotCopyInFoldKernel(P2pLaunch a) {
+__global__ void __launch_bounds__(kThreadsPerBlock, 2) OneShotCopyInFoldKernel(P2pLaunch a) {
   using A = typename AccumulatorOf<T>::type;
   constexpr int kE = Unit<T>::kElems;
   __shared__ int failed;
@@ -324,7 +366,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) OneShotCopyInFoldKernel(P2pL
 
 // Two-shot phases. See "How it works" for the order and the barriers.
 template <typename T, int G>
-__global__ void __launch_bounds__(kThreadsPerBlock) TwoShotKernel(P2pLaunch a) {
+__global__ void __launch_bounds__(kThreadsPerBlock, 2) TwoShotKernel(P2pLaunch a) {
   using A = typename AccumulatorOf<T>::type;
   constexpr int kE = Unit<T>::kElems;
   __shared__ int failed;
@@ -333,7 +375,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock) TwoShotKernel(P2pLaunch a) {
   T* src[G];
 #pragma unroll
   for (int p = 0; p < G; ++p) src[p] = reinterpret_cast<T*>(a.peers.data[p]);
-  T* own = src[a.group_rank];
+  const int r = a.group_rank;
+  T* own = src[r];
+  const T* in = static_cast<const T*>(a.in);
+  T* out = static_cast<T*>(a.out);
+  const bool in_vec = Aligned16(in), out_vec = Aligned16(out);
+  const bool push = (a.phases & kPhasePushScatter) != 0;
   // Slice geometry: stride is ceil(count / G) rounded up to whole units.
   const size_t stride = ((a.count + G - 1) / G + kE - 1) / kE * kE;
   const size_t units_per_slice = stride / kE;
@@ -342,44 +389,52 @@ __global__ void __launch_bounds__(kThreadsPerBlock) TwoShotKernel(P2pLaunch a) {
   const size_t first = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
   const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
 
-  if (a.phases & kPhaseCopyIn) {
-    const T* in = static_cast<const T*>(a.in);
-    const bool in_vec = Aligned16(in);
+  if (push) {
+    // Slice p of the input goes to member p's slot r, at r * stride (slots are
+    // unclamped: the registered buffer holds G * stride elements).
     for (size_t u = first; u < units_per_slice; u += step) {
 #pragma unroll
       for (int p = 0; p < G; ++p) {
         const size_t e = slice_begin(p) + u * kE;
-        if (e < slice_end(p))
-          CopyUnit<T>(in + e, own + e, static_cast<int>(MinSize(kE, slice_end(p) - e)), in_vec);
+        if (p != r && e < slice_end(p))
+          CopyUnit<T>(in + e, src[p] + r * stride + u * kE,
+                      static_cast<int>(MinSize(kE, slice_end(p) - e)), in_vec);
       }
     }
   }
-  if (!GroupBarrier<G>(a, &failed)) return;  // orders: every member's data is complete
+  // orders: pushed slots (push) or every member's data (pull) are complete
+  if (!GroupBarrier<G>(a, &failed)) return;
 
   if (a.phases & kPhaseReduceScatter) {
-    const int r = a.group_rank;
     for (size_t u = first; u < units_per_slice; u += step) {
       const size_t e = slice_begin(r) + u * kE;
       if (e >= slice_end(r)) break;
       const int n = static_cast<int>(MinSize(kE, slice_end(r) - e));
       A acc[kE];
-      FoldMembers<T, G>(src, e, n, a.op, acc);
+      if (push) {  // slot q = member q's slice r; own part straight from the input
+        T* slot[G];
+#pragma unroll
+        for (int q = 0; q < G; ++q) slot[q] = own + q * stride + u * kE;
+        FoldPushed<T, G>(slot, in + e, in_vec, r, n, a.op, acc);
+      } else {
+        FoldMembers<T, G>(src, e, n, a.op, acc);
+      }
 #pragma unroll
       for (int k = 0; k < kE; ++k) acc[k] = Finish<A>(a.op, a.divisor, acc[k]);
       StoreUnit<T>(own + e, n, true, acc);
+      if ((a.phases & kPhaseAllgather) && out + e != own + e) StoreUnit<T>(out + e, n, out_vec, acc);
     }
     // orders: every member's reduced slice is complete before anyone gathers it
     if ((a.phases & kPhaseAllgather) && !GroupBarrier<G>(a, &failed)) return;
   }
 
   if (a.phases & kPhaseAllgather) {
-    T* out = static_cast<T*>(a.out);
-    const bool out_vec = Aligned16(out);
+    const bool own_done = (a.phases & kPhaseReduceScatter) != 0;  // written above
     for (size_t u = first; u < units_per_slice; u += step) {
 #pragma unroll
       for (int p = 0; p < G; ++p) {
         const size_t e = slice_begin(p) + u * kE;
-        if (e < slice_end(p) && src[p] + e != out + e)
+        if (e < slice_end(p) && !(own_done && p == r) && src[p] + e != out + e)
           CopyUnit<T>(src[p] + e, out + e, static_cast<int>(MinSize(kE, slice_end(p) - e)),
                       out_vec);
       }

@@ -72,6 +72,18 @@ struct Suite {
   long long wrong = 0;  // elements (or checks) that failed on this rank
 };
 
+// cudaMemcpy from pageable memory and cudaMemset may still be in flight on the
+// legacy stream when they return; the communicator's stream does not wait for
+// it, so every setup step is followed by a device synchronize.
+void ToDevice(void* dst, const void* src, size_t bytes) {
+  CheckCuda(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "H2D");
+  CheckCuda(cudaDeviceSynchronize(), "sync after H2D");
+}
+void Poison(void* dst, size_t bytes) {
+  CheckCuda(cudaMemset(dst, 0xff, bytes), "poison");
+  CheckCuda(cudaDeviceSynchronize(), "sync after poison");
+}
+
 void Report(const Suite& s, const char* what, long long wrong_here) {
   if (wrong_here > 0)
     std::fprintf(stderr, "[rank %d] %s: %lld wrong\n", s.rank, what, wrong_here);
@@ -157,8 +169,8 @@ void RunCase(Suite& s, DataType dtype, ReduceOp op, size_t count, uint64_t seed,
   const std::vector<char>& mine = inputs[s.rank];
 
   // Out of place.
-  CheckCuda(cudaMemcpy(in, mine.data(), bytes, cudaMemcpyHostToDevice), "H2D");
-  CheckCuda(cudaMemset(out, 0xff, bytes), "poison");
+  ToDevice(in, mine.data(), bytes);
+  Poison(out, bytes);
   Check(s.comm->Allreduce(in, out, count, dtype, op, nullptr), label);
   Check(s.comm->Synchronize(nullptr), label);
   CheckCuda(cudaMemcpy(got.data(), out, bytes, cudaMemcpyDeviceToHost), "D2H");
@@ -170,7 +182,7 @@ void RunCase(Suite& s, DataType dtype, ReduceOp op, size_t count, uint64_t seed,
   bad += Compare(s, label + " input preserved", dtype, in_after.data(), mine.data(), count);
 
   // In place.
-  CheckCuda(cudaMemcpy(out, mine.data(), bytes, cudaMemcpyHostToDevice), "H2D");
+  ToDevice(out, mine.data(), bytes);
   Check(s.comm->Allreduce(out, out, count, dtype, op, nullptr), label);
   Check(s.comm->Synchronize(nullptr), label);
   CheckCuda(cudaMemcpy(got.data(), out, bytes, cudaMemcpyDeviceToHost), "D2H");
@@ -179,7 +191,7 @@ void RunCase(Suite& s, DataType dtype, ReduceOp op, size_t count, uint64_t seed,
   // In place on the registered buffer (what the engine does after fusing).
   if (bytes <= s.comm->registered_capacity()) {
     void* reg = s.comm->registered_buffer();
-    CheckCuda(cudaMemcpy(reg, mine.data(), bytes, cudaMemcpyHostToDevice), "H2D");
+    ToDevice(reg, mine.data(), bytes);
     Check(s.comm->Allreduce(reg, reg, count, dtype, op, nullptr), label);
     Check(s.comm->Synchronize(nullptr), label);
     CheckCuda(cudaMemcpy(got.data(), reg, bytes, cudaMemcpyDeviceToHost), "D2H");
@@ -222,13 +234,14 @@ void RunFused(Suite& s, DataType dtype, uint64_t seed) {
 
   char* reg = static_cast<char*>(s.comm->registered_buffer());
   CheckCuda(cudaMemset(reg, 0, total * es), "memset");  // padding: defined values
+  CheckCuda(cudaDeviceSynchronize(), "sync");
   std::vector<char*> d_in(kTensors), d_out(kTensors);
   std::vector<Communicator::CopySpec> in_specs(kTensors), out_specs(kTensors);
   for (int t = 0; t < kTensors; ++t) {
     CheckCuda(cudaMalloc(&d_in[t], counts[t] * es), "cudaMalloc");
     CheckCuda(cudaMalloc(&d_out[t], counts[t] * es), "cudaMalloc");
-    CheckCuda(cudaMemcpy(d_in[t], tensors[t].data(), counts[t] * es, cudaMemcpyHostToDevice), "H2D");
-    CheckCuda(cudaMemset(d_out[t], 0xff, counts[t] * es), "poison");
+    ToDevice(d_in[t], tensors[t].data(), counts[t] * es);
+    Poison(d_out[t], counts[t] * es);
     in_specs[t] = {d_in[t], reg + offsets[t] * es, counts[t]};
     out_specs[t] = {reg + offsets[t] * es, d_out[t], counts[t]};
   }
@@ -264,11 +277,12 @@ void RunAllgatherBroadcast(Suite& s) {
   size_t my_off = 0;
   for (int r = 0; r < s.rank; ++r) my_off += sizes[r];
   std::memcpy(mine.data(), want.data() + my_off, sizes[s.rank]);
+  const size_t bb = 12345;  // broadcast bytes, below
   char *d_in, *d_out;
   CheckCuda(cudaMalloc(&d_in, sizes[s.rank]), "cudaMalloc");
-  CheckCuda(cudaMalloc(&d_out, total), "cudaMalloc");
-  CheckCuda(cudaMemcpy(d_in, mine.data(), mine.size(), cudaMemcpyHostToDevice), "H2D");
-  CheckCuda(cudaMemset(d_out, 0xff, total), "poison");
+  CheckCuda(cudaMalloc(&d_out, std::max(total, bb)), "cudaMalloc");
+  ToDevice(d_in, mine.data(), mine.size());
+  Poison(d_out, total);
   Check(s.comm->Allgatherv(d_in, d_out, sizes, nullptr), "allgatherv");
   std::vector<char> got(total);
   CheckCuda(cudaMemcpy(got.data(), d_out, total, cudaMemcpyDeviceToHost), "D2H");
@@ -276,11 +290,10 @@ void RunAllgatherBroadcast(Suite& s) {
   Report(s, "allgatherv", bad);
 
   const int root = n - 1;
-  const size_t bb = 12345;
   std::vector<char> bwant(bb);
   for (size_t i = 0; i < bb; ++i) bwant[i] = static_cast<char>(Mix(i + 17));
-  if (s.rank == root) CheckCuda(cudaMemcpy(d_out, bwant.data(), bb, cudaMemcpyHostToDevice), "H2D");
-  else CheckCuda(cudaMemset(d_out, 0xff, bb), "poison");
+  if (s.rank == root) ToDevice(d_out, bwant.data(), bb);
+  else Poison(d_out, bb);
   Check(s.comm->Broadcast(d_out, bb, root, nullptr), "broadcast");
   std::vector<char> bgot(bb);
   CheckCuda(cudaMemcpy(bgot.data(), d_out, bb, cudaMemcpyDeviceToHost), "D2H");
@@ -338,7 +351,7 @@ void RunTimeout(Suite& s, const Topology& host) {
   if (comm->topology().group_size < 2) return;  // no NVLink barrier to time out
   float* d = nullptr;
   CheckCuda(cudaMalloc(&d, 4096), "cudaMalloc");
-  CheckCuda(cudaMemset(d, 0, 4096), "memset");
+  Poison(d, 4096);
   int verdict = 0;
   if (s.rank == 0) {
     const double t0 = MPI_Wtime();

@@ -179,6 +179,24 @@ double Time(Bench& b, size_t bytes, const std::function<void()>& op, int iters_o
   return sum / b.size;
 }
 
+// Calls per captured CUDA graph (even: keeps the one-shot staging parity).
+constexpr int kGraphCalls = 20;
+
+// Like Time, but `op` is captured kGraphCalls times into a CUDA graph that is
+// replayed: the GPU-side latency without host launch overhead (nccl-tests -G).
+double TimeGraph(Bench& b, size_t bytes, const std::function<void()>& op) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CheckCuda(cudaStreamBeginCapture(b.stream, cudaStreamCaptureModeRelaxed), "begin capture");
+  for (int i = 0; i < kGraphCalls; ++i) op();
+  CheckCuda(cudaStreamEndCapture(b.stream, &graph), "end capture");
+  CheckCuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  const double us = Time(b, bytes, [&] { CheckCuda(cudaGraphLaunch(exec, b.stream), "graph launch"); }, 100);
+  CheckCuda(cudaGraphExecDestroy(exec), "destroy");
+  CheckCuda(cudaGraphDestroy(graph), "destroy");
+  return us / kGraphCalls;
+}
+
 struct Row {
   std::string impl;
   size_t bytes = 0;
@@ -221,6 +239,7 @@ void InitData(Bench& b, Data& d, size_t max_bytes) {
   CheckCuda(cudaMalloc(&d.d_ref, max_bytes), "cudaMalloc");
   CheckCuda(cudaMemcpy(d.d_in, d.host_in.data(), max_bytes, cudaMemcpyHostToDevice), "H2D");
   CheckCuda(cudaMallocHost(&d.pinned, max_bytes), "cudaMallocHost");
+  CheckCuda(cudaDeviceSynchronize(), "sync");  // the pageable H2D may still be in flight
 }
 
 // Elements of `dev` (count floats) off the float64 reference by more than the
@@ -281,7 +300,7 @@ std::vector<Row> RunTables(Bench& b, Data& d, const Args& a) {
   };
   auto sync = [&]() { CheckCuda(cudaStreamSynchronize(b.stream), "sync"); };
 
-  const char* impls[] = {"nccl", "nvgroup", "nvgroup-reg", "mpi-host"};
+  const char* impls[] = {"nccl", "nvgroup", "nvgroup-reg", "nccl-graph", "nvgroup-graph", "mpi-host"};
   for (const char* impl : impls) {
     const std::string name = impl;
     if (b.rank == 0) PrintHeader(name);
@@ -324,6 +343,12 @@ std::vector<Row> RunTables(Bench& b, Data& d, const Args& a) {
         nv(reg, reg, n);
         sync();
         r.ip_wrong = CountWrong(b, d, static_cast<float*>(reg), n, &d.got);
+      } else if (name == "nccl-graph" || name == "nvgroup-graph") {
+        if (bytes > (1u << 20)) continue;  // the latency band
+        const bool ours = name == "nvgroup-graph";
+        r.oop_us = TimeGraph(b, bytes, [&] { ours ? nv(d.d_in, d.d_out, n) : nc(d.d_in, d.d_out, n); });
+        sync();
+        r.oop_wrong = CountWrong(b, d, d.d_out, n, &d.got);  // the graph's last call
       } else {  // mpi-host
         if (bytes > a.mpi_max_bytes) continue;
         auto op = [&] {
@@ -353,14 +378,16 @@ struct SweepPoint {
 
 std::vector<SweepPoint> RunSweep(Bench& b, Data& d) {
   std::vector<SweepPoint> pts;
-  const int blocks[] = {4, 8, 16, 24, 32, 48, 64, 96, 128};
+  const int blocks[] = {8, 16, 32, 48, 64, 96, 128, 192, 256};
   if (b.rank == 0) std::printf("# sweep: nvgroup out-of-place, us per call\n#%11s %8s", "bytes", "kernel");
   if (b.rank == 0) for (int bl : blocks) std::printf(" %7d", bl);
   if (b.rank == 0) std::printf("\n");
   for (size_t bytes : Sizes(8, 256u << 20)) {
     if ((bytes & (bytes - 1)) != 0) continue;
-    const bool dense = bytes >= (4u << 10);  // below 4 KiB only every 8x
-    if (!dense && bytes != 8 && bytes != 64 && bytes != 512) continue;
+    const bool dense = bytes >= (256u << 10) && bytes <= (64u << 20);  // elsewhere every 16x
+    if (!dense && bytes != 8 && bytes != 128 && bytes != 2048 && bytes != 32768 &&
+        bytes != (256u << 20))
+      continue;
     for (int one = 1; one >= 0; --one) {
       if (one && bytes > (16u << 20)) continue;
       if (b.rank == 0) std::printf("%12zu %8s", bytes, one ? "one" : "two");
@@ -545,20 +572,23 @@ int main(int argc, char** argv) {
       std::printf("# Out of bounds values : %lld %s\n", wrong, wrong == 0 ? "OK" : "FAILED");
       // Summary: NV-group against NCCL, same run.
       std::printf("#\n# summary (out-of-place, float32 sum): time us, busbw GB/s, ratio = NCCL/nvgroup time\n");
-      std::printf("#%11s %9s %9s %6s %8s %8s %8s %10s\n", "bytes", "nccl_us", "nvg_us", "ratio",
-                  "nccl_bw", "nvg_bw", "nvgreg_bw", "diff_nccl");
+      std::printf("#%11s %9s %9s %6s %8s %8s %8s %8s %8s %10s\n", "bytes", "nccl_us", "nvg_us", "ratio",
+                  "ncclG_us", "nvgG_us", "nccl_bw", "nvg_bw", "nvgreg_bw", "diff_nccl");
       for (const Row& r : rows) {
         if (r.impl != "nvgroup") continue;
         const Row* n = nullptr;
         const Row* g = nullptr;
+        double ng = -1, vg = -1;
         for (const Row& x : rows) {
           if (x.bytes != r.bytes) continue;
           if (x.impl == "nccl") n = &x;
           if (x.impl == "nvgroup-reg") g = &x;
+          if (x.impl == "nccl-graph") ng = x.oop_us;
+          if (x.impl == "nvgroup-graph") vg = x.oop_us;
         }
         if (n == nullptr) continue;
-        std::printf("%12zu %9.2f %9.2f %6.2f %8.1f %8.1f %8.1f %10lld\n", r.bytes, n->oop_us, r.oop_us,
-                    n->oop_us / r.oop_us, BusBw(b.size, r.bytes, n->oop_us),
+        std::printf("%12zu %9.2f %9.2f %6.2f %8.2f %8.2f %8.1f %8.1f %8.1f %10lld\n", r.bytes, n->oop_us,
+                    r.oop_us, n->oop_us / r.oop_us, ng, vg, BusBw(b.size, r.bytes, n->oop_us),
                     BusBw(b.size, r.bytes, r.oop_us),
                     g != nullptr ? BusBw(b.size, r.bytes, g->ip_us) : 0.0, r.diff_vs_nccl);
       }

@@ -51,7 +51,7 @@ for stage in "$@"; do
   case $stage in
     smoke)
       step "smoke: $NP ranks, quick"
-      run timeout 300 mpirun -np $NP --bind-to none $CHECK --quick ;;
+      run timeout 120 mpirun -np $NP --bind-to none $CHECK --quick ;;
     check)
       step "check: $NP ranks, auto, all dtypes/ops/sizes + large"
       run timeout 600 mpirun -np $NP --bind-to none $CHECK --large
@@ -72,10 +72,10 @@ for stage in "$@"; do
       run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000 ;;
     sweep)
       step "sweep"
-      run timeout 400 mpirun -np $NP --bind-to none $PERF --sweep --max_bytes 256M --nccl_lib "$NCCL_LIB" --json "$OUT/sweep.json" ;;
+      run timeout 150 mpirun -np $NP --bind-to none $PERF --sweep --max_bytes 256M --nccl_lib "$NCCL_LIB" --json "$OUT/sweep.json" ;;
     bench)
       step "bench"
-      run timeout 500 mpirun -np $NP --bind-to none $PERF --max_bytes ${BENCH_MAX:-1G} --nccl_lib "$NCCL_LIB" --resnet benchmarks/resnet50_gradients.txt --json "$OUT/perf.json" > "$OUT/perf.txt" 2>&1
+      run timeout 250 mpirun -np $NP --bind-to none $PERF --max_bytes ${BENCH_MAX:-1G} --nccl_lib "$NCCL_LIB" --resnet benchmarks/resnet50_gradients.txt --json "$OUT/perf.json" > "$OUT/perf.txt" 2>&1
       sed -n '/^# summary/,$p' "$OUT/perf.txt" ;;
     *) echo "unknown stage $stage"; STATUS=1 ;;
   esac
