@@ -2,9 +2,10 @@
 # One device call: build (or reuse carried) GPU tools, check, sweep, benchmark.
 # Usage (on the GPU machine, repo root): scripts/device/run_all.sh STAGES...
 #   smoke   quick correctness on 2 ranks (auto mode)
-#   check   full correctness: every dtype x op x size, one-/two-shot forced,
-#           large sizes to 1 GiB, hierarchy (G=1 over MPI, 4 ranks as 2x2 on
-#           2 GPUs, forced hierarchical on one group)
+#   check   full correctness: every dtype x op x size, large sizes to 1 GiB
+#   modes   the same with one-shot / two-shot forced at every size
+#   hier    hierarchy: forced on one group, G=1 (MPI between GPUs), 2 ranks
+#           per GPU as 2 NV-groups (NVLink + MPI + pipelined chunks)
 #   sanitize  compute-sanitizer memcheck + racecheck on a quick case
 #   sweep   kernel tuning sweep (one-/two-shot x grid caps)
 #   bench   nccl-tests tables vs NCCL and MPI + ResNet-50 gradient set
@@ -54,11 +55,13 @@ for stage in "$@"; do
       run timeout 120 mpirun -np $NP --bind-to none $CHECK --quick ;;
     check)
       step "check: $NP ranks, auto, all dtypes/ops/sizes + large"
-      run timeout 600 mpirun -np $NP --bind-to none $CHECK --large
+      run timeout 300 mpirun -np $NP --bind-to none $CHECK --large ;;
+    modes)
       step "check: forced two-shot"
       run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode twoshot --no_timeout_test
       step "check: forced one-shot"
-      run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode oneshot --no_timeout_test
+      run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode oneshot --no_timeout_test ;;
+    hier)
       step "check: forced hierarchical on one group"
       run timeout 300 mpirun -np $NP --bind-to none -x NVGROUP_ALLREDUCE_ALGORITHM=hierarchical -x NVGROUP_PIPELINE_CHUNK=65536 $CHECK --no_timeout_test --max_elems 1048583
       step "check: groups of 1 (host-staged MPI between GPUs)"
