@@ -729,7 +729,11 @@ Status Engine::Stop() {
   finalizer_.reset();  // runs the remaining CUDA completions
   cuda_comm_.reset();
   cpu_comm_.reset();
-  if (!mpi_broken_ && !abort_) NVG_MPI_CHECK(MPI_Comm_free(&comm_));
+  // After a timeout a negotiation request may never complete; freeing the
+  // communicator under it is undefined, so it is left to MPI_Finalize.
+  int finalized = 0;
+  NVG_MPI_CHECK(MPI_Finalized(&finalized));
+  if (!mpi_broken_ && !abort_ && !finalized) NVG_MPI_CHECK(MPI_Comm_free(&comm_));
   return Status::Ok();
 }
 

@@ -35,6 +35,13 @@ def test_collectives(np):
     assert sum(cached) >= 800, "only %d responses came from the cache" % sum(cached)
 
 
+def test_collectives_with_a_tiny_response_cache():
+    """16 cache slots for ~300 names: constant eviction and re-negotiation, groups
+    partly evicted; results must not change."""
+    assert_all_ranks_ok(run_mpi(worker("engine_collectives.py"), 3, env={"NVGROUP_CACHE_CAPACITY": "16"},
+                                timeout=150), 3)
+
+
 @pytest.mark.parametrize("np", [2, 3, 4])
 def test_errors(np):
     assert_all_ranks_ok(run_mpi(worker("engine_errors.py"), np, timeout=90), np)

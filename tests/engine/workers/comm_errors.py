@@ -71,6 +71,11 @@ def bad_args(check):
     out = np.zeros(8 * cc.SIZE, np.uint8)
     expect_error(check, "allgatherv disagreement", ["expects different per-rank byte counts"],
                  lambda: comm.allgatherv(f.ctypes.data, out.ctypes.data, sizes))
+    reg = cc.registered_view(comm, "float32", 64)
+    expect_error(check, "output inside the registered buffer", ["output overlaps the registered buffer"],
+                 lambda: comm.allreduce(f.ctypes.data, reg.ctypes.data + 16, 4, "float32", "sum"))
+    expect_error(check, "input inside the registered buffer", ["input overlaps the registered buffer"],
+                 lambda: comm.allreduce(reg.ctypes.data + 4, f.ctypes.data, 4, "float32", "sum"))
     expect_error(check, "cuda device", ["UNIMPLEMENTED", "NVGROUP_WITH_CUDA=1"],
                  lambda: cc.engine.Communicator(cc.COMM.py2f(), "cuda:0"))
     expect_error(check, "unknown device", ["unknown device 'tpu'"],

@@ -1,5 +1,6 @@
 """Multi-rank correctness of the engine (np = 2, 3, 4): 200 random tensors in a
-different random order on each rank, bitwise identity across ranks, fused vs
+different random order on each rank, bitwise identity across ranks, a tensor
+larger than the registered buffer, fused vs
 unfused (NVGROUP_FUSION_THRESHOLD=0) bitwise identical, in-place, grouped
 allreduce, uneven allgather, broadcast from each root, the response cache over
 repeated steps and its invalidation by a shape change, and init after shutdown."""
@@ -71,6 +72,16 @@ def same_on_all_ranks(blob, what):
 specs = make_specs(200, seed=1)
 fused = run_allreduces(specs, order_seed=1)
 same_on_all_ranks(fused, "fused allreduce results")
+
+# 1b. A tensor larger than the registered buffer (64 MiB by default) runs alone,
+# unfused, with its prescale/average/postscale applied outside the buffer.
+big_shape = [17 * 2**20 + 3]
+x = rank_data(999, rank, big_shape, "float32")
+out = np.zeros_like(x)
+E.wait(E.allreduce_async("big", x.ctypes.data, out.ctypes.data, big_shape, "float32", "average", 0.5, 3.0), 120)
+check_close("big", out, reference(999, size, big_shape, "float32", "average", 0.5, 3.0), "float32", 1.5)
+same_on_all_ranks(out.tobytes(), "big allreduce")
+del x, out
 
 # 2. The response cache: the same names for several steps (new orders each step).
 for step in range(4):
