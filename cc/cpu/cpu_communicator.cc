@@ -64,6 +64,8 @@ class CpuCommunicator final : public Communicator {
     return Status::Ok();
   }
   Status HierarchicalAllreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
+  Status RunPieces(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
+                   bool in_registered);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   Topology topo_;
@@ -78,6 +80,9 @@ class CpuCommunicator final : public Communicator {
 
 Status CpuCommunicator::Init(MPI_Comm comm, const CommunicatorOptions& options, const Knobs& knobs) {
   NVG_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
+  // Errors come back as return codes (NVG_MPI_CHECK) instead of aborting the job;
+  // the sub-communicators split from comm_ inherit this.
+  NVG_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
   NVG_RETURN_IF_ERROR_CTX(SplitNodes(comm_, &topo_, &comms_), "splitting ranks into nodes");
   const bool from_options = options.group_size > 0;
   NVG_RETURN_IF_ERROR(SplitGroups(comm_, from_options ? options.group_size : knobs.group_size,
@@ -114,7 +119,28 @@ Status CpuCommunicator::Allreduce(const void* in, void* out, size_t count, DataT
   if (flat)
     return OrderedAllreduce(comm_, in, out, count, dtype, op,
                             op == ReduceOp::kAverage ? topo_.size : 1, chunk_bytes_, &flat_scratch_);
-  Status s = HierarchicalAllreduce(in, out, count, dtype, op);
+  return HierarchicalAllreduce(in, out, count, dtype, op);
+}
+
+// The registered buffer holds each member's input for the group step, so the
+// buffers the caller passes must not alias it in ways the protocol would break.
+// Checked before the first barrier: a bad pointer is this rank's own error and
+// leaves the group intact.
+Status CpuCommunicator::HierarchicalAllreduce(const void* in, void* out, size_t count,
+                                              DataType dtype, ReduceOp op) {
+  const size_t bytes = count * DataTypeSize(dtype);
+  const char* reg = shm_->buffer(topo_.group_rank);
+  const size_t capacity = shm_->capacity();
+  const bool in_registered = in == reg && bytes <= capacity;
+  if (!in_registered && Overlaps(in, bytes, reg, capacity))
+    return Status::InvalidArgument(
+        "allreduce input overlaps the registered buffer but does not fit it from its start (" +
+        std::to_string(bytes) + " bytes, capacity " + std::to_string(capacity) + ")");
+  if (Overlaps(out, bytes, reg, capacity) && !(in_registered && out == reg))
+    return Status::InvalidArgument(
+        "allreduce output overlaps the registered buffer; it may only be the registered buffer "
+        "itself, with the input there too");
+  Status s = RunPieces(in, out, count, dtype, op, in_registered);
   if (!s.ok()) shm_->MarkFailed();  // peers waiting on us fail at once instead of timing out
   return s;
 }
@@ -126,25 +152,15 @@ Status CpuCommunicator::Allreduce(const void* in, void* out, size_t count, DataT
 //   barrier "reads done"       -- orders every member's reads of our buffer
 //                                 before we copy the next piece (or the caller
 //                                 fuses the next message) into it.
-Status CpuCommunicator::HierarchicalAllreduce(const void* in, void* out, size_t count,
-                                              DataType dtype, ReduceOp op) {
+Status CpuCommunicator::RunPieces(const void* in, void* out, size_t count, DataType dtype,
+                                  ReduceOp op, bool in_registered) {
   const size_t esize = DataTypeSize(dtype);
   char* reg = shm_->buffer(topo_.group_rank);
-  const size_t capacity = shm_->capacity();
-  const bool in_place = in == reg && count * esize <= capacity;
-  if (!in_place && Overlaps(in, count * esize, reg, capacity))
-    return Status::InvalidArgument(
-        "allreduce input overlaps the registered buffer but does not fit it from its start (" +
-        std::to_string(count * esize) + " bytes, capacity " + std::to_string(capacity) + ")");
-  if (Overlaps(out, count * esize, reg, capacity) && !(in_place && out == reg))
-    return Status::InvalidArgument(
-        "allreduce output overlaps the registered buffer; it may only be the registered buffer "
-        "itself, with the input there too");
-  const size_t piece_elems = in_place ? count : capacity / esize;
+  const size_t piece_elems = in_registered ? count : shm_->capacity() / esize;
   const bool force = algorithm_ == AllreduceAlgorithm::kHierarchical;
   for (size_t offset = 0; offset < count; offset += piece_elems) {
     const size_t n = std::min(piece_elems, count - offset);
-    if (!in_place) std::memcpy(reg, static_cast<const char*>(in) + offset * esize, n * esize);
+    if (!in_registered) std::memcpy(reg, static_cast<const char*>(in) + offset * esize, n * esize);
     NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: inputs in place"));
     HostPrimitives prims(topo_, shm_.get(), comms_.cross, dtype, op, chunk_bytes_, &cross_scratch_);
     NVG_RETURN_IF_ERROR(RunHierarchicalAllreduce(prims, n, static_cast<char*>(out) + offset * esize,
