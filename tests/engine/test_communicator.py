@@ -43,8 +43,10 @@ def test_allreduce_one_group(np_):
 
 
 def test_allreduce_two_groups_of_two():
-    """NVGROUP_GROUP_SIZE=2 on 4 ranks: the pipelined hierarchical skeleton."""
-    run("comm_allreduce.py", 4, ["--expect-groups", 2], env={"NVGROUP_GROUP_SIZE": 2})
+    """NVGROUP_GROUP_SIZE=2 on 4 ranks: the pipelined hierarchical skeleton, with
+    256 KiB chunks so the largest messages cross in many pipelined chunks."""
+    run("comm_allreduce.py", 4, ["--expect-groups", 2, "--largest-dtypes", "float16,bfloat16,float32,int64"],
+        env={"NVGROUP_GROUP_SIZE": 2, "NVGROUP_PIPELINE_CHUNK": 1 << 18})
 
 
 @pytest.mark.parametrize("np_", [2, 3, 4])
