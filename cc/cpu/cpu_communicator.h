@@ -8,10 +8,14 @@
 //    skeleton RunHierarchicalAllreduce (cc/algorithms/hierarchical_allreduce.h)
 //    over HostPrimitives (cc/cpu/host_primitives.h). Inputs outside the
 //    registered buffer go through it in registered_capacity()-sized pieces.
-//    "auto" takes it whenever the group has more than one member or there is
-//    more than one group; a single rank uses the flat path (a local copy).
-//  * flat MPI (NVGROUP_ALLREDUCE_ALGORITHM=mpi, and the fallback when a group
-//    has one member): a deterministic MPI reduce-scatter + allgather, below.
+//    "auto" takes it whenever groups have more than one member.
+//  * flat MPI (NVGROUP_ALLREDUCE_ALGORITHM=mpi, and "auto" with groups of one
+//    rank, where the group step would only copy): OrderedAllreduce
+//    (cc/cpu/ordered_allreduce.h), a deterministic MPI reduce-scatter + allgather.
+// Inputs, outputs and the registered buffer: see Communicator. An output may
+// overlap the registered buffer only as the buffer itself, with the input
+// there too (the engine's fused in-place call); an input inside the buffer
+// must start at its start.
 // Allgatherv and Broadcast are plain MPI (after a cross-rank argument check).
 //
 // Note [Determinism contract]
@@ -33,9 +37,7 @@
 
 #include <mpi.h>
 
-#include <atomic>
 #include <memory>
-#include <vector>
 
 #include "common/env.h"
 #include "nvgroup/communicator.h"

@@ -105,11 +105,15 @@ StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Create(MPI_Comm group_comm,
   g->segments_.assign(n, nullptr);
   const size_t bytes = kControlBytes + capacity;
 
-  // Step 1: the leader's name stem, then every member creates and maps its own segment.
-  uint64_t stem[2] = {static_cast<uint64_t>(getpid()), g_segment_counter.fetch_add(1)};
-  NVG_MPI_CHECK(MPI_Bcast(stem, 2, MPI_UINT64_T, 0, group_comm));
-  const std::string prefix =
-      "/nvgroup." + std::to_string(stem[0]) + "." + std::to_string(stem[1]) + ".";
+  // Step 1: the leader's name stem, then every member creates and maps its own
+  // segment. The clock reading keeps a name leaked by a crashed job from
+  // colliding with a later job whose leader got the same pid (containers).
+  uint64_t stem[3] = {static_cast<uint64_t>(getpid()), g_segment_counter.fetch_add(1),
+                      static_cast<uint64_t>(
+                          std::chrono::steady_clock::now().time_since_epoch().count())};
+  NVG_MPI_CHECK(MPI_Bcast(stem, 3, MPI_UINT64_T, 0, group_comm));
+  const std::string prefix = "/nvgroup." + std::to_string(stem[0]) + "." +
+                             std::to_string(stem[1]) + "." + std::to_string(stem[2]) + ".";
   auto name = [&](int m) { return prefix + std::to_string(m); };
   Status created = MapSegment(name(g->member_), bytes, true, &g->segments_[g->member_]);
   if (created.ok()) {

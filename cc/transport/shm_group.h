@@ -4,9 +4,9 @@
 //
 // How it works.
 //  Setup (collective over the group communicator):
-//   1. the group leader picks a job-unique name stem "/nvgroup.<pid>.<n>" (its pid
-//      plus a per-process counter, so several communicators never collide) and
-//      broadcasts it; member m creates "<stem>.<m>" (O_EXCL), reserves it with
+//   1. the group leader picks a job-unique name stem "/nvgroup.<pid>.<n>.<clock>"
+//      (its pid, a per-process counter so several communicators never collide,
+//      and a clock reading) and broadcasts it; member m creates "<stem>.<m>" (O_EXCL), reserves it with
 //      posix_fallocate (a full /dev/shm is an error here, not a SIGBUS later)
 //      and maps it;
 //   2. every member maps every other member's segment;

@@ -69,6 +69,11 @@ def main():
     largest_dtypes = args.largest_dtypes.split(",")
     comm = cc.make_communicator(registered_bytes=args.registered_bytes)
     check = cc.Checker()
+    # Segments are unlinked once mapped: nothing named after any rank's pid remains.
+    pids = cc.COMM.allgather(os.getpid())
+    cc.COMM.Barrier()
+    leaked = [f for f in os.listdir("/dev/shm") if any(f.startswith("nvgroup.%d." % p) for p in pids)]
+    check.expect(not leaked, "shared-memory names left in /dev/shm: %s" % leaked)
     topo = comm.topology()
     check.expect(topo["rank"] == cc.RANK and topo["size"] == cc.SIZE, "topology %r" % topo)
     check.expect(topo["group_count"] == args.expect_groups,
