@@ -1,0 +1,564 @@
+#include "engine/background_loop.h"
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <functional>
+
+#include "common/checks.h"
+#include "common/logging.h"
+#include "engine/wire_format.h"
+
+namespace nvgroup {
+
+// Runs `done` callbacks of CUDA requests after their stream work completes, on
+// its own thread so the background loop keeps negotiating meanwhile.
+class Finalizer {
+ public:
+  using Job = std::function<void()>;
+  Finalizer() : thread_([this] { Run(); }) {}
+  ~Finalizer() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  void Add(Job job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stop_ and drained
+      Job job = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.unlock();
+      job();
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members it uses exist
+};
+
+// Flag word (word 0 of the cycle's bit vector). Each bit means "all clear" so
+// that the bitwise AND tells whether *any* rank cleared it.
+constexpr uint64_t kNothingToReport = 1u << 0;  // no rank needs a negotiation round
+constexpr uint64_t kNoShutdown = 1u << 1;       // no rank asked to shut down
+
+Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu)
+    : knobs_(knobs),
+      comm_(comm),
+      rank_(rank),
+      size_(size),
+      cpu_comm_(std::move(cpu)),
+      topology_(cpu_comm_->topology()),
+      cache_(knobs.cache_capacity),
+      cache_words_((knobs.cache_capacity + 63) / 64),
+      stall_(size, knobs.stall_warning_s, knobs.stall_shutdown_s),
+      coordinator_(size, &stall_) {
+  // See Note [Reporting stuck cache hits].
+  report_cached_after_s_ = 1.0;
+  if (knobs.stall_warning_s > 0) report_cached_after_s_ = std::min(report_cached_after_s_, knobs.stall_warning_s / 2);
+  if (knobs.stall_shutdown_s > 0) report_cached_after_s_ = std::min(report_cached_after_s_, knobs.stall_shutdown_s / 2);
+  if (rank_ == 0 && !knobs.timeline_path.empty()) {
+    Status s = timeline_.Open(knobs.timeline_path, MonotonicSeconds());
+    if (!s.ok()) NVG_LOG(kWarning) << s.message() << "; continuing without a timeline";
+  }
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Engine::~Engine() { Stop(); }
+
+// Note [Reporting stuck cache hits]
+// A cached request only sets its bit; rank 0 hears of it only if a negotiation
+// round happens. If it is not ready on every rank within report_cached_after_s_
+// (1 s, or half the stall warning/shutdown time when shorter), this rank forces
+// a round and reports it, so the stall inspector can name the missing ranks.
+// Reporting does not stop it from completing through the cache later: rank 0
+// then forgets its report (Coordinator::Forget).
+
+void Engine::Admit(TensorEntry entry, double now) {
+  if (timeline_.enabled()) {
+    timeline_.Begin(entry.request.name, "QUEUE", entry.enqueue_time);
+    timeline_.End(entry.request.name, "QUEUE", now);
+    timeline_.Begin(entry.request.name, "NEGOTIATE", now);
+  }
+  auto p = std::make_unique<Pending>();
+  p->since = now;
+  std::string name = entry.request.name;
+  p->entry = std::move(entry);
+  order_.push_back(name);
+  pending_[name] = std::move(p);
+}
+
+bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
+  std::vector<int> slots(order_.size(), -1);
+  std::unordered_map<uint64_t, uint32_t> group_hits;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const RequestMessage& m = pending_[order_[i]]->entry.message;
+    int slot = cache_.Find(m.name);
+    if (slot >= 0 && RequestMatchesResponse(m, cache_.Get(slot), rank_)) {
+      slots[i] = slot;
+      if (m.group_id != 0) ++group_hits[m.group_id];
+    }
+  }
+  bool must_report = false;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    Pending* p = pending_[order_[i]].get();
+    const RequestMessage& m = p->entry.message;
+    // A group hits the cache whole or not at all (all its members arrive in
+    // the same cycle: TensorQueue::Push is atomic).
+    if (slots[i] >= 0 && m.group_id != 0 &&
+        (group_hits[m.group_id] != m.group_size ||
+         cache_.GroupCount(m.group_id) != static_cast<int>(m.group_size)))
+      slots[i] = -1;
+    if (slots[i] >= 0) (*bits)[1 + slots[i] / 64] |= uint64_t{1} << (slots[i] % 64);
+    if (!p->reported && (slots[i] < 0 || now - p->since >= report_cached_after_s_)) must_report = true;
+  }
+  return must_report;
+}
+
+std::vector<Engine::Work> Engine::TakeCacheHits(const std::vector<uint64_t>& bits) {
+  std::vector<int> hits;
+  std::unordered_map<uint64_t, uint32_t> group_hits;
+  for (int slot = 0; slot < cache_.capacity(); ++slot) {
+    if (!(bits[1 + slot / 64] >> (slot % 64) & 1)) continue;
+    hits.push_back(slot);
+    if (cache_.Get(slot).group_id != 0) ++group_hits[cache_.Get(slot).group_id];
+  }
+  std::vector<Work> work;
+  for (int slot : hits) {
+    const ResponseMessage& r = cache_.Get(slot);
+    if (r.group_id != 0 && group_hits[r.group_id] != r.group_size) continue;
+    Work w;
+    w.response = r;
+    auto it = pending_.find(r.name);
+    w.pending = std::move(it->second);  // the bit is set only for pending names
+    pending_.erase(it);
+    cache_.Touch(slot);
+    if (rank_ == 0) coordinator_.Forget(r.name);
+    work.push_back(std::move(w));
+  }
+  return work;
+}
+
+Status Engine::Negotiate(double now, std::vector<Work>* work) {
+  std::vector<RequestMessage> mine;
+  for (const std::string& name : order_) {
+    auto it = pending_.find(name);
+    if (it == pending_.end() || it->second->reported) continue;
+    it->second->reported = true;
+    mine.push_back(it->second->entry.message);
+  }
+  const std::vector<uint8_t> request_bytes = EncodeRequestList(mine);
+  const std::string round = "negotiation round " + std::to_string(cycle_);
+
+  // Gather every rank's request list at rank 0: lengths, then bytes.
+  int my_length = static_cast<int>(request_bytes.size());
+  std::vector<int> lengths(rank_ == 0 ? size_ : 1), displs(rank_ == 0 ? size_ : 1, 0);
+  MPI_Request req;
+  NVG_MPI_CHECK(MPI_Igather(&my_length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, comm_, &req));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the request-length gather of " + round));
+  std::vector<uint8_t> gathered;
+  if (rank_ == 0) {
+    size_t total = 0;
+    for (int r = 0; r < size_; ++r) {
+      displs[r] = static_cast<int>(total);
+      total += lengths[r];
+    }
+    gathered.resize(std::max<size_t>(total, 1));
+  }
+  NVG_MPI_CHECK(MPI_Igatherv(request_bytes.data(), my_length, MPI_BYTE, gathered.data(),
+                             lengths.data(), displs.data(), MPI_BYTE, 0, comm_, &req));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the request gather of " + round));
+
+  // Rank 0 decides; everyone receives the same response list.
+  ResponseList list;
+  std::vector<uint8_t> response_bytes;
+  if (rank_ == 0) {
+    for (int r = 0; r < size_ && list.fatal_code == StatusCode::kOk; ++r) {
+      std::vector<RequestMessage> requests;
+      Status s = DecodeRequestList(gathered.data() + displs[r], lengths[r], &requests);
+      if (!s.ok()) {
+        list.fatal_code = s.code();
+        list.fatal_message = "rank 0 could not read rank " + std::to_string(r) + "'s requests: " + s.message();
+        break;
+      }
+      for (RequestMessage& q : requests) coordinator_.AddRequest(r, std::move(q), now);
+    }
+    list.responses = std::move(stalled_);
+    stalled_.clear();
+    for (ResponseMessage& r : coordinator_.TakeReadyResponses()) list.responses.push_back(std::move(r));
+    response_bytes = EncodeResponseList(list);
+  }
+  uint64_t response_length = response_bytes.size();
+  NVG_MPI_CHECK(MPI_Ibcast(&response_length, 1, MPI_UINT64_T, 0, comm_, &req));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the response-length broadcast of " + round));
+  if (rank_ != 0) response_bytes.resize(response_length);
+  NVG_MPI_CHECK(MPI_Ibcast(response_bytes.data(), static_cast<int>(response_length), MPI_BYTE, 0, comm_, &req));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the response broadcast of " + round));
+  if (rank_ != 0)
+    NVG_RETURN_IF_ERROR(DecodeResponseList(response_bytes.data(), response_bytes.size(), &list));
+  if (list.fatal_code != StatusCode::kOk) return Status(list.fatal_code, list.fatal_message);
+
+  for (ResponseMessage& r : list.responses) {
+    if (r.ok()) cache_.Put(r);
+    Work w;
+    auto it = pending_.find(r.name);
+    if (it != pending_.end()) {
+      w.pending = std::move(it->second);
+      pending_.erase(it);
+    } else if (r.ok()) {
+      return Status::Internal("rank 0 released '" + r.name + "', which this rank never submitted");
+    }
+    w.response = std::move(r);
+    work->push_back(std::move(w));
+  }
+  return Status::Ok();
+}
+
+StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
+  if (device.kind == DeviceKind::kCpu) return cpu_comm_.get();
+  if (cuda_comm_ == nullptr) {
+    // Collective: every rank reaches this through the same response.
+    CommunicatorOptions options;
+    options.group_size = knobs_.group_size;
+    options.pipeline_chunk_bytes = knobs_.pipeline_chunk;
+    options.timeout_seconds = knobs_.peer_timeout_s;
+    StatusOr<std::unique_ptr<Communicator>> c =
+        CreateCommunicator(MPI_Comm_c2f(comm_), device, options);
+    if (!c.ok()) return c.status().WithContext("creating the communicator for " + device.ToString());
+    cuda_comm_ = c.consume();
+    cuda_ordinal_ = device.ordinal;
+    finalizer_ = std::make_unique<Finalizer>();
+  }
+  if (device.ordinal != cuda_ordinal_)
+    return Status::Unimplemented("nvgroup_tf drives one CUDA device per process: this rank uses " +
+                                 Device::Cuda(cuda_ordinal_).ToString() + ", not " + device.ToString());
+  return cuda_comm_.get();
+}
+
+void Engine::Complete(Pending* p, const Status& status) {
+  queue_.Finish(p->entry.request.name);
+  DoneCallback done = std::move(p->entry.request.done);
+  try {
+    done(status);
+  } catch (...) {  // a callback must not take the loop down
+    NVG_LOG(kError) << "the done callback of '" << p->entry.request.name << "' threw; ignored";
+  }
+}
+
+void Engine::CompleteAfterStream(Communicator* comm, std::vector<Pending*> done) {
+  if (comm->device().kind == DeviceKind::kCpu) {
+    for (Pending* p : done) Complete(p, Status::Ok());
+    return;
+  }
+  // The Pending objects are owned by the Work list, which dies at the end of
+  // the cycle: move the callbacks into the job.
+  std::vector<std::pair<std::string, DoneCallback>> callbacks;
+  for (Pending* p : done) callbacks.emplace_back(p->entry.request.name, std::move(p->entry.request.done));
+  finalizer_->Add([this, comm, callbacks = std::move(callbacks)]() mutable {
+    Status s = comm->Synchronize(nullptr);
+    for (auto& [name, cb] : callbacks) {
+      queue_.Finish(name);
+      try {
+        cb(s);
+      } catch (...) {
+        NVG_LOG(kError) << "the done callback of '" << name << "' threw; ignored";
+      }
+    }
+  });
+}
+
+Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>* work) {
+  const ResponseMessage& first = (*work)[bucket.responses[0]].response;
+  const Device device = (*work)[bucket.responses[0]].pending->entry.request.device;
+  StatusOr<Communicator*> comm_or = GetCommunicator(device);
+  if (!comm_or.ok()) return comm_or.status();
+  Communicator* comm = comm_or.value();
+  if (bucket.bytes > comm->registered_capacity()) {
+    // Larger than the registered buffer (a tensor above the threshold, or a
+    // CUDA buffer smaller than the CPU one): one tensor at a time, unfused.
+    for (size_t i : bucket.responses) NVG_RETURN_IF_ERROR(RunAllreduceAlone(&(*work)[i]));
+    return Status::Ok();
+  }
+  const size_t element = DataTypeSize(first.dtype);
+  // Average of floats is a sum with the division folded into the copy out;
+  // integers use the communicator's own (truncating) average.
+  ReduceOp op = first.op;
+  double postscale = first.postscale_factor;
+  if (op == ReduceOp::kAverage && IsFloatingPoint(first.dtype)) {
+    op = ReduceOp::kSum;
+    postscale /= size_;
+  }
+  char* buffer = static_cast<char*>(comm->registered_buffer());
+  std::vector<Communicator::CopySpec> in, out;
+  std::vector<Pending*> done;
+  for (size_t k = 0; k < bucket.responses.size(); ++k) {
+    Pending* p = (*work)[bucket.responses[k]].pending.get();
+    const size_t count = ResponseBytes((*work)[bucket.responses[k]].response) / element;
+    in.push_back({p->entry.request.input, buffer + bucket.offsets[k], count});
+    out.push_back({buffer + bucket.offsets[k], p->entry.request.output, count});
+    done.push_back(p);
+    // Orders the copy-in after the framework produced the input (GPU-side wait).
+    NVG_RETURN_IF_ERROR(comm->WaitEvent(p->entry.request.ready_event, nullptr));
+  }
+  auto mark = [&](const char* phase, bool begin) {
+    if (!timeline_.enabled()) return;
+    double t = MonotonicSeconds();
+    for (Pending* p : done)
+      begin ? timeline_.Begin(p->entry.request.name, phase, t) : timeline_.End(p->entry.request.name, phase, t);
+  };
+  if (bucket.bytes > 0) {
+    mark("FUSION_COPY_IN", true);
+    NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(in.data(), in.size(), first.dtype, first.prescale_factor, nullptr));
+    mark("FUSION_COPY_IN", false);
+    mark("ALLREDUCE", true);
+    NVG_RETURN_IF_ERROR(comm->Allreduce(buffer, buffer, bucket.bytes / element, first.dtype, op, nullptr));
+    mark("ALLREDUCE", false);
+    mark("FUSION_COPY_OUT", true);
+    NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(out.data(), out.size(), first.dtype, postscale, nullptr));
+    mark("FUSION_COPY_OUT", false);
+  }
+  CompleteAfterStream(comm, std::move(done));
+  return Status::Ok();
+}
+
+Status Engine::RunAllreduceAlone(Work* w) {
+  const ResponseMessage& r = w->response;
+  const CollectiveRequest& q = w->pending->entry.request;
+  StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
+  if (!comm_or.ok()) return comm_or.status();
+  Communicator* comm = comm_or.value();
+  const size_t count = static_cast<size_t>(NumElements(r.shape));
+  ReduceOp op = r.op;
+  double postscale = r.postscale_factor;
+  if (op == ReduceOp::kAverage && IsFloatingPoint(r.dtype)) {
+    op = ReduceOp::kSum;
+    postscale /= size_;
+  }
+  NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
+  if (timeline_.enabled()) timeline_.Begin(q.name, "ALLREDUCE", MonotonicSeconds());
+  const void* source = q.input;
+  if (r.prescale_factor != 1.0) {  // scale into the output, then reduce in place
+    Communicator::CopySpec pre{q.input, q.output, count};
+    NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&pre, 1, r.dtype, r.prescale_factor, nullptr));
+    source = q.output;
+  }
+  NVG_RETURN_IF_ERROR(comm->Allreduce(source, q.output, count, r.dtype, op, nullptr));
+  if (postscale != 1.0) {
+    Communicator::CopySpec post{q.output, q.output, count};
+    NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&post, 1, r.dtype, postscale, nullptr));
+  }
+  if (timeline_.enabled()) timeline_.End(q.name, "ALLREDUCE", MonotonicSeconds());
+  CompleteAfterStream(comm, {w->pending.get()});
+  return Status::Ok();
+}
+
+Status Engine::RunAllgather(Work* w) {
+  const ResponseMessage& r = w->response;
+  const CollectiveRequest& q = w->pending->entry.request;
+  StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
+  if (!comm_or.ok()) return comm_or.status();
+  Communicator* comm = comm_or.value();
+  std::vector<int64_t> out_shape = q.shape;
+  out_shape[0] = 0;
+  for (int64_t d : r.first_dims) out_shape[0] += d;
+  std::vector<int64_t> row(q.shape.begin() + 1, q.shape.end());
+  const size_t row_bytes = static_cast<size_t>(NumElements(row)) * DataTypeSize(r.dtype);
+  std::vector<size_t> bytes_per_rank;
+  for (int64_t d : r.first_dims) bytes_per_rank.push_back(static_cast<size_t>(d) * row_bytes);
+
+  void* out = nullptr;
+  Status alloc = q.allocate_output(out_shape, &out);
+  // A host allocation failure on this rank must not leave the others inside
+  // Allgatherv: take part with a scratch buffer, then report the failure.
+  std::vector<char> scratch;
+  if (!alloc.ok() || (out == nullptr && NumElements(out_shape) > 0)) {
+    if (alloc.ok()) alloc = Status::Internal("allocate_output returned no buffer");
+    if (q.device.kind != DeviceKind::kCpu) return alloc.WithContext("allocating the allgather output");
+    scratch.resize(static_cast<size_t>(NumElements(out_shape)) * DataTypeSize(r.dtype));
+    out = scratch.data();
+  }
+  NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
+  if (timeline_.enabled()) timeline_.Begin(q.name, "ALLGATHER", MonotonicSeconds());
+  NVG_RETURN_IF_ERROR(comm->Allgatherv(q.input, out, bytes_per_rank, nullptr));
+  if (timeline_.enabled()) timeline_.End(q.name, "ALLGATHER", MonotonicSeconds());
+  if (!scratch.empty() || !alloc.ok()) {
+    Complete(w->pending.get(), alloc.WithContext("allocating the allgather output"));
+    return Status::Ok();
+  }
+  CompleteAfterStream(comm, {w->pending.get()});
+  return Status::Ok();
+}
+
+Status Engine::RunBroadcast(Work* w) {
+  const ResponseMessage& r = w->response;
+  const CollectiveRequest& q = w->pending->entry.request;
+  StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
+  if (!comm_or.ok()) return comm_or.status();
+  Communicator* comm = comm_or.value();
+  const size_t bytes = static_cast<size_t>(NumElements(r.shape)) * DataTypeSize(r.dtype);
+  NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
+  if (timeline_.enabled()) timeline_.Begin(q.name, "BROADCAST", MonotonicSeconds());
+  if (rank_ == r.root_rank && q.input != q.output && bytes > 0) {
+    Communicator::CopySpec copy{q.input, q.output, bytes};
+    NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&copy, 1, DataType::kUint8, 1.0, nullptr));
+  }
+  if (bytes > 0) NVG_RETURN_IF_ERROR(comm->Broadcast(q.output, bytes, r.root_rank, nullptr));
+  if (timeline_.enabled()) timeline_.End(q.name, "BROADCAST", MonotonicSeconds());
+  CompleteAfterStream(comm, {w->pending.get()});
+  return Status::Ok();
+}
+
+Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
+  if (work->empty()) return Status::Ok();
+  NVG_LOG(kDebug) << "cycle " << cycle_ << ": executing " << work->size() << " responses ("
+                  << cache_hits << " from the response cache, " << work->size() - cache_hits
+                  << " negotiated through rank 0)";
+  std::vector<ResponseMessage> responses;
+  for (const Work& w : *work) responses.push_back(w.response);
+  const size_t threshold = std::min(knobs_.fusion_threshold, cpu_comm_->registered_capacity());
+  const double now = MonotonicSeconds();
+  if (timeline_.enabled())
+    for (const Work& w : *work)
+      if (w.pending) timeline_.End(w.response.name, "NEGOTIATE", now);
+  for (const FusionBucket& bucket : PlanFusion(responses, threshold)) {
+    Work& first = (*work)[bucket.responses[0]];
+    if (!first.response.ok()) {  // error responses are buckets of their own
+      if (first.pending) Complete(first.pending.get(), Status(first.response.error_code, first.response.error_message));
+      continue;
+    }
+    Status s;
+    switch (first.response.type) {
+      case CollectiveType::kAllreduce: s = RunAllreduceBucket(bucket, work); break;
+      case CollectiveType::kAllgather: s = RunAllgather(&first); break;
+      case CollectiveType::kBroadcast: s = RunBroadcast(&first); break;
+    }
+    if (s.ok()) continue;
+    // The same call failed on every rank (same arguments, same order); fail the
+    // bucket's requests. A lost or aborted peer ends the loop.
+    for (size_t i : bucket.responses) {
+      Pending* p = (*work)[i].pending.get();
+      if (p != nullptr && p->entry.request.done) Complete(p, s);
+    }
+    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kAborted) return s;
+  }
+  return Status::Ok();
+}
+
+void Engine::Loop() {
+  Status exit_status;
+  bool shut_down = false;
+  for (;; ++cycle_) {
+    std::vector<TensorEntry> fresh;
+    bool shutdown_requested = false;
+    queue_.WaitAndPop(knobs_.cycle_time_ms / 1000.0, &fresh, &shutdown_requested);
+    const double now = MonotonicSeconds();
+    // Drop names that completed in the last cycle before admitting new ones
+    // (a completed name may come back at once).
+    order_.erase(std::remove_if(order_.begin(), order_.end(),
+                                [this](const std::string& n) { return !pending_.count(n); }),
+                 order_.end());
+    for (TensorEntry& e : fresh) Admit(std::move(e), now);
+
+    std::vector<uint64_t> bits(1 + cache_words_, 0);
+    bool must_report = FillCacheBits(now, &bits);
+    if (rank_ == 0) {
+      for (ResponseMessage& r : coordinator_.TakeStalledResponses(now)) stalled_.push_back(std::move(r));
+      must_report = must_report || !stalled_.empty();
+    }
+    bits[0] = (must_report ? 0 : kNothingToReport) | (shutdown_requested ? 0 : kNoShutdown);
+    MPI_Request req;
+    int rc = MPI_Iallreduce(MPI_IN_PLACE, bits.data(), static_cast<int>(bits.size()), MPI_UINT64_T,
+                            MPI_BAND, comm_, &req);
+    if (rc != MPI_SUCCESS) {
+      exit_status = Status::Internal("MPI_Iallreduce of the cache bits failed: " + MpiErrorString(rc));
+      break;
+    }
+    // Orders this cycle after every rank's decision for it: all ranks read the
+    // same bits, so all take the same branches below.
+    exit_status = Wait(&req, "the cache-bit allreduce of cycle " + std::to_string(cycle_));
+    if (!exit_status.ok()) break;
+    if (!(bits[0] & kNoShutdown)) {
+      shut_down = true;
+      break;
+    }
+    std::vector<Work> work = TakeCacheHits(bits);
+    const size_t cache_hits = work.size();
+    if (!(bits[0] & kNothingToReport)) {
+      exit_status = Negotiate(now, &work);
+      if (!exit_status.ok()) break;
+    }
+    exit_status = Execute(&work, cache_hits);
+    if (!exit_status.ok()) break;
+  }
+
+  if (!shut_down) {
+    if (exit_status.code() == StatusCode::kUnavailable || exit_status.code() == StatusCode::kAborted)
+      mpi_broken_ = true;
+    NVG_LOG(kError) << "background loop stopped: " << exit_status.ToString();
+    cpu_comm_->Abort();
+    if (cuda_comm_) cuda_comm_->Abort();
+  }
+  // Fail what is left: pending entries, then anything queued after the last cycle.
+  const Status closed = shut_down ? Status::Aborted("nvgroup_tf was shut down") : exit_status;
+  std::vector<TensorEntry> queued = queue_.Close(closed);
+  for (TensorEntry& e : queued) Admit(std::move(e), MonotonicSeconds());
+  for (const std::string& name : order_) {
+    auto it = pending_.find(name);
+    if (it == pending_.end()) continue;
+    Complete(it->second.get(),
+             shut_down ? Status::Aborted("nvgroup_tf was shut down with '" + name + "' in flight")
+                       : exit_status);
+    pending_.erase(it);
+  }
+  timeline_.Close();
+  {
+    std::lock_guard<std::mutex> lock(exit_mu_);
+    loop_exited_ = true;
+  }
+  exit_cv_.notify_all();
+}
+
+Status Engine::Stop() {
+  if (stopped_) return Status::Ok();
+  stopped_ = true;
+  queue_.RequestShutdown();
+  {
+    // The loop leaves at the next cycle every rank reaches; a rank that never
+    // reaches it makes the cycle time out after NVGROUP_TIMEOUT. The extra
+    // second covers the cycle in progress.
+    std::unique_lock<std::mutex> lock(exit_mu_);
+    if (!exit_cv_.wait_for(lock, std::chrono::duration<double>(knobs_.peer_timeout_s + 1.0),
+                           [this] { return loop_exited_.load(); })) {
+      abort_ = true;
+      cpu_comm_->Abort();
+    }
+  }
+  thread_.join();
+  finalizer_.reset();  // runs the remaining CUDA completions
+  cuda_comm_.reset();
+  cpu_comm_.reset();
+  // After a timeout a negotiation request may never complete; freeing the
+  // communicator under it is undefined, so it is left to MPI_Finalize.
+  int finalized = 0;
+  NVG_MPI_CHECK(MPI_Finalized(&finalized));
+  if (!mpi_broken_ && !abort_ && !finalized) NVG_MPI_CHECK(MPI_Comm_free(&comm_));
+  return Status::Ok();
+}
+
+}  // namespace nvgroup
