@@ -31,6 +31,9 @@ StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(int64_t mpi_comm_fort
   if (comm == MPI_COMM_NULL)
     return Status::InvalidArgument("MPI communicator handle " + std::to_string(mpi_comm_fortran) +
                                    " is MPI_COMM_NULL");
+  if (options.group_size < 0)
+    return Status::InvalidArgument("CommunicatorOptions.group_size must be >= 0 (0 = detect), got " +
+                                   std::to_string(options.group_size));
   if (options.timeout_seconds <= 0)
     return Status::InvalidArgument("CommunicatorOptions.timeout_seconds must be positive, got " +
                                    std::to_string(options.timeout_seconds));

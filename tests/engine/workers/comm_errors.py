@@ -78,6 +78,10 @@ def bad_args(check):
                  lambda: comm.allreduce(reg.ctypes.data + 4, f.ctypes.data, 4, "float32", "sum"))
     expect_error(check, "cuda device", ["UNIMPLEMENTED", "NVGROUP_WITH_CUDA=1"],
                  lambda: cc.engine.Communicator(cc.COMM.py2f(), "cuda:0"))
+    expect_error(check, "negative group size", ["group_size must be >= 0"],
+                 lambda: cc.make_communicator(group_size=-2))
+    expect_error(check, "zero timeout", ["timeout_seconds must be positive"],
+                 lambda: cc.make_communicator(timeout=0))
     expect_error(check, "unknown device", ["unknown device 'tpu'"],
                  lambda: cc.engine.Communicator(cc.COMM.py2f(), "tpu"))
     allreduce_works(comm, check, "after bad arguments")
