@@ -17,6 +17,12 @@
 // there too (the engine's fused in-place call); an input inside the buffer
 // must start at its start.
 // Allgatherv and Broadcast are plain MPI (after a cross-rank argument check).
+// Knobs read at creation (cc/common/env.h): NVGROUP_GROUP_SIZE,
+// NVGROUP_ALLREDUCE_ALGORITHM, NVGROUP_PIPELINE_CHUNK (chunk of the skeleton and
+// piece of the flat path), NVGROUP_FUSION_THRESHOLD (default registered size);
+// CommunicatorOptions fields, where set, take precedence.
+// Threads: one thread at a time calls the collectives (the engine's background
+// thread); Abort may be called from any thread.
 //
 // Note [Determinism contract]
 // Element i of an allreduce is reduced as a left fold over the members of a
