@@ -34,11 +34,17 @@ constexpr size_t kOneShotStagingBytes = 16u << 20;
 // is larger (communicator.h).
 constexpr size_t kMinRegisteredBytes = 64u << 20;
 // Launch defaults, measured on 2x H200 with allreduce_perf --sweep (see
-// docs/PERFORMANCE.md "Tuning"): one-shot wins up to this size, and these
-// grid caps give the best time per size band.
-constexpr size_t kDefaultOneShotMaxBytes = 512u << 10;
-constexpr int kDefaultOneShotBlocks = 32;
-constexpr int kDefaultTwoShotBlocks = 64;
+// docs/PERFORMANCE.md "Tuning"): for 2 GPUs one-shot is faster than two-shot
+// up to 8 MiB (its remote traffic, (G-1) S, equals two-shot's 2 (G-1)/G S
+// when G = 2, and it has one barrier instead of three); grids of 128 (one-shot)
+// and 192 (two-shot) blocks were the fastest caps from 1 MiB up. For larger
+// groups one-shot moves (G-1) S against 2 (G-1)/G S, so it pays only where
+// latency dominates: 512 KiB, between PyTorch's 256 KB and vLLM's 512 KB-1 MB
+// one-shot limits (ANCHORS.md §2) -- not measured here (2 GPUs only).
+constexpr size_t kDefaultOneShotMaxBytesTwoGpus = 8u << 20;
+constexpr size_t kDefaultOneShotMaxBytesLarger = 512u << 10;
+constexpr int kDefaultOneShotBlocks = 128;
+constexpr int kDefaultTwoShotBlocks = 192;
 // BatchedScaledCopy descriptor slots in flight (pinned host + device each).
 constexpr int kCopySlots = 4;
 
@@ -142,7 +148,9 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
                               group_.comms.group));
 
   group_.tuning.oneshot_max_bytes =
-      k.oneshot_max_bytes > 0 ? k.oneshot_max_bytes : kDefaultOneShotMaxBytes;
+      k.oneshot_max_bytes > 0 ? k.oneshot_max_bytes
+      : topo.group_size == 2  ? kDefaultOneShotMaxBytesTwoGpus
+                              : kDefaultOneShotMaxBytesLarger;
   if (group_.tuning.oneshot_max_bytes > kOneShotStagingBytes)
     return Status::InvalidArgument("NVGROUP_ONESHOT_MAX_BYTES=" +
                                    std::to_string(group_.tuning.oneshot_max_bytes) +

@@ -364,11 +364,24 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 2) OneShotCopyInFoldKernel(P
   }
 }
 
-// Two-shot phases. See "How it works" for the order and the barriers.
+// Units a thread moves per batch in the two-shot phases: all loads of a batch
+// are issued before its stores, so kBatch * G 16-byte loads are in flight per
+// thread (NVLink latency x bandwidth needs ~1 MB in flight per GPU). Bounded by
+// the 64 registers of 2 blocks/SM: G = 2 moves 4 units, G <= 4 two, else one.
+template <int G>
+__host__ __device__ constexpr int TwoShotBatch() {
+  return G <= 2 ? 4 : (G <= 4 ? 2 : 1);
+}
+
+// Two-shot phases. See "How it works" for the order and the barriers. Thread t
+// handles units t, t + step, ... of every slice in every phase; a batch covers
+// kB of those units (t, t + step, ..., t + (kB - 1) step), so the mapping is
+// the same in the batched fast path (full, aligned units) and the per-unit path.
 template <typename T, int G>
 __global__ void __launch_bounds__(kThreadsPerBlock, 2) TwoShotKernel(P2pLaunch a) {
   using A = typename AccumulatorOf<T>::type;
   constexpr int kE = Unit<T>::kElems;
+  constexpr int kB = TwoShotBatch<G>();
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
 
@@ -381,18 +394,38 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 2) TwoShotKernel(P2pLaunch a
   T* out = static_cast<T*>(a.out);
   const bool in_vec = Aligned16(in), out_vec = Aligned16(out);
   const bool push = (a.phases & kPhasePushScatter) != 0;
-  // Slice geometry: stride is ceil(count / G) rounded up to whole units.
+  // Slice geometry: stride is ceil(count / G) rounded up to whole units. The
+  // last slice is the shortest: units below `full` are full in every slice.
   const size_t stride = ((a.count + G - 1) / G + kE - 1) / kE * kE;
   const size_t units_per_slice = stride / kE;
   auto slice_begin = [&](int p) { return MinSize(a.count, p * stride); };
   auto slice_end = [&](int p) { return MinSize(a.count, (p + 1) * stride); };
+  const size_t full = (slice_end(G - 1) - slice_begin(G - 1)) / kE;
   const size_t first = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
   const size_t step = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t batch_span = (kB - 1) * step;  // last unit of a batch, relative
 
   if (push) {
     // Slice p of the input goes to member p's slot r, at r * stride (slots are
     // unclamped: the registered buffer holds G * stride elements).
-    for (size_t u = first; u < units_per_slice; u += step) {
+    size_t u = first;
+    if (in_vec) {
+      for (; u + batch_span < full; u += kB * step) {
+        uint4 v[kB][G];
+#pragma unroll
+        for (int j = 0; j < kB; ++j)
+#pragma unroll
+          for (int p = 0; p < G; ++p)
+            if (p != r)
+              v[j][p] = __ldcg(reinterpret_cast<const uint4*>(in + p * stride + (u + j * step) * kE));
+#pragma unroll
+        for (int j = 0; j < kB; ++j)
+#pragma unroll
+          for (int p = 0; p < G; ++p)
+            if (p != r) *reinterpret_cast<uint4*>(src[p] + r * stride + (u + j * step) * kE) = v[j][p];
+      }
+    }
+    for (; u < units_per_slice; u += step) {
 #pragma unroll
       for (int p = 0; p < G; ++p) {
         const size_t e = slice_begin(p) + u * kE;
@@ -406,12 +439,23 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 2) TwoShotKernel(P2pLaunch a
   if (!GroupBarrier<G>(a, &failed)) return;
 
   if (a.phases & kPhaseReduceScatter) {
-    for (size_t u = first; u < units_per_slice; u += step) {
+    const bool also_out = (a.phases & kPhaseAllgather) != 0 && out != own;
+    // Unit e of slice r: fold (push: own slots + own input; pull: members' data),
+    // store to own data and, for a full allreduce, to out.
+    auto reduce_unit = [&](size_t u, const uint4* raw, int n, bool vec) {
       const size_t e = slice_begin(r) + u * kE;
-      if (e >= slice_end(r)) break;
-      const int n = static_cast<int>(MinSize(kE, slice_end(r) - e));
       A acc[kE];
-      if (push) {  // slot q = member q's slice r; own part straight from the input
+      if (vec) {
+        const T* e0 = reinterpret_cast<const T*>(&raw[0]);
+#pragma unroll
+        for (int k = 0; k < kE; ++k) acc[k] = Widen<T>(e0[k]);
+#pragma unroll
+        for (int q = 1; q < G; ++q) {
+          const T* eq = reinterpret_cast<const T*>(&raw[q]);
+#pragma unroll
+          for (int k = 0; k < kE; ++k) acc[k] = Apply<A>(a.op, acc[k], Widen<T>(eq[k]));
+        }
+      } else if (push) {
         T* slot[G];
 #pragma unroll
         for (int q = 0; q < G; ++q) slot[q] = own + q * stride + u * kE;
@@ -422,19 +466,65 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 2) TwoShotKernel(P2pLaunch a
 #pragma unroll
       for (int k = 0; k < kE; ++k) acc[k] = Finish<A>(a.op, a.divisor, acc[k]);
       StoreUnit<T>(own + e, n, true, acc);
-      if ((a.phases & kPhaseAllgather) && out + e != own + e) StoreUnit<T>(out + e, n, out_vec, acc);
+      if (also_out) StoreUnit<T>(out + e, n, out_vec, acc);
+    };
+    auto load_unit = [&](size_t u, uint4* raw) {
+      const size_t e = slice_begin(r) + u * kE;
+#pragma unroll
+      for (int q = 0; q < G; ++q) {
+        const T* from = push ? (q == r ? in + e : own + q * stride + u * kE) : src[q] + e;
+        raw[q] = __ldcg(reinterpret_cast<const uint4*>(from));
+      }
+    };
+    size_t u = first;
+    if ((!push || in_vec) && (!also_out || out_vec)) {
+      for (; u + batch_span < full; u += kB * step) {
+        uint4 raw[kB][G];
+#pragma unroll
+        for (int j = 0; j < kB; ++j) load_unit(u + j * step, raw[j]);
+#pragma unroll
+        for (int j = 0; j < kB; ++j) reduce_unit(u + j * step, raw[j], kE, true);
+      }
+    }
+    for (; u < units_per_slice; u += step) {
+      const size_t e = slice_begin(r) + u * kE;
+      if (e >= slice_end(r)) break;
+      const int n = static_cast<int>(MinSize(kE, slice_end(r) - e));
+      uint4 raw[G];
+      const bool vec = n == kE && (!push || in_vec);
+      if (vec) load_unit(u, raw);
+      reduce_unit(u, raw, n, vec);
     }
     // orders: every member's reduced slice is complete before anyone gathers it
     if ((a.phases & kPhaseAllgather) && !GroupBarrier<G>(a, &failed)) return;
   }
 
   if (a.phases & kPhaseAllgather) {
-    const bool own_done = (a.phases & kPhaseReduceScatter) != 0;  // written above
-    for (size_t u = first; u < units_per_slice; u += step) {
+    // Own slice: already written by the reduce-scatter above, or (allgather
+    // only) copied here unless out is the registered data itself.
+    const bool copy_own = (a.phases & kPhaseReduceScatter) == 0 && own != out;
+    size_t u = first;
+    if (out_vec) {
+      for (; u + batch_span < full; u += kB * step) {
+        uint4 v[kB][G];
+#pragma unroll
+        for (int j = 0; j < kB; ++j)
+#pragma unroll
+          for (int p = 0; p < G; ++p)
+            if (p != r || copy_own)
+              v[j][p] = __ldcg(reinterpret_cast<const uint4*>(src[p] + p * stride + (u + j * step) * kE));
+#pragma unroll
+        for (int j = 0; j < kB; ++j)
+#pragma unroll
+          for (int p = 0; p < G; ++p)
+            if (p != r || copy_own) *reinterpret_cast<uint4*>(out + p * stride + (u + j * step) * kE) = v[j][p];
+      }
+    }
+    for (; u < units_per_slice; u += step) {
 #pragma unroll
       for (int p = 0; p < G; ++p) {
         const size_t e = slice_begin(p) + u * kE;
-        if (e < slice_end(p) && !(own_done && p == r) && src[p] + e != out + e)
+        if (e < slice_end(p) && (p != r || copy_own))
           CopyUnit<T>(src[p] + e, out + e, static_cast<int>(MinSize(kE, slice_end(p) - e)),
                       out_vec);
       }
