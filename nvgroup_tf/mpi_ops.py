@@ -240,5 +240,10 @@ def _broadcast_grad(op, grad):
     summed = basics.op_module().nvgroup_allreduce(grad, reduce_op="sum", tensor_name=name,
                                                   name=_node_name(name))
     if basics.rank() != op.get_attr("root_rank"):
-        return tf.zeros_like(summed)
+        # Zero, but computed from the allreduce's output: in a graph, an op
+        # nobody consumes is pruned (ops/nvgroup_ops.cc), and the other ranks
+        # would wait for it forever. multiply_no_nan keeps inf/NaN out.
+        if summed.dtype in (tf.float32, tf.float64, tf.float16):
+            return tf.math.multiply_no_nan(summed, tf.zeros([], summed.dtype))
+        return summed * tf.zeros([], summed.dtype)
     return summed

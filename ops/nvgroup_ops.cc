@@ -3,7 +3,15 @@
 // Every op carries a "tensor_name" attr: the name the engine matches across
 // ranks. The Python layer always sets it, deterministically (see the naming
 // note in nvgroup_tf/mpi_ops.py); left empty, the kernel falls back to
-// "<OpType>_<node name>". The GPU kernels of the same ops live in
+// "<OpType>_<node name>".
+//
+// The ops are deliberately not stateful: inside tf.function, TF chains every
+// stateful op without resource inputs in program order (auto_control_deps.py),
+// which would serialize independent collectives (no fusion) and deadlock
+// ranks that build them in different orders. Two collectives never look alike
+// to CSE (distinct tensor_name attrs). The price: TF prunes a collective whose
+// value nothing uses, so callers must consume every result (see the broadcast
+// gradient in nvgroup_tf/mpi_ops.py). The GPU kernels of the same ops live in
 // nvgroup_ops_gpu.cc (built only with GOOGLE_CUDA).
 #include "ops/adapter.h"
 #include "tensorflow/core/framework/op.h"
