@@ -510,6 +510,15 @@ void Engine::Loop() {
   if (!shut_down) {
     if (exit_status.code() == StatusCode::kUnavailable || exit_status.code() == StatusCode::kAborted)
       mpi_broken_ = true;
+    if (exit_status.code() == StatusCode::kUnavailable) {  // see Note [Liveness probe]
+      StatusOr<std::vector<int>> silent = FindSilentRanks(comm_, std::min(2.0, knobs_.peer_timeout_s));
+      if (silent.ok() && !silent.value().empty()) {
+        std::string ranks;
+        for (int r : silent.value()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+        exit_status = Status::Unavailable(exit_status.message() + "; ranks [" + ranks +
+                                          "] did not answer a liveness probe");
+      }
+    }
     NVG_LOG(kError) << "background loop stopped: " << exit_status.ToString();
     cpu_comm_->Abort();
     if (cuda_comm_) cuda_comm_->Abort();

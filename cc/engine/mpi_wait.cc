@@ -42,4 +42,41 @@ Status WaitMpi(MPI_Request* request, const std::string& what, double timeout_s,
   }
 }
 
+StatusOr<std::vector<int>> FindSilentRanks(MPI_Comm comm, double grace_s) {
+  // Any tag works: the engine's communicator carries collectives only.
+  constexpr int kProbeTag = 7411;
+  static const char kToken = 1;  // static: a send to a dead rank may never finish
+  int rank = 0, size = 1;
+  NVG_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  NVG_MPI_CHECK(MPI_Comm_size(comm, &size));
+  std::vector<char> received(size);
+  std::vector<MPI_Request> recvs(size, MPI_REQUEST_NULL);
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    NVG_MPI_CHECK(MPI_Irecv(&received[r], 1, MPI_CHAR, r, kProbeTag, comm, &recvs[r]));
+    MPI_Request send;
+    NVG_MPI_CHECK(MPI_Isend(&kToken, 1, MPI_CHAR, r, kProbeTag, comm, &send));
+    NVG_MPI_CHECK(MPI_Request_free(&send));
+  }
+  const double deadline = MonotonicSeconds() + grace_s;
+  for (bool waiting = true; waiting && MonotonicSeconds() < deadline;) {
+    waiting = false;
+    for (MPI_Request& q : recvs) {
+      if (q == MPI_REQUEST_NULL) continue;
+      int done = 0;
+      NVG_MPI_CHECK(MPI_Test(&q, &done, MPI_STATUS_IGNORE));  // sets q to NULL when done
+      waiting = waiting || !done;
+    }
+    if (waiting) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::vector<int> silent;
+  for (int r = 0; r < size; ++r) {
+    if (recvs[r] == MPI_REQUEST_NULL) continue;
+    silent.push_back(r);
+    NVG_MPI_CHECK(MPI_Cancel(&recvs[r]));
+    NVG_MPI_CHECK(MPI_Request_free(&recvs[r]));
+  }
+  return silent;
+}
+
 }  // namespace nvgroup

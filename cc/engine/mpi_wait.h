@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <string>
+#include <vector>
 
 #include "nvgroup/status.h"
 
@@ -21,5 +22,15 @@ double MonotonicSeconds();
 // `timeout_s` passes (kUnavailable naming `what` and NVGROUP_TIMEOUT).
 Status WaitMpi(MPI_Request* request, const std::string& what, double timeout_s,
                const std::atomic<bool>& abort);
+
+// Note [Liveness probe]
+// After a wait timed out, the waiting ranks learn who is silent: each sends a
+// one-byte message to every other rank on `comm` (which must carry no other
+// point-to-point traffic) and listens for theirs for `grace_s`. The live ranks
+// are stuck in the same collective and time out within a cycle of each other,
+// so a grace of a second or two lets them all answer; a hung or dead rank
+// never does. Unanswered receives are cancelled; sends are left to complete
+// (one byte goes out eagerly). Returns the ranks that did not answer.
+StatusOr<std::vector<int>> FindSilentRanks(MPI_Comm comm, double grace_s);
 
 }  // namespace nvgroup

@@ -67,11 +67,12 @@ def test_stall_inspector_warns_then_fails():
                 "on [1] for 1 s" % name) in result.output
 
 
-def test_peer_timeout_fails_pending_requests(tmp_path):
-    result = run_mpi(worker("engine_timeout.py"), 2, args=[str(tmp_path)], env={"NVGROUP_TIMEOUT": "2"},
+@pytest.mark.parametrize("np", [2, 3])
+def test_peer_timeout_fails_pending_requests_naming_the_silent_rank(tmp_path, np):
+    result = run_mpi(worker("engine_timeout.py"), np, args=[str(tmp_path)], env={"NVGROUP_TIMEOUT": "2"},
                      timeout=90, check=False)
     assert not result.timed_out, result.output[-20000:]
-    assert_all_ranks_ok(result, 2)
+    assert_all_ranks_ok(result, np)
 
 
 def test_timeline_is_valid_chrome_trace(tmp_path):
