@@ -1,12 +1,14 @@
 """Multi-rank correctness of the engine (np = 2, 3, 4): 200 random tensors in a
 different random order on each rank, bitwise identity across ranks, a tensor
-larger than the registered buffer, fused vs
-unfused (NVGROUP_FUSION_THRESHOLD=0) bitwise identical, in-place, grouped
-allreduce, uneven allgather, broadcast from each root, the response cache over
-repeated steps and its invalidation by a shape change, and init after shutdown."""
+larger than the registered buffer, fused vs unfused
+(NVGROUP_FUSION_THRESHOLD=0) bitwise identical, in-place, grouped allreduce,
+uneven allgather (also with first dimensions changing per step), submissions
+from several threads, broadcast from each root, the response cache over
+repeated steps and its invalidation by a shape change, init after shutdown."""
 import hashlib
 import os
 import random
+import threading
 import zlib
 
 import numpy as np
@@ -143,6 +145,41 @@ for dtype in ("float32", "bfloat16", "int64", "uint8", "bool", "float16"):
         check(got.shape == want.shape and got.dtype == want.dtype,
               "%s: got %s %s want %s %s" % (name, got.shape, got.dtype, want.shape, want.dtype))
         check(got.tobytes() == want.tobytes(), "%s: allgather data differs" % name)
+
+# 5b. Allgather whose first dimensions change from step to step on some ranks
+# only: the cached response matches on some ranks and not on others.
+for step in range(5):
+    rows = (step * (rank + 1)) % 3
+    x = np.full((rows, 2), rank + step, np.int32)
+    got = E.wait(E.allgather_async("gather/vary", x.ctypes.data, [rows, 2], "int32", keepalive=x), 60)
+    want = np.concatenate([np.full(((step * (r + 1)) % 3, 2), r + step, np.int32) for r in range(size)])
+    check(got.shape == want.shape and np.array_equal(got, want), "gather/vary step %d: %s" % (step, got))
+
+# 5c. Several submitting threads per rank (as TF's op kernels do).
+def submit_from_thread(t, results):
+    mine = [s for s in specs[:60] if int(s["name"][1:4]) % 4 == t]
+    hs = {}
+    for s in mine:
+        x = rank_data(s["seed"], rank, s["shape"], s["dtype"], s["op"])
+        out = np.zeros_like(x)
+        hs[s["name"]] = (s, out, E.allreduce_async("thread/" + s["name"], x.ctypes.data, out.ctypes.data,
+                                                   s["shape"], s["dtype"], s["op"], s["pre"], s["post"],
+                                                   keepalive=x))
+    for name, (s, out, h) in hs.items():
+        E.wait(h, 120)
+        results[name] = (s, out)
+
+
+results = {}
+threads = [threading.Thread(target=submit_from_thread, args=(t, results)) for t in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+check(len(results) == 60, "threads completed %d of 60" % len(results))
+for name, (s, out) in results.items():
+    want = reference(s["seed"], size, s["shape"], s["dtype"], s["op"], s["pre"], s["post"])
+    check_close("thread/" + name, out, want, s["dtype"], abs(s["pre"] * s["post"]) * (1.5 ** size if s["op"] == "product" else size))
 
 # 6. Broadcast from every root, separate and in-place buffers.
 for root in range(size):
