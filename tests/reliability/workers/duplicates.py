@@ -1,0 +1,62 @@
+"""Duplicate names in flight: refused synchronously on the rank that submits
+the second one, with an error naming it; the first one still completes with
+the right result, and nothing hangs."""
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+import nvgroup_tf._engine as engine
+from rel_common import check_allreduce, say, wait_bounded
+
+COMM = MPI.COMM_WORLD
+
+
+def submit(name, x):
+    y = np.empty_like(x)
+    return engine.allreduce_async(name, x.ctypes.data, y.ctypes.data, list(x.shape), "float64", "sum",
+                                  keepalive=(x, y)), y
+
+
+def expect_duplicate_error(call, name):
+    try:
+        call()
+    except RuntimeError as e:
+        if "INVALID_ARGUMENT" not in str(e) or "duplicate" not in str(e) or name not in str(e):
+            raise AssertionError("unclear error for a duplicate name: %s" % e)
+        return
+    raise AssertionError("a second '%s' in flight was accepted" % name)
+
+
+def main():
+    engine.init()
+    rank, size = engine.rank(), engine.size()
+    xs = [np.random.default_rng([3, r]).standard_normal(17) for r in range(size)]
+    x = xs[rank]
+    h, y = submit("dup", x)
+    if rank == 0:
+        # Rank 1 holds back, so the first 'dup' is certainly still in flight.
+        expect_duplicate_error(lambda: submit("dup", x), "dup")
+        item = ("pair", x.ctypes.data, x.ctypes.data, [x.size], "float64")
+        expect_duplicate_error(lambda: engine.grouped_allreduce_async([item, item], keepalive=x), "pair")
+    COMM.Barrier()
+    wait_bounded(h, 60)
+    why = check_allreduce(y, xs, "float64", "sum")
+    if why:
+        raise AssertionError("'dup' after the refused duplicate: %s" % why)
+    # The name is free again once it completed.
+    h, y = submit("dup", x)
+    wait_bounded(h, 60)
+    why = check_allreduce(y, xs, "float64", "sum")
+    if why:
+        raise AssertionError("'dup' reused after completion: %s" % why)
+    engine.shutdown()
+    say("rank %d: DUPLICATES_OK" % rank)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:  # noqa: BLE001 -- report which rank failed, then fail the job
+        say("rank %d: FAILED\n%s" % (COMM.rank, traceback.format_exc()))
+        COMM.Abort(1)

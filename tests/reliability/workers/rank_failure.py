@@ -1,0 +1,48 @@
+"""Worker: one rank fails mid-loop; the survivors must learn which one.
+
+    rank_failure.py VICTIM STEP kill|stop
+
+Every rank runs allreduces through the engine (pybind module). At STEP the
+victim prints a timestamp and sends itself SIGKILL (dead: its sockets close)
+or SIGSTOP (alive but silent: NVGROUP_TIMEOUT must fire). A survivor's wait()
+must raise naming the victim; it prints "CAUGHT <unix time> <error>" and exits
+3. Without dead-rank detection (kill) the survivors sit in the collective
+until mpirun kills them ~1 s later and never print CAUGHT; without the
+heartbeats (stop) the timeout error cannot name the victim.
+"""
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import nvgroup_tf._engine as engine
+from rel_common import say
+
+
+def main():
+    victim, at_step, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[how]
+    engine.init()
+    rank = engine.rank()
+    rng = np.random.default_rng(100 + rank)
+    try:
+        for step in range(1000000):
+            if rank == victim and step == at_step:
+                say("rank %d: %s %.6f" % (rank, how.upper(), time.time()))
+                os.kill(os.getpid(), sig)
+            x = rng.standard_normal(257)
+            y = np.empty_like(x)
+            h = engine.allreduce_async("grad/%d" % (step % 4), x.ctypes.data, y.ctypes.data,
+                                       list(x.shape), "float64", "sum", keepalive=(x, y))
+            engine.wait(h)
+    except RuntimeError as e:
+        say("rank %d: CAUGHT %.6f %s" % (rank, time.time(), e))
+        sys.exit(3)
+    say("rank %d: the loop ended without an error" % rank)
+    sys.exit(4)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Helpers shared by the reliability workers (run under mpirun, pybind engine).
+
+Data reaches the engine as raw addresses (numpy `a.ctypes.data`). bfloat16 has
+no numpy dtype: it is stored as uint16 bit patterns and widened here.
+"""
+import os
+import time
+
+import numpy as np
+
+import nvgroup_tf._engine as engine
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+OPS = ["sum", "average", "min", "max", "product"]
+STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32,
+           "float64": np.float64, "int32": np.int32, "int64": np.int64}
+# Unit roundoff of each float type.
+EPS = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
+
+
+def to_float64(a, dtype):
+    if dtype == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def from_float64(x, dtype):
+    """float64 values -> storage of `dtype` (bfloat16: round to nearest even)."""
+    if dtype == "bfloat16":
+        u = x.astype(np.float32).view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return x.astype(STORAGE[dtype])
+
+
+def random_input(rng, dtype, op, count):
+    """Random, never all zero; products stay far from overflow/underflow."""
+    if dtype in ("int32", "int64"):
+        if op == "product":
+            v = rng.integers(1, 4, count) * rng.choice([-1, 1], count)
+        else:
+            v = rng.integers(-1000, 1000, count)
+        return v.astype(STORAGE[dtype])
+    if op == "product":
+        x = rng.uniform(0.5, 2.0, count) * rng.choice([-1.0, 1.0], count)
+    else:
+        x = rng.standard_normal(count) * 3.0
+    return from_float64(x, dtype)
+
+
+def widen(a, dtype):
+    return a.astype(np.int64) if dtype in ("int32", "int64") else to_float64(a, dtype)
+
+
+def check_allreduce(out, inputs, dtype, op, prescale=1.0, postscale=1.0):
+    """Returns "" when `out` matches the float64 (exact int64) reference of the
+    allreduce of `inputs` (one array per rank), else a description."""
+    n = len(inputs)
+    xs = [widen(x, dtype) for x in inputs]
+    if dtype in FLOATS and prescale != 1.0:
+        # The prescale is applied in the element type before the reduction.
+        xs = [widen(from_float64(x * prescale, dtype), dtype) for x in xs]
+    got = widen(out, dtype)
+    if op in ("sum", "average"):
+        ref = sum(xs[1:], xs[0].copy())
+        if op == "average":
+            ref = np.sign(ref) * (np.abs(ref) // n) if dtype not in FLOATS else ref / n
+        mag = sum((np.abs(x) for x in xs[1:]), np.abs(xs[0])) / (n if op == "average" else 1)
+    elif op == "min":
+        ref, mag = np.minimum.reduce(xs), 0.0
+    elif op == "max":
+        ref, mag = np.maximum.reduce(xs), 0.0
+    else:
+        ref = np.prod(np.stack(xs), axis=0) if xs[0].size else xs[0].copy()
+        mag = np.abs(ref)
+    if dtype in FLOATS:
+        ref = ref * postscale
+        # float16/bfloat16 accumulate in float32 and round at most once per
+        # level; every type rounds the scaled result once more.
+        eps = EPS[dtype]
+        tol = np.abs(postscale) * mag * ((n + 3) * eps) + np.abs(ref) * eps
+        bad = np.abs(got - ref) > tol
+    else:
+        bad = got != ref
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        return "element %d of %d: got %r, want %r" % (i, bad.size, got.flat[i], ref.flat[i])
+    return ""
+
+
+def rss_bytes():
+    """Anonymous resident memory: heap and stacks, not the shared-memory
+    registered buffers, whose pages become resident as larger buckets touch them."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_bounded(handle, timeout_s):
+    """engine.wait(handle), but raises TimeoutError after `timeout_s` instead of
+    hanging (polls, so the test never depends on wait()'s own timeout)."""
+    deadline = time.time() + timeout_s
+    while not engine.poll(handle):
+        if time.time() > deadline:
+            raise TimeoutError("collective handle %d still in flight after %.0f s" % (handle, timeout_s))
+        time.sleep(0.002)
+    return engine.wait(handle)
+
+
+def say(text):
+    """One line on stdout in one write(): mpirun forwards the ranks' output in
+    chunks, and print()'s separate newline can land after another rank's line."""
+    os.write(1, (text + "\n").encode())

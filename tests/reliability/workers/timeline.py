@@ -1,0 +1,46 @@
+"""Timeline worker: a few fused allreduces, an allgather and a broadcast with
+NVGROUP_TIMELINE set, then shutdown() (which closes the trace). The test reads
+the file rank 0 wrote."""
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+import nvgroup_tf._engine as engine
+from rel_common import check_allreduce, say, wait_bounded
+
+COMM = MPI.COMM_WORLD
+
+
+def main():
+    engine.init()
+    rank, size = engine.rank(), engine.size()
+    for step in range(3):
+        handles = []
+        for k in range(4):
+            xs = [np.random.default_rng([step, k, r]).standard_normal(64 + k) for r in range(size)]
+            y = np.empty_like(xs[rank])
+            h = engine.allreduce_async("layer%d/grad" % k, xs[rank].ctypes.data, y.ctypes.data,
+                                       [xs[rank].size], "float64", "sum", keepalive=(xs[rank], y))
+            handles.append((h, y, xs))
+        for h, y, xs in handles:
+            wait_bounded(h, 60)
+            why = check_allreduce(y, xs, "float64", "sum")
+            if why:
+                raise AssertionError(why)
+    x = np.full((2, 3), rank, np.int32)
+    out = wait_bounded(engine.allgather_async("gathered", x.ctypes.data, [2, 3], "int32", keepalive=x), 60)
+    assert np.array_equal(out, np.repeat(np.arange(size, dtype=np.int32), 6).reshape(2 * size, 3)), out
+    b = np.full(5, 10.0 + rank)
+    wait_bounded(engine.broadcast_async("bcast", b.ctypes.data, b.ctypes.data, [5], "float64", 0, keepalive=b), 60)
+    assert np.all(b == 10.0), b
+    engine.shutdown()
+    say("rank %d: TIMELINE_WORKER_OK" % rank)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:  # noqa: BLE001 -- report which rank failed, then fail the job
+        say("rank %d: FAILED\n%s" % (COMM.rank, traceback.format_exc()))
+        COMM.Abort(1)
