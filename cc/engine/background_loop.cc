@@ -88,7 +88,10 @@ Engine::~Engine() { Stop(); }
 // (1 s, or half the stall warning/shutdown time when shorter), this rank forces
 // a round and reports it, so the stall inspector can name the missing ranks.
 // Reporting does not stop it from completing through the cache later: rank 0
-// then forgets its report (Coordinator::Forget).
+// then forgets its report (Coordinator::Forget). 1 s: ranks of a healthy job
+// drift apart by milliseconds to ~100 ms per step (input pipelines, stragglers),
+// so steady-state steps never pay for a report, while the default 60 s stall
+// warning still sees the name almost from the start.
 
 void Engine::Admit(TensorEntry entry, double now) {
   if (timeline_.enabled()) {
@@ -166,7 +169,8 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   const std::vector<uint8_t> request_bytes = EncodeRequestList(mine);
   const std::string round = "negotiation round " + std::to_string(cycle_);
 
-  // Gather every rank's request list at rank 0: lengths, then bytes.
+  // Gather every rank's request list at rank 0: lengths, then bytes. Orders
+  // rank 0's decision after every rank's report of this cycle.
   int my_length = static_cast<int>(request_bytes.size());
   std::vector<int> lengths(rank_ == 0 ? size_ : 1), displs(rank_ == 0 ? size_ : 1, 0);
   MPI_Request req;
@@ -185,7 +189,9 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
                              lengths.data(), displs.data(), MPI_BYTE, 0, comm_, &req));
   NVG_RETURN_IF_ERROR(Wait(&req, "the request gather of " + round));
 
-  // Rank 0 decides; everyone receives the same response list.
+  // Rank 0 decides; everyone receives the same response list. The broadcast
+  // orders every rank's execution (and cache update) after rank 0's decision,
+  // so all ranks execute and cache the same responses in the same order.
   ResponseList list;
   std::vector<uint8_t> response_bytes;
   if (rank_ == 0) {
@@ -271,6 +277,8 @@ void Engine::CompleteAfterStream(Communicator* comm, std::vector<Pending*> done)
   std::vector<std::pair<std::string, DoneCallback>> callbacks;
   for (Pending* p : done) callbacks.emplace_back(p->entry.request.name, std::move(p->entry.request.done));
   finalizer_->Add([this, comm, callbacks = std::move(callbacks)]() mutable {
+    // Orders `done` after the device finished the copy out (and everything
+    // enqueued before it on the communicator's stream).
     Status s = comm->Synchronize(nullptr);
     for (auto& [name, cb] : callbacks) {
       queue_.Finish(name);

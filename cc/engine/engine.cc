@@ -27,8 +27,9 @@ namespace {
 constexpr double kMinInitTimeoutS = 120.0;
 
 uint64_t GroupId(const std::vector<CollectiveRequest>& requests) {
-  // FNV-1a 64 over the sorted names, '\0'-separated: the same on every rank
-  // that submits the same set of names, whatever their order.
+  // FNV-1a 64 (Fowler/Noll/Vo offset basis and prime) over the sorted names,
+  // '\0'-separated: the same on every rank that submits the same set of
+  // names, whatever their order.
   std::vector<std::string> names;
   for (const CollectiveRequest& r : requests) names.push_back(r.name);
   std::sort(names.begin(), names.end());
