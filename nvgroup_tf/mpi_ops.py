@@ -125,7 +125,7 @@ def _sparse_allreduce(slices, op, prescale_factor, postscale_factor, name):
     if op == Average:
         scale /= basics.size()
     if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
+        values = values * tf.constant(scale, dtype=values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
