@@ -18,6 +18,9 @@ def _run(ctx, argv, what):
         fail("%s failed (%s): %s%s" % (what, " ".join(argv), result.stdout, result.stderr))
     return result.stdout.strip()
 
+def _words(text):
+    return [w for w in text.replace("\n", " ").split(" ") if w]
+
 def _python(ctx):
     explicit = ctx.os.environ.get("NVGROUP_PYTHON")
     if explicit:
@@ -36,7 +39,7 @@ def _tf_local_impl(ctx):
     include, lib, flags = lines[0], lines[1], lines[2]
     ctx.symlink(include, "include")
     ctx.symlink(lib + "/libtensorflow_framework.so.2", "libtensorflow_framework.so.2")
-    ctx.file("defs.bzl", "TF_COPTS = %r\nTF_LIB_DIR = %r\n" % (flags.split(), lib))
+    ctx.file("defs.bzl", "TF_COPTS = %r\nTF_LIB_DIR = %r\n" % (_words(flags), lib))
     ctx.file("BUILD", """
 package(default_visibility = ["//visibility:public"])
 
@@ -59,8 +62,8 @@ tf_local = repository_rule(
 )
 
 def _mpi_local_impl(ctx):
-    compile_flags = _run(ctx, ["mpicxx", "--showme:compile"], "Asking mpicxx").split()
-    link_flags = _run(ctx, ["mpicxx", "--showme:link"], "Asking mpicxx").split()
+    compile_flags = _words(_run(ctx, ["mpicxx", "--showme:compile"], "Asking mpicxx"))
+    link_flags = _words(_run(ctx, ["mpicxx", "--showme:link"], "Asking mpicxx"))
     includes = [f[2:] for f in compile_flags if f.startswith("-I")]
     if not includes:
         fail("mpicxx --showme:compile names no include directory: %s" % compile_flags)

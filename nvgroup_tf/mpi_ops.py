@@ -25,6 +25,7 @@ import warnings
 import tensorflow as tf
 
 from nvgroup_tf import basics
+from nvgroup_tf._validation import check_arguments
 from nvgroup_tf.compression import Compression
 from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE
 
@@ -137,6 +138,8 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     prescale_factor multiplies the input before the reduction, postscale_factor
     the result. tf.IndexedSlices are allgathered (values and indices).
     """
+    check_arguments("allreduce", name=name, op=op, prescale_factor=prescale_factor,
+                    postscale_factor=postscale_factor)
     op = _resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         with tf.device(device_sparse):
@@ -151,6 +154,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, name=None):
     """allreduce of a list of tensors, negotiated and fused as one unit."""
+    check_arguments("grouped_allreduce", name=name, op=op, prescale_factor=prescale_factor,
+                    postscale_factor=postscale_factor)
     op = _resolve_op(op, average)
     tensors = list(tensors)
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
@@ -173,11 +178,14 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 def allgather(tensor, name=None):
     """Concatenates every rank's `tensor` along dimension 0, in rank order.
     First dimensions may differ across ranks."""
+    check_arguments("allgather", name=name)
     return _allgather(tensor, name)
 
 
 def broadcast(tensor, root_rank, name=None):
     """`tensor` of rank `root_rank`, on every rank."""
+    _check_initialized()
+    check_arguments("broadcast", name=name, root_rank=root_rank, size=basics.size())
     return _broadcast(tensor, root_rank, name)
 
 
