@@ -20,6 +20,8 @@ fi
 export NVGROUP_PYTHON="${NVGROUP_PYTHON:-$PWD/.venv/bin/python}"
 
 "$BAZEL" build --symlink_prefix=build/bazel- //:libnvgroup_tf_ops.so
+# Bazel 2.1 also links bazel-out into the workspace root whatever the prefix.
+if [ -L bazel-out ]; then rm bazel-out; fi
 LIB=build/bazel-bin/libnvgroup_tf_ops.so
 "$NVGROUP_PYTHON" - "$LIB" <<'PY'
 import sys
