@@ -20,6 +20,13 @@ namespace {
 // Largest byte count handed to one MPI call: MPI counts are int.
 constexpr size_t kMaxMpiBytes = size_t{1} << 30;
 
+// Status of an MPI return code (NVG_MPI_CHECK's text), for call sites that
+// pass it on through Track instead of returning at once.
+Status Mpi(int rc, const char* call) {
+  if (rc == MPI_SUCCESS) return Status::Ok();
+  return Status::Internal(std::string(call) + " failed: " + MpiErrorString(rc));
+}
+
 bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
   return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
@@ -58,11 +65,12 @@ class CpuCommunicator final : public Communicator {
   }
 
  private:
-  Status CheckNotAborted() const {
-    if (aborted_.load(std::memory_order_acquire))
-      return Status::Aborted("communicator was aborted (shutdown or a lost peer)");
-    return Status::Ok();
-  }
+  // kAborted after Abort(), kUnavailable after a failed collective, else OK.
+  Status CheckUsable() const;
+  // Passes `s` through; a failure during communication leaves the peers in an
+  // unknown state, so it breaks the communicator for good and tells the group
+  // members (their barriers fail at once instead of timing out).
+  Status Track(Status s);
   Status HierarchicalAllreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
   Status RunPieces(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
                    bool in_registered);
@@ -74,6 +82,7 @@ class CpuCommunicator final : public Communicator {
   size_t chunk_bytes_ = 0;
   std::atomic<bool> aborted_{false};  // before shm_, which holds a pointer to it
   std::unique_ptr<ShmGroup> shm_;
+  std::string first_failure_;        // non-empty once a collective failed mid-way
   std::vector<char> flat_scratch_;   // OrderedAllreduce over all ranks
   std::vector<char> cross_scratch_;  // OrderedAllreduce over the peers
 };
@@ -106,19 +115,36 @@ Status CpuCommunicator::Init(MPI_Comm comm, const CommunicatorOptions& options, 
   return Status::Ok();
 }
 
+Status CpuCommunicator::CheckUsable() const {
+  if (aborted_.load(std::memory_order_acquire))
+    return Status::Aborted("communicator was aborted (shutdown or a lost peer)");
+  if (!first_failure_.empty())
+    return Status::Unavailable("communicator is unusable after an earlier failure: " + first_failure_);
+  return Status::Ok();
+}
+
+Status CpuCommunicator::Track(Status s) {
+  if (!s.ok()) {
+    if (first_failure_.empty()) first_failure_ = s.ToString();
+    shm_->MarkFailed();
+  }
+  return s;
+}
+
 Status CpuCommunicator::Allreduce(const void* in, void* out, size_t count, DataType dtype,
                                   ReduceOp op, void* /*stream*/) {
   NVG_RETURN_IF_ERROR(ValidateReduction(dtype, op));
   if (count > 0 && (in == nullptr || out == nullptr))
     return Status::InvalidArgument("allreduce of " + std::to_string(count) +
                                    " elements with a null input or output pointer");
-  NVG_RETURN_IF_ERROR(CheckNotAborted());
+  NVG_RETURN_IF_ERROR(CheckUsable());
   if (count == 0) return Status::Ok();
   const bool flat = algorithm_ == AllreduceAlgorithm::kMpi ||
                     (algorithm_ == AllreduceAlgorithm::kAuto && topo_.group_size == 1);
   if (flat)
-    return OrderedAllreduce(comm_, in, out, count, dtype, op,
-                            op == ReduceOp::kAverage ? topo_.size : 1, chunk_bytes_, &flat_scratch_);
+    return Track(OrderedAllreduce(comm_, in, out, count, dtype, op,
+                                  op == ReduceOp::kAverage ? topo_.size : 1, chunk_bytes_,
+                                  &flat_scratch_));
   return HierarchicalAllreduce(in, out, count, dtype, op);
 }
 
@@ -140,9 +166,7 @@ Status CpuCommunicator::HierarchicalAllreduce(const void* in, void* out, size_t 
     return Status::InvalidArgument(
         "allreduce output overlaps the registered buffer; it may only be the registered buffer "
         "itself, with the input there too");
-  Status s = RunPieces(in, out, count, dtype, op, in_registered);
-  if (!s.ok()) shm_->MarkFailed();  // peers waiting on us fail at once instead of timing out
-  return s;
+  return Track(RunPieces(in, out, count, dtype, op, in_registered));
 }
 
 // Pieces of at most registered_capacity() bytes: each piece's input is copied to
@@ -170,70 +194,79 @@ Status CpuCommunicator::RunPieces(const void* in, void* out, size_t count, DataT
   return Status::Ok();
 }
 
+// Allgatherv and Broadcast first agree on their arguments in one small
+// collective, so a mismatch or a bad pointer on any rank becomes the same
+// kInvalidArgument on every rank instead of a hang or a truncation error.
 Status CpuCommunicator::Allgatherv(const void* in, void* out,
                                    const std::vector<size_t>& bytes_per_rank, void* /*stream*/) {
   const int n = topo_.size;
   if (static_cast<int>(bytes_per_rank.size()) != n)
     return Status::InvalidArgument("allgatherv: bytes_per_rank has " +
-                                   std::to_string(bytes_per_rank.size()) + " entries, expected one per rank (" +
-                                   std::to_string(n) + ")");
-  NVG_RETURN_IF_ERROR(CheckNotAborted());
-  // Cross-rank check: every rank shares the byte count it sends and a digest of
-  // the whole vector it expects; all ranks then judge the same table.
-  uint64_t digest = 1469598103934665603ull;  // FNV-1a offset basis
+                                   std::to_string(bytes_per_rank.size()) +
+                                   " entries, expected one per rank (" + std::to_string(n) + ")");
+  NVG_RETURN_IF_ERROR(CheckUsable());
+  size_t total = 0;
+  for (size_t b : bytes_per_rank) total += b;
+  const size_t mine = bytes_per_rank[topo_.rank];
+  const bool pointers_ok = (total == 0 || out != nullptr) && (mine == 0 || in != nullptr);
+  // Each rank shares what it sends, a digest of the vector it expects and
+  // whether its pointers are usable; every rank judges the same table.
+  uint64_t digest = 1469598103934665603ull;  // FNV-1a 64-bit offset basis
   for (size_t b : bytes_per_rank) digest = (digest ^ b) * 1099511628211ull;  // FNV-1a prime
-  uint64_t mine[2] = {bytes_per_rank[topo_.rank], digest};
-  std::vector<uint64_t> all(2 * n);
-  NVG_MPI_CHECK(MPI_Allgather(mine, 2, MPI_UINT64_T, all.data(), 2, MPI_UINT64_T, comm_));
+  uint64_t view[3] = {mine, digest, pointers_ok ? 1u : 0u};
+  std::vector<uint64_t> all(3 * n);
+  NVG_RETURN_IF_ERROR(Track(Mpi(MPI_Allgather(view, 3, MPI_UINT64_T, all.data(), 3, MPI_UINT64_T, comm_),
+                                "MPI_Allgather (argument check of an allgatherv)")));
   uint64_t truth = 1469598103934665603ull;
-  for (int r = 0; r < n; ++r) truth = (truth ^ all[2 * r]) * 1099511628211ull;
-  for (int r = 0; r < n; ++r)
-    if (all[2 * r + 1] != truth) {
-      std::string sent;
-      for (int k = 0; k < n; ++k) sent += (k ? ", " : "") + std::to_string(all[2 * k]);
+  std::string sent;
+  for (int r = 0; r < n; ++r) {
+    truth = (truth ^ all[3 * r]) * 1099511628211ull;
+    sent += (r ? ", " : "") + std::to_string(all[3 * r]);
+  }
+  for (int r = 0; r < n; ++r) {
+    if (all[3 * r + 1] != truth)
       return Status::InvalidArgument("allgatherv: rank " + std::to_string(r) +
                                      " expects different per-rank byte counts than the ranks send ([" +
                                      sent + "])");
-    }
-  std::vector<size_t> displs(n, 0);
-  size_t total = 0;
-  for (int r = 0; r < n; ++r) {
-    displs[r] = total;
-    total += bytes_per_rank[r];
+    if (all[3 * r + 2] == 0)
+      return Status::InvalidArgument("allgatherv: rank " + std::to_string(r) +
+                                     " passed a null input or output pointer");
   }
-  if (total > 0 && (out == nullptr || (bytes_per_rank[topo_.rank] > 0 && in == nullptr)))
-    return Status::InvalidArgument("allgatherv with a null input or output pointer");
+  if (total == 0) return Status::Ok();
+
+  std::vector<size_t> displs(n, 0);
+  for (int r = 1; r < n; ++r) displs[r] = displs[r - 1] + bytes_per_rank[r - 1];
   char* outc = static_cast<char*>(out);
+  if (mine > 0 && outc + displs[topo_.rank] != in) std::memmove(outc + displs[topo_.rank], in, mine);
   if (total <= static_cast<size_t>(INT_MAX)) {
-    std::vector<int> counts(n), idispls(n);
+    std::vector<int> counts(n), int_displs(n);
     for (int r = 0; r < n; ++r) {
       counts[r] = static_cast<int>(bytes_per_rank[r]);
-      idispls[r] = static_cast<int>(displs[r]);
+      int_displs[r] = static_cast<int>(displs[r]);
     }
-    if (outc + displs[topo_.rank] != in && bytes_per_rank[topo_.rank] > 0)
-      std::memmove(outc + displs[topo_.rank], in, bytes_per_rank[topo_.rank]);
-    NVG_MPI_CHECK(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out, counts.data(),
-                                 idispls.data(), MPI_BYTE, comm_));
-    return Status::Ok();
+    return Track(Mpi(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out, counts.data(),
+                                    int_displs.data(), MPI_BYTE, comm_),
+                     "MPI_Allgatherv"));
   }
   // Beyond int displacements: each rank broadcasts its block, in int-sized pieces.
-  if (outc + displs[topo_.rank] != in && bytes_per_rank[topo_.rank] > 0)
-    std::memmove(outc + displs[topo_.rank], in, bytes_per_rank[topo_.rank]);
   for (int r = 0; r < n; ++r)
     for (size_t off = 0; off < bytes_per_rank[r]; off += kMaxMpiBytes)
-      NVG_MPI_CHECK(MPI_Bcast(outc + displs[r] + off,
-                              static_cast<int>(std::min(kMaxMpiBytes, bytes_per_rank[r] - off)),
-                              MPI_BYTE, r, comm_));
+      NVG_RETURN_IF_ERROR(Track(Mpi(MPI_Bcast(outc + displs[r] + off,
+                                              static_cast<int>(std::min(kMaxMpiBytes, bytes_per_rank[r] - off)),
+                                              MPI_BYTE, r, comm_),
+                                    "MPI_Bcast (block of a large allgatherv)")));
   return Status::Ok();
 }
 
 Status CpuCommunicator::Broadcast(void* buf, size_t bytes, int root, void* /*stream*/) {
-  NVG_RETURN_IF_ERROR(CheckNotAborted());
-  // Cross-rank check of (root, bytes): min and max (negated) in one MPI_MIN.
-  int64_t view[4] = {root, -static_cast<int64_t>(root), static_cast<int64_t>(bytes),
-                     -static_cast<int64_t>(bytes)};
-  int64_t agreed[4];
-  NVG_MPI_CHECK(MPI_Allreduce(view, agreed, 4, MPI_INT64_T, MPI_MIN, comm_));
+  NVG_RETURN_IF_ERROR(CheckUsable());
+  // Min and max (negated) of root and size, and the max of "bad pointer", in one MPI_MIN.
+  const int64_t bad = bytes > 0 && buf == nullptr ? 1 : 0;
+  int64_t view[5] = {root, -static_cast<int64_t>(root), static_cast<int64_t>(bytes),
+                     -static_cast<int64_t>(bytes), -bad};
+  int64_t agreed[5];
+  NVG_RETURN_IF_ERROR(Track(Mpi(MPI_Allreduce(view, agreed, 5, MPI_INT64_T, MPI_MIN, comm_),
+                                "MPI_Allreduce (argument check of a broadcast)")));
   if (agreed[0] != -agreed[1] || agreed[2] != -agreed[3])
     return Status::InvalidArgument("broadcast: ranks disagree on root (" + std::to_string(agreed[0]) +
                                    ".." + std::to_string(-agreed[1]) + ") or size (" +
@@ -242,11 +275,12 @@ Status CpuCommunicator::Broadcast(void* buf, size_t bytes, int root, void* /*str
   if (root < 0 || root >= topo_.size)
     return Status::InvalidArgument("broadcast root " + std::to_string(root) + " is not a rank (size " +
                                    std::to_string(topo_.size) + ")");
-  if (bytes > 0 && buf == nullptr) return Status::InvalidArgument("broadcast of a null pointer");
+  if (agreed[4] != 0) return Status::InvalidArgument("broadcast: a rank passed a null pointer");
   char* p = static_cast<char*>(buf);
   for (size_t off = 0; off < bytes; off += kMaxMpiBytes)
-    NVG_MPI_CHECK(MPI_Bcast(p + off, static_cast<int>(std::min(kMaxMpiBytes, bytes - off)), MPI_BYTE,
-                            root, comm_));
+    NVG_RETURN_IF_ERROR(Track(Mpi(MPI_Bcast(p + off, static_cast<int>(std::min(kMaxMpiBytes, bytes - off)),
+                                            MPI_BYTE, root, comm_),
+                                  "MPI_Bcast")));
   return Status::Ok();
 }
 

@@ -71,6 +71,13 @@ def bad_args(check):
     out = np.zeros(8 * cc.SIZE, np.uint8)
     expect_error(check, "allgatherv disagreement", ["expects different per-rank byte counts"],
                  lambda: comm.allgatherv(f.ctypes.data, out.ctypes.data, sizes))
+    # A bad pointer on one rank only: the argument check turns it into the same
+    # error on every rank (no rank is left waiting in the data exchange).
+    expect_error(check, "allgatherv null output on rank 0", ["rank 0 passed a null input or output pointer"],
+                 lambda: comm.allgatherv(f.ctypes.data, 0 if cc.RANK == 0 else out.ctypes.data,
+                                         [4] * cc.SIZE))
+    expect_error(check, "broadcast null on the last rank", ["a rank passed a null pointer"],
+                 lambda: comm.broadcast(0 if cc.RANK == cc.SIZE - 1 else f.ctypes.data, 16, 0))
     reg = cc.registered_view(comm, "float32", 64)
     expect_error(check, "output inside the registered buffer", ["output overlaps the registered buffer"],
                  lambda: comm.allreduce(f.ctypes.data, reg.ctypes.data + 16, 4, "float32", "sum"))
