@@ -24,6 +24,17 @@
 // Threads: one thread at a time calls the collectives (the engine's background
 // thread); Abort may be called from any thread.
 //
+// Note [Blocking MPI steps]
+// Abort() and timeout_seconds bound the shared-memory waits (ShmGroup). The MPI
+// steps (flat path, cross-group step, allgatherv, broadcast) are blocking MPI
+// calls: completing them nonblocking with a timeout was tried and rejected,
+// because MPI can neither cancel nor free a collective request, so an abandoned
+// one later wrote into freed memory when the late peer arrived (a segfault in
+// the test). A peer lost inside an MPI step is reported by MPI (Open MPI ends
+// the job). Any failure after communication started breaks the communicator:
+// later calls return kUnavailable with the first error, and the group members'
+// barriers fail at once.
+//
 // Note [Determinism contract]
 // Element i of an allreduce is reduced as a left fold over the members of a
 // group in group_rank order, then a left fold over the group results in
