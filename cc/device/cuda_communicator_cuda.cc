@@ -36,15 +36,16 @@ constexpr size_t kMinRegisteredBytes = 64u << 20;
 // Launch defaults, measured on 2x H200 with allreduce_perf --sweep (see
 // docs/PERFORMANCE.md "Tuning"): for 2 GPUs one-shot is faster than two-shot
 // up to 8 MiB (its remote traffic, (G-1) S, equals two-shot's 2 (G-1)/G S
-// when G = 2, and it has one barrier instead of three); grids of 128 (one-shot)
-// and 192 (two-shot) blocks were the fastest caps from 1 MiB up. For larger
+// when G = 2, and it has one barrier instead of three); a grid cap of 128
+// blocks was the fastest for both kernels from 1 MiB up (two-shot with its
+// 4-unit batches: 192 and 256 blocks were 5-20% slower at 64-256 MiB). For larger
 // groups one-shot moves (G-1) S against 2 (G-1)/G S, so it pays only where
 // latency dominates: 512 KiB, between PyTorch's 256 KB and vLLM's 512 KB-1 MB
 // one-shot limits (ANCHORS.md §2) -- not measured here (2 GPUs only).
 constexpr size_t kDefaultOneShotMaxBytesTwoGpus = 8u << 20;
 constexpr size_t kDefaultOneShotMaxBytesLarger = 512u << 10;
 constexpr int kDefaultOneShotBlocks = 128;
-constexpr int kDefaultTwoShotBlocks = 192;
+constexpr int kDefaultTwoShotBlocks = 128;
 // BatchedScaledCopy descriptor slots in flight (pinned host + device each).
 constexpr int kCopySlots = 4;
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the GPU tools (allreduce_check, allreduce_perf) from the engine's
-# communicator sources: nvcc for cc/kernels/*.cu, g++ for the rest, linked with
+# Builds the GPU tools (allreduce_check, allreduce_perf, engine_perf) from the
+# engine's sources: nvcc for cc/kernels/*.cu, g++ for the rest, linked with
 # Open MPI and cudart. setup.py builds libraries, not binaries, hence this.
 # Usage: scripts/device/build_tools.sh [build_dir] [jobs]
 set -euo pipefail
@@ -19,6 +19,8 @@ NVFLAGS="-O3 -std=c++17 -gencode arch=compute_$ARCH,code=sm_$ARCH -DNVGROUP_WITH
 HOST_SRCS="cc/common/env.cc cc/common/status.cc cc/common/types.cc cc/topology/topology.cc cc/cpu/host_reduce.cc"
 CUDA_CC_SRCS=$(ls cc/device/*_cuda.cc)
 CU_SRCS=$(ls cc/kernels/*.cu)
+# engine_perf links the whole engine (as setup.py's engine_sources()).
+ENGINE_SRCS=$(find cc -name '*.cc' ! -path 'cc/python/*' ! -path 'cc/tools/*' ! -path 'cc/tests/*' ! -name '*_cuda.cc' | sort)
 
 compile() {  # src -> $BUILD/<flattened>.o, only when stale
   local src=$1 obj="$BUILD/$(echo "$1" | tr / _).o"
@@ -27,11 +29,14 @@ compile() {  # src -> $BUILD/<flattened>.o, only when stale
 }
 export -f compile
 export BUILD CXXFLAGS NVFLAGS
-printf '%s\n' $CU_SRCS $HOST_SRCS $CUDA_CC_SRCS cc/tools/allreduce_check.cc cc/tools/allreduce_perf.cc |
+printf '%s\n' $CU_SRCS $ENGINE_SRCS $CUDA_CC_SRCS cc/tools/allreduce_check.cc cc/tools/allreduce_perf.cc cc/tools/engine_perf.cc | sort -u |
   xargs -P "$JOBS" -I{} bash -c 'compile {}'
 LIB_OBJS=""
 for s in $CU_SRCS $HOST_SRCS $CUDA_CC_SRCS; do LIB_OBJS+=" $BUILD/$(echo "$s" | tr / _).o"; done
 for tool in allreduce_check allreduce_perf; do
   g++ -o "$BUILD/$tool" "$BUILD/cc_tools_$tool.cc.o" $LIB_OBJS $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt
 done
-echo "built $BUILD/allreduce_check $BUILD/allreduce_perf"
+ENGINE_OBJS=""
+for s in $CU_SRCS $ENGINE_SRCS $CUDA_CC_SRCS; do ENGINE_OBJS+=" $BUILD/$(echo "$s" | tr / _).o"; done
+g++ -o "$BUILD/engine_perf" "$BUILD/cc_tools_engine_perf.cc.o" $ENGINE_OBJS $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt
+echo "built $BUILD/allreduce_check $BUILD/allreduce_perf $BUILD/engine_perf"

@@ -9,6 +9,8 @@
 #   sanitize  compute-sanitizer memcheck + racecheck on a quick case
 #   sweep   kernel tuning sweep (one-/two-shot x grid caps)
 #   bench   nccl-tests tables vs NCCL and MPI + ResNet-50 gradient set
+#   engine  the engine's full path (Enqueue) on the ResNet-50 gradient set
+#   pytest  build the pybind11 module with CUDA, run tests/gpu
 # Logs and JSON go to $OUT (at most 8 files); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -80,6 +82,17 @@ for stage in "$@"; do
       step "bench"
       run timeout 250 mpirun -np $NP --bind-to none $PERF --max_bytes ${BENCH_MAX:-1G} --nccl_lib "$NCCL_LIB" --resnet benchmarks/resnet50_gradients.txt --json "$OUT/perf.json" > "$OUT/perf.txt" 2>&1
       sed -n '/^# summary/,$p' "$OUT/perf.txt" ;;
+    engine)
+      step "engine path: ResNet-50 gradient set through Enqueue (fusion -> kernel -> callback)"
+      run timeout 200 mpirun -np $NP --bind-to none build/tools/engine_perf benchmarks/resnet50_gradients.txt 30 ;;
+    pytest)
+      step "pybind module with CUDA + tests/gpu"
+      if command -v mpicxx > /dev/null; then
+        NVGROUP_WITH_CUDA=1 NVGROUP_WITHOUT_TF=1 NVGROUP_BUILD_JOBS=$(nproc) timeout 300 python3 setup.py build_ext --inplace > "$OUT/pybind_build.log" 2>&1 || { echo "!!! pybind build failed"; tail -20 "$OUT/pybind_build.log"; STATUS=1; }
+        run timeout 400 python3 -m pytest -q -x tests/gpu
+      else
+        echo "!!! no mpicxx on this machine: pybind module not built, tests/gpu not run"; STATUS=1
+      fi ;;
     *) echo "unknown stage $stage"; STATUS=1 ;;
   esac
 done

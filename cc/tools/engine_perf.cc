@@ -1,0 +1,135 @@
+// engine_perf: the full engine path on the GPU for a model's gradient set.
+//
+// Every step enqueues one named Average allreduce per gradient (in reverse
+// order, as backprop produces them) through nvgroup::Enqueue with a ready
+// event, exactly as the TF adapter does: negotiation -> fusion into the
+// registered buffer (BatchedScaledCopy) -> NV-group kernel -> copy out ->
+// done callback. A step ends when every callback has run (callbacks run after
+// the output is complete on the device), so wall-clock time per step is the
+// engine's latency for the set. The last step's outputs are checked against a
+// float64 reference, every element. Compare with allreduce_perf's NCCL time
+// for the same bytes from the same run (docs/PERFORMANCE.md).
+//
+// Usage: mpirun -np 2 engine_perf benchmarks/resnet50_gradients.txt [steps]
+#include <cuda_runtime.h>
+#include <mpi.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "nvgroup/engine.h"
+#include "tools/tool_common.h"
+
+int main(int argc, char** argv) {
+  using namespace nvgroup;
+  using namespace nvgroup::tools;
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  if (argc < 2) Die("usage: engine_perf GRADIENT_TABLE [steps]");
+  const int steps = argc > 2 ? std::stoi(argv[2]) : 20;
+  Check(Init(EngineOptions{}), "engine Init");
+  const int rank = Rank().value(), size = Size().value(), local = LocalRank().value();
+  int devices = 0;
+  CheckCuda(cudaGetDeviceCount(&devices), "device count");
+  const int dev = local % devices;
+  CheckCuda(cudaSetDevice(dev), "set device");
+
+  std::ifstream in(argv[1]);
+  if (!in) Die(std::string("cannot read ") + argv[1]);
+  std::vector<size_t> counts;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ss(line);
+    size_t idx, n;
+    ss >> idx >> n;
+    counts.push_back(n);
+  }
+  const int n = static_cast<int>(counts.size());
+  size_t total = 0;
+  std::vector<float*> d_in(n), d_out(n);
+  std::vector<std::vector<float>> host(n);
+  for (int t = 0; t < n; ++t) {
+    total += counts[t];
+    host[t].resize(counts[t]);
+    for (size_t i = 0; i < counts[t]; ++i)
+      host[t][i] = static_cast<float>(2.0 * Uniform(t + 1, rank, i) - 1.0);
+    CheckCuda(cudaMalloc(&d_in[t], counts[t] * 4), "cudaMalloc");
+    CheckCuda(cudaMalloc(&d_out[t], counts[t] * 4), "cudaMalloc");
+    CheckCuda(cudaMemcpy(d_in[t], host[t].data(), counts[t] * 4, cudaMemcpyHostToDevice), "H2D");
+  }
+  cudaStream_t stream;
+  cudaEvent_t ready;
+  CheckCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  CheckCuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "event");
+  CheckCuda(cudaDeviceSynchronize(), "sync");
+
+  std::mutex mu;
+  std::condition_variable cv;
+  int pending = 0;
+  Status first_error;
+  auto step = [&] {
+    CheckCuda(cudaEventRecord(ready, stream), "record");  // "the gradients are produced"
+    {
+      std::lock_guard<std::mutex> l(mu);
+      pending = n;
+    }
+    for (int t = n - 1; t >= 0; --t) {
+      CollectiveRequest q;
+      q.name = "grad_" + std::to_string(t);
+      q.type = CollectiveType::kAllreduce;
+      q.dtype = DataType::kFloat32;
+      q.device = Device::Cuda(dev);
+      q.shape = {static_cast<int64_t>(counts[t])};
+      q.input = d_in[t];
+      q.output = d_out[t];
+      q.op = ReduceOp::kAverage;
+      q.ready_event = ready;
+      q.done = [&](const Status& s) {
+        std::lock_guard<std::mutex> l(mu);
+        if (!s.ok() && first_error.ok()) first_error = s;
+        if (--pending == 0) cv.notify_all();
+      };
+      Check(Enqueue(std::move(q)), "Enqueue");
+    }
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return pending == 0; });
+    Check(first_error, "allreduce");
+  };
+  for (int i = 0; i < 3; ++i) step();
+  MPI_Barrier(MPI_COMM_WORLD);
+  const double t0 = MPI_Wtime();
+  for (int i = 0; i < steps; ++i) step();
+  double us = (MPI_Wtime() - t0) * 1e6 / steps, sum = 0;
+  MPI_Allreduce(&us, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+
+  // Verify the last step: every element of every gradient vs float64 / size.
+  long long wrong = 0;
+  const double bound = (size + 2.0) * std::ldexp(1.0, -24);
+  for (int t = 0; t < n; ++t) {
+    std::vector<float> got(counts[t]);
+    CheckCuda(cudaMemcpy(got.data(), d_out[t], counts[t] * 4, cudaMemcpyDeviceToHost), "D2H");
+    for (size_t i = 0; i < counts[t]; ++i) {
+      double ref = 0;
+      for (int r = 0; r < size; ++r) ref += static_cast<float>(2.0 * Uniform(t + 1, r, i) - 1.0);
+      if (!(std::fabs(got[i] - ref / size) <= bound)) ++wrong;
+    }
+  }
+  long long all_wrong = 0;
+  MPI_Allreduce(&wrong, &all_wrong, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  if (rank == 0)
+    std::printf("# engine_perf: %d ranks, %d tensors, %zu floats (%.1f MB): %.1f us per step "
+                "(mean of %d, enqueue -> last callback), wrong %lld\n",
+                size, n, total, total * 4 / 1e6, sum / size, steps, all_wrong);
+  for (int t = 0; t < n; ++t) {
+    CheckCuda(cudaFree(d_in[t]), "cudaFree");
+    CheckCuda(cudaFree(d_out[t]), "cudaFree");
+  }
+  Check(Shutdown(), "Shutdown");
+  MPI_Finalize();
+  return all_wrong == 0 ? 0 : 1;
+}
