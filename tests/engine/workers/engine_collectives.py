@@ -8,6 +8,7 @@ repeated steps and its invalidation by a shape change, init after shutdown."""
 import hashlib
 import os
 import random
+import sys
 import threading
 import zlib
 
@@ -76,17 +77,19 @@ fused = run_allreduces(specs, order_seed=1)
 same_on_all_ranks(fused, "fused allreduce results")
 
 # 1b. A tensor larger than the registered buffer (64 MiB by default) runs alone,
-# unfused, with its prescale/average/postscale applied outside the buffer.
-big_shape = [17 * 2**20 + 3]
-x = rank_data(999, rank, big_shape, "float32")
-out = np.zeros_like(x)
-E.wait(E.allreduce_async("big", x.ctypes.data, out.ctypes.data, big_shape, "float32", "average", 0.5, 3.0), 120)
-check_close("big", out, reference(999, size, big_shape, "float32", "average", 0.5, 3.0), "float32", 1.5)
-same_on_all_ranks(out.tobytes(), "big allreduce")
-del x, out
+# unfused, with its prescale/average/postscale applied outside the buffer
+# (argv 'big'; costly, so the pytest side asks for it on 2 ranks only).
+if "big" in sys.argv[1:]:
+    big_shape = [17 * 2**20 + 3]
+    x = rank_data(999, rank, big_shape, "float32")
+    out = np.zeros_like(x)
+    E.wait(E.allreduce_async("big", x.ctypes.data, out.ctypes.data, big_shape, "float32", "average", 0.5, 3.0), 120)
+    check_close("big", out, reference(999, size, big_shape, "float32", "average", 0.5, 3.0), "float32", 1.5)
+    same_on_all_ranks(out.tobytes(), "big allreduce")
+    del x, out
 
 # 2. The response cache: the same names for several steps (new orders each step).
-for step in range(4):
+for step in range(3):
     check(run_allreduces(specs, order_seed=10 + step) == fused, "step %d differs from step 0" % step)
 
 # 3. Invalidation: same name, new shape on every rank, then back.
