@@ -260,6 +260,7 @@ StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
 void Engine::Complete(Pending* p, const Status& status) {
   queue_.Finish(p->entry.request.name);
   DoneCallback done = std::move(p->entry.request.done);
+  p->entry.request.done = nullptr;  // a moved-from std::function is unspecified; this marks "completed"
   try {
     done(status);
   } catch (...) {  // a callback must not take the loop down
@@ -275,7 +276,10 @@ void Engine::CompleteAfterStream(Communicator* comm, std::vector<Pending*> done)
   // The Pending objects are owned by the Work list, which dies at the end of
   // the cycle: move the callbacks into the job.
   std::vector<std::pair<std::string, DoneCallback>> callbacks;
-  for (Pending* p : done) callbacks.emplace_back(p->entry.request.name, std::move(p->entry.request.done));
+  for (Pending* p : done) {
+    callbacks.emplace_back(p->entry.request.name, std::move(p->entry.request.done));
+    p->entry.request.done = nullptr;
+  }
   finalizer_->Add([this, comm, callbacks = std::move(callbacks)]() mutable {
     // Orders `done` after the device finished the copy out (and everything
     // enqueued before it on the communicator's stream).
@@ -507,12 +511,14 @@ void Engine::Loop() {
     }
     std::vector<Work> work = TakeCacheHits(bits);
     const size_t cache_hits = work.size();
-    if (!(bits[0] & kNothingToReport)) {
-      exit_status = Negotiate(now, &work);
-      if (!exit_status.ok()) break;
+    if (!(bits[0] & kNothingToReport)) exit_status = Negotiate(now, &work);
+    if (exit_status.ok()) exit_status = Execute(&work, cache_hits);
+    if (!exit_status.ok()) {
+      // Requests taken out of pending_ this cycle but not completed yet.
+      for (Work& w : work)
+        if (w.pending != nullptr && w.pending->entry.request.done) Complete(w.pending.get(), exit_status);
+      break;
     }
-    exit_status = Execute(&work, cache_hits);
-    if (!exit_status.ok()) break;
   }
 
   if (!shut_down) {
