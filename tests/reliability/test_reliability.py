@@ -30,6 +30,8 @@ import shutil
 import subprocess
 import time
 
+import pytest
+
 from mpi_util import REPO, run_mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,6 +56,20 @@ def lines(result, pattern):
     return re.findall(pattern, result.output, flags=re.MULTILINE)
 
 
+def run_recorded(tmp_path, script, np, args, env):
+    """run() for jobs that end in a rank failure: the workers' say() lines are
+    also read back from REL_RECORD_DIR (mpirun may drop output in flight when it
+    aborts the job) and appended to result.output."""
+    record = tmp_path / "record"
+    record.mkdir()
+    full_env = dict(env)
+    full_env["REL_RECORD_DIR"] = str(record)
+    r = run(script, np, args, env=full_env, timeout=240, check=False)
+    for f in sorted(record.iterdir()):
+        r.output += "\n" + f.read_text()
+    return r
+
+
 def assert_no_false_alarm(result):
     """A clean run must never report a rank as dead (BYE before EOF)."""
     assert FALSE_ALARM not in result.output, result.output[-5000:]
@@ -61,11 +77,14 @@ def assert_no_false_alarm(result):
 
 # --- dead and silent ranks ----------------------------------------------------
 
-def _check_dead_rank(victim, np_=3):
+@pytest.mark.parametrize("victim,kind", [(1, "allreduce"), (0, "allreduce"), (2, "broadcast"),
+                                         (1, "allgather")])
+def test_killed_rank_is_named_by_the_survivors(tmp_path, victim, kind):
     # NVGROUP_TIMEOUT far above the bound: only the liveness channel can explain
     # the failure in time. mpirun kills the survivors ~1 s after the death, so a
     # survivor that has not caught the error by then never prints CAUGHT.
-    r = run("rank_failure.py", np_, [victim, 150, "kill"], env={"NVGROUP_TIMEOUT": 60}, timeout=120, check=False)
+    np_ = 3
+    r = run_recorded(tmp_path, "rank_failure.py", np_, [victim, 150, "kill", kind], env={"NVGROUP_TIMEOUT": 60})
     assert not r.timed_out, r
     assert r.returncode != 0, r
     assert r.seconds < 60, "the job took %.0f s to end after a rank died" % r.seconds
@@ -77,20 +96,23 @@ def _check_dead_rank(victim, np_=3):
         assert caught, "rank %d did not report the death of rank %d:\n%s" % (survivor, victim, r.output)
         latency = float(caught[0]) - float(killed[0])
         assert latency < 1.0, "rank %d learned of the death after %.2f s" % (survivor, latency)
-        assert lines(r, r"^\[nvgroup rank %d\] ERROR: rank %d \(host .*died or exited without shutdown"
-                        % (survivor, victim)), r
 
 
-def test_killed_rank_is_named_by_the_survivors():
-    _check_dead_rank(victim=1)
+def test_killed_rank_raises_unavailable_error_in_tensorflow(tmp_path):
+    r = run_recorded(tmp_path, "tf_rank_failure.py", 3, [1, 30], env={"NVGROUP_TIMEOUT": 60})
+    assert not r.timed_out, r
+    assert r.returncode != 0, r
+    killed = lines(r, r"^rank 1: KILL ([0-9.]+)$")
+    assert killed, r
+    for survivor in (0, 2):
+        caught = lines(r, r"^rank %d: CAUGHT ([0-9.]+) UnavailableError .*rank 1 \(host [^,]+, pid \d+\) died or "
+                          r"exited without shutdown\(\); aborting" % survivor)
+        assert caught, "rank %d did not raise UnavailableError naming rank 1:\n%s" % (survivor, r.output)
+        assert float(caught[0]) - float(killed[0]) < 1.0, r.output
 
 
-def test_killed_rank_zero_is_named_by_the_survivors():
-    _check_dead_rank(victim=0)
-
-
-def test_stopped_rank_is_named_when_the_timeout_fires():
-    r = run("rank_failure.py", 3, [2, 150, "stop"], env={"NVGROUP_TIMEOUT": 4}, timeout=120, check=False)
+def test_stopped_rank_is_named_when_the_timeout_fires(tmp_path):
+    r = run_recorded(tmp_path, "rank_failure.py", 3, [2, 150, "stop", "allreduce"], env={"NVGROUP_TIMEOUT": 4})
     assert not r.timed_out, r
     assert r.returncode != 0, r
     assert r.seconds < 60, r

@@ -1,8 +1,9 @@
 """Worker: one rank fails mid-loop; the survivors must learn which one.
 
-    rank_failure.py VICTIM STEP kill|stop
+    rank_failure.py VICTIM STEP kill|stop [allreduce|allgather|broadcast]
 
-Every rank runs allreduces through the engine (pybind module). At STEP the
+Every rank runs collectives (allreduce by default) through the engine (pybind
+module). At STEP the
 victim prints a timestamp and sends itself SIGKILL (dead: its sockets close)
 or SIGSTOP (alive but silent: NVGROUP_TIMEOUT must fire). A survivor's wait()
 must raise naming the victim; it prints "CAUGHT <unix time> <error>" and exits
@@ -23,6 +24,7 @@ from rel_common import say
 
 def main():
     victim, at_step, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    kind = sys.argv[4] if len(sys.argv) > 4 else "allreduce"
     sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[how]
     engine.init()
     rank = engine.rank()
@@ -34,8 +36,15 @@ def main():
                 os.kill(os.getpid(), sig)
             x = rng.standard_normal(257)
             y = np.empty_like(x)
-            h = engine.allreduce_async("grad/%d" % (step % 4), x.ctypes.data, y.ctypes.data,
-                                       list(x.shape), "float64", "sum", keepalive=(x, y))
+            name = "%s/%d" % (kind, step % 4)
+            if kind == "allreduce":
+                h = engine.allreduce_async(name, x.ctypes.data, y.ctypes.data, list(x.shape), "float64", "sum",
+                                           keepalive=(x, y))
+            elif kind == "broadcast":
+                h = engine.broadcast_async(name, x.ctypes.data, y.ctypes.data, list(x.shape), "float64",
+                                           step % 3, keepalive=(x, y))
+            else:
+                h = engine.allgather_async(name, x.ctypes.data, list(x.shape), "float64", keepalive=x)
             engine.wait(h)
     except RuntimeError as e:
         say("rank %d: CAUGHT %.6f %s" % (rank, time.time(), e))

@@ -111,5 +111,13 @@ def wait_bounded(handle, timeout_s):
 
 def say(text):
     """One line on stdout in one write(): mpirun forwards the ranks' output in
-    chunks, and print()'s separate newline can land after another rank's line."""
-    os.write(1, (text + "\n").encode())
+    chunks, and print()'s separate newline can land after another rank's line.
+    With REL_RECORD_DIR set the line also goes to a file of this process: once
+    mpirun decides to abort a job it may drop output still in flight."""
+    line = (text + "\n").encode()
+    os.write(1, line)
+    record = os.environ.get("REL_RECORD_DIR")
+    if record:
+        fd = os.open(os.path.join(record, "%d.log" % os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.write(fd, line)
+        os.close(fd)

@@ -61,6 +61,9 @@ def main():
                 raise AssertionError("'skipme' completed although rank 1 never submitted it")
             except RuntimeError as e:
                 say("rank %d: STALL_ERROR %s" % (rank, e))
+    # Rank 1 must not submit 'after' while the others still wait out the stall
+    # time: 'after' would stall in turn.
+    COMM.Barrier()
     checked_allreduce("after", 3)
     say("rank %d: OK after the stall" % rank)
     engine.shutdown()
