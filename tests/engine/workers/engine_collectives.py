@@ -3,13 +3,15 @@ different random order on each rank, bitwise identity across ranks, a tensor
 larger than the registered buffer, fused vs unfused
 (NVGROUP_FUSION_THRESHOLD=0) bitwise identical, in-place, grouped allreduce,
 uneven allgather (also with first dimensions changing per step), submissions
-from several threads, broadcast from each root, the response cache over
-repeated steps and its invalidation by a shape change, init after shutdown."""
+from several threads, skewed submission timing, broadcast from each root, the
+response cache over repeated steps and its invalidation by a shape change,
+init after shutdown."""
 import hashlib
 import os
 import random
 import sys
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -195,6 +197,42 @@ for root in range(size):
         check(out.tobytes() == want.tobytes(), "broadcast root %d %s wrong" % (root, dtype))
         E.wait(E.broadcast_async("bcast/inplace/%d/%s" % (root, dtype), x.ctypes.data, x.ctypes.data, shape, dtype, root))
         check(x.tobytes() == want.tobytes(), "in-place broadcast root %d %s wrong" % (root, dtype))
+
+# 6b. Skewed timing: each rank submits in its own order with random pauses, so
+# cycles see names ready on some ranks only (partial cache hits, mixed cached
+# and negotiated names, groups arriving while singles wait).
+skew_specs = make_specs(40, seed=7)
+skew_groups = [make_specs(4, seed=70 + g) for g in range(3)]
+for g, group in enumerate(skew_groups):
+    for s in group:
+        s["name"] = "skew/group%d/%s" % (g, s["name"])
+for step in range(3):
+    rng = random.Random(step * 100 + rank)
+    units = [("one", s) for s in skew_specs[: 30 + 5 * step]] + [("group", grp) for grp in skew_groups]
+    rng.shuffle(units)
+    live = []
+    for kind, unit in units:
+        members = [unit] if kind == "one" else unit
+        items = []
+        for s in members:
+            x = rank_data(s["seed"], rank, s["shape"], s["dtype"], s["op"])
+            out = np.zeros_like(x)
+            items.append((s, x, out))
+        if kind == "one":
+            s, x, out = items[0]
+            hs = [E.allreduce_async("skew/" + s["name"], x.ctypes.data, out.ctypes.data, s["shape"], s["dtype"],
+                                    s["op"], s["pre"], s["post"])]
+        else:
+            hs = E.grouped_allreduce_async([(s["name"], x.ctypes.data, out.ctypes.data, s["shape"], s["dtype"],
+                                             s["op"], s["pre"], s["post"]) for s, x, out in items])
+        live += [(s, x, out, h) for (s, x, out), h in zip(items, hs)]
+        if rng.random() < 0.3:
+            time.sleep(rng.uniform(0, 0.003))
+    for s, x, out, h in live:
+        E.wait(h, 120)
+        want = reference(s["seed"], size, s["shape"], s["dtype"], s["op"], s["pre"], s["post"])
+        check_close("skew step %d %s" % (step, s["name"]), out, want, s["dtype"],
+                    abs(s["pre"] * s["post"]) * (1.5 ** size if s["op"] == "product" else size))
 
 # 7. Fused vs unfused: the same 200 tensors with fusion off, after a re-init.
 E.shutdown()
