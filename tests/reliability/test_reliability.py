@@ -6,7 +6,8 @@ stopped rank) the run uses check=False and the assertions say what must have
 happened instead of a hang:
 
   * dead rank     -- SIGKILL of one rank: the survivors name it within ~1 s
-                     (cc/transport/liveness.h), before mpirun's own kill;
+                     (cc/transport/liveness.h), before mpirun's own kill; a
+                     clean exit (shutdown() says BYE) is never taken for one;
   * silent rank   -- SIGSTOP of one rank: NVGROUP_TIMEOUT fires and names it;
   * stalls        -- a rank skips a tensor: rank 0 warns naming the tensor and
                      the rank; NVGROUP_STALL_SHUTDOWN_TIME turns it into errors;
@@ -120,6 +121,14 @@ def test_stopped_rank_is_named_when_the_timeout_fires(tmp_path):
         caught = lines(r, r"^rank %d: CAUGHT [0-9.]+ UNAVAILABLE: .*NVGROUP_TIMEOUT.*rank 2 \(host [^,]+, pid "
                           r"\d+\) has sent no heartbeat" % survivor)
         assert caught, "rank %d did not name the silent rank 2:\n%s" % (survivor, r.output)
+
+
+def test_clean_exit_at_different_times_is_not_a_death():
+    # Fails without the BYE frame: rank 0's monitor would see ranks 1 and 2
+    # close their sockets while it is still open.
+    r = run("staggered_exit.py", 3)
+    assert len(lines(r, r"EXITED_CLEANLY$")) == 3, r.output
+    assert_no_false_alarm(r)
 
 
 # --- stalls -------------------------------------------------------------------
