@@ -32,6 +32,7 @@
 
 #include "engine/controller.h"
 #include "engine/fusion.h"
+#include "engine/stall_inspector.h"
 #include "engine/wire_format.h"
 #include "nvgroup/engine.h"
 
@@ -338,7 +339,7 @@ ResponseMessage ResponseFromDict(const py::dict& d) {
 }
 
 void RegisterTestingBindings(py::module_& t) {
-  t.doc() = "Pure engine internals (wire format, fusion planner, response builder) for unit tests.";
+  t.doc() = "Pure engine internals (wire format, fusion planner, coordinator) for unit tests.";
   t.def("encode_request_list", [](const std::vector<py::dict>& requests) {
     std::vector<RequestMessage> qs;
     for (const py::dict& d : requests) qs.push_back(RequestFromDict(d));
@@ -381,6 +382,36 @@ void RegisterTestingBindings(py::module_& t) {
       d["bytes"] = b.bytes;
       d["fusable"] = b.fusable;
       out.append(d);
+    }
+    return out;
+  });
+  t.def("run_coordinator", [](int size, double stall_warning_s, double stall_shutdown_s,
+                              const std::vector<py::tuple>& script) {
+    // Drives rank 0's Coordinator with a script of steps:
+    //   ("add", rank, request_dict, now) | ("forget", name) | ("take",) | ("stalls", now)
+    // and returns, for each "take"/"stalls", the released responses as dicts.
+    StallInspector stall(size, stall_warning_s, stall_shutdown_s);
+    Coordinator coordinator(size, &stall);
+    py::list out;
+    for (const py::tuple& step : script) {
+      const std::string what = step[0].cast<std::string>();
+      std::vector<ResponseMessage> released;
+      if (what == "add") {
+        coordinator.AddRequest(step[1].cast<int>(), RequestFromDict(step[2].cast<py::dict>()), step[3].cast<double>());
+        continue;
+      } else if (what == "forget") {
+        coordinator.Forget(step[1].cast<std::string>());
+        continue;
+      } else if (what == "take") {
+        released = coordinator.TakeReadyResponses();
+      } else if (what == "stalls") {
+        released = coordinator.TakeStalledResponses(step[1].cast<double>());
+      } else {
+        throw EngineError("INVALID_ARGUMENT: unknown coordinator step '" + what + "'");
+      }
+      py::list batch;
+      for (const ResponseMessage& r : released) batch.append(ResponseToDict(r));
+      out.append(batch);
     }
     return out;
   });

@@ -205,3 +205,57 @@ def test_build_response_groups_ranks_by_value():
                                   "ranks [1, 3, 4] have 1")
     r = T.build_response([request(type=ALLGATHER, shape=s) for s in ([1, 2], [5, 2], [1, 3])])
     assert "rank 2 has [?, 3]" in r["error_message"]
+
+
+# --- coordinator (rank 0's table, groups, stalls) -------------------------------
+
+def coordinate(size, script, warning=0.0, shutdown=0.0):
+    return [[(r["name"], r["error_code"]) for r in batch]
+            for batch in T.run_coordinator(size, warning, shutdown, script)]
+
+
+def test_coordinator_releases_in_completion_order_once_all_ranks_report():
+    out = coordinate(3, [
+        ("add", 0, request("a"), 0.0), ("add", 0, request("b"), 0.0), ("add", 1, request("b"), 0.0),
+        ("take",),
+        ("add", 2, request("b"), 0.0), ("add", 1, request("a"), 0.0), ("add", 2, request("a"), 0.0),
+        ("take",), ("take",)])
+    assert out == [[], [("b", OK), ("a", OK)], []]
+
+
+def test_coordinator_holds_group_members_until_the_whole_group_completes():
+    g = dict(group_id=42, group_size=3)
+    out = coordinate(2, [
+        ("add", 0, request("g1", **g), 0.0), ("add", 1, request("g1", **g), 0.0),
+        ("add", 0, request("solo"), 0.0), ("add", 1, request("solo"), 0.0),
+        ("add", 0, request("g2", **g), 0.0), ("add", 1, request("g2", **g), 0.0),
+        ("take",),
+        ("add", 0, request("g3", **g), 0.0), ("add", 1, request("g3", shape=[9], **g), 0.0),
+        ("take",)])
+    # g3 mismatches: its error goes out and completes the group, releasing g1, g2 together.
+    assert out == [[("solo", OK)], [("g3", FAILED_PRECONDITION), ("g1", OK), ("g2", OK)]]
+
+
+def test_coordinator_forget_drops_a_partial_report():
+    out = coordinate(2, [
+        ("add", 0, request("x"), 0.0), ("forget", "x"),
+        ("add", 1, request("x"), 0.0), ("take",),
+        ("add", 0, request("x"), 0.0), ("take",)])
+    assert out == [[], [("x", OK)]]
+
+
+def test_coordinator_stall_shutdown_fails_the_stalled_name_and_its_group():
+    DEADLINE_EXCEEDED = 5
+    g = dict(group_id=7, group_size=2)
+    result = T.run_coordinator(3, 1.0, 2.0, [
+        ("add", 0, request("late"), 10.0), ("add", 2, request("late"), 10.5),
+        ("add", 0, request("m1", **g), 10.0), ("add", 1, request("m1", **g), 10.0), ("add", 2, request("m1", **g), 10.0),
+        ("add", 0, request("m2", **g), 10.0),
+        ("stalls", 11.9), ("stalls", 12.1), ("take",)])
+    assert result[0] == [] and result[2] == []
+    failed = {r["name"]: r for r in result[1]}
+    assert set(failed) == {"late", "m1", "m2"}
+    assert all(r["error_code"] == DEADLINE_EXCEEDED for r in failed.values())
+    assert failed["late"]["error_message"].startswith(
+        "Stalled ranks: tensor 'late' is ready on ranks [0, 2] but missing on [1] for 2 s")
+    assert "member of a group with stalled tensor" in failed["m1"]["error_message"]
