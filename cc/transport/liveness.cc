@@ -196,6 +196,19 @@ int ReadHello(int fd, int size, double deadline) {
   return f.rank;
 }
 
+// The sockets of a setup in progress; whatever is still held when Create
+// returns (an error path) is closed.
+struct SetupSockets {
+  int listen_fd = -1;
+  std::vector<int> by_rank;   // the sockets Create hands to the monitor
+  std::vector<int> accepted;  // rank 0: accepted, HELLO not read yet
+  ~SetupSockets() {
+    CloseFd(&listen_fd);
+    for (int& fd : by_rank) CloseFd(&fd);
+    for (int& fd : accepted) CloseFd(&fd);
+  }
+};
+
 }  // namespace
 
 // Note [Liveness setup agreement]
@@ -229,19 +242,16 @@ StatusOr<std::unique_ptr<LivenessMonitor>> LivenessMonitor::Create(MPI_Comm comm
     pids.push_back(id.pid);
   }
 
+  SetupSockets sockets;
+  sockets.by_rank.assign(size, -1);
+  std::vector<int>& fds = sockets.by_rank;
   RootAddress root{};
-  int listen_fd = -1;
   Status local;
-  if (rank == 0 && size > 1) local = Listen(size, &listen_fd, &root);
+  if (rank == 0 && size > 1) local = Listen(size, &sockets.listen_fd, &root);
   if (!local.ok()) root.port = 0;
   NVG_MPI_CHECK(MPI_Ibcast(&root, sizeof(root), MPI_BYTE, 0, comm, &req));
-  Status s = WaitRequest(&req, deadline, "the address broadcast");
-  if (!s.ok()) {
-    CloseFd(&listen_fd);
-    return s;
-  }
+  NVG_RETURN_IF_ERROR(WaitRequest(&req, deadline, "the address broadcast"));
 
-  std::vector<int> fds(size, -1);
   int connected = 1;
   if (rank != 0 && size > 1) {
     connected = 0;
@@ -271,63 +281,58 @@ StatusOr<std::unique_ptr<LivenessMonitor>> LivenessMonitor::Create(MPI_Comm comm
   // meanwhile so that a backlog smaller than the job cannot stall connects.
   int all_connected = 0;
   NVG_MPI_CHECK(MPI_Iallreduce(&connected, &all_connected, 1, MPI_INT, MPI_MIN, comm, &req));
-  std::vector<int> accepted;
   for (;;) {
     int done = 0;
     NVG_MPI_CHECK(MPI_Test(&req, &done, MPI_STATUS_IGNORE));
     if (done) break;
-    if (Now() > deadline) {
-      for (int& fd : fds) CloseFd(&fd);
-      for (int& fd : accepted) CloseFd(&fd);
-      CloseFd(&listen_fd);
+    if (Now() > deadline)
       return Status::Unavailable("timed out while ranks connected to rank 0 for dead-rank detection");
-    }
     bool ready = false;
-    if (listen_fd >= 0 && PollOne(listen_fd, POLLIN, Now() + 0.001, &ready).ok() && ready) {
-      int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) accepted.push_back(fd);
-    } else if (listen_fd < 0) {
+    if (sockets.listen_fd >= 0 && PollOne(sockets.listen_fd, POLLIN, Now() + 0.001, &ready).ok() && ready) {
+      int fd = accept4(sockets.listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) sockets.accepted.push_back(fd);
+    } else if (sockets.listen_fd < 0) {
       usleep(200);
     }
   }
 
-  // Rank 0 collects one HELLO per rank.
+  // Rank 0 collects one HELLO per rank. Every rank sent its HELLO before it
+  // joined agreement (1), so the bytes are here already; the 1 s per
+  // connection only bounds a stranger that connected and stays silent.
   int verdict = all_connected;
   std::string why;
   if (rank == 0 && size > 1 && all_connected) {
-    while (static_cast<int>(accepted.size()) < size - 1) {
-      bool ready = false;
-      if (!PollOne(listen_fd, POLLIN, deadline, &ready).ok() || !ready) break;
-      int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) accepted.push_back(fd);
-    }
-    for (int fd : accepted) {
-      int r = ReadHello(fd, size, deadline);
-      if (r < 0 || fds[r] >= 0) {
-        close(fd);
+    int missing = size - 1;
+    for (size_t next = 0; missing > 0;) {
+      if (next == sockets.accepted.size()) {
+        bool ready = false;
+        if (!PollOne(sockets.listen_fd, POLLIN, deadline, &ready).ok() || !ready) break;
+        int fd = accept4(sockets.listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd >= 0) sockets.accepted.push_back(fd);
         continue;
       }
+      int& fd = sockets.accepted[next++];
+      const int r = ReadHello(fd, size, std::min(deadline, Now() + 1.0));
+      if (r < 0 || fds[r] >= 0) continue;  // closed with the others at the end
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      fds[r] = fd;
+      std::swap(fds[r], fd);
+      --missing;
     }
-    accepted.clear();
-    for (int r = 1; r < size; ++r)
+    for (int r = 1; r < size && missing > 0; ++r)
       if (fds[r] < 0) {
         verdict = 0;
-        why = "rank 0 got no HELLO from " + std::string("rank ") + std::to_string(r);
+        why = "rank 0 got no HELLO from rank " + std::to_string(r);
         break;
       }
   }
-  for (int& fd : accepted) CloseFd(&fd);
-  CloseFd(&listen_fd);
   // Agreement (2): rank 0's verdict.
   NVG_MPI_CHECK(MPI_Ibcast(&verdict, 1, MPI_INT, 0, comm, &req));
-  s = WaitRequest(&req, deadline, "the setup verdict");
-  if (!s.ok() || !verdict) {
-    for (int& fd : fds) CloseFd(&fd);
-    if (!s.ok()) return s;
-    if (root.port == 0) return Status::Unavailable("rank 0 could not listen for dead-rank detection");
+  NVG_RETURN_IF_ERROR(WaitRequest(&req, deadline, "the setup verdict"));
+  if (!verdict) {
+    if (root.port == 0)
+      return Status::Unavailable("rank 0 could not listen for dead-rank detection" +
+                                 (local.ok() ? std::string() : ": " + local.message()));
     return Status::Unavailable("could not connect every rank to rank 0 for dead-rank detection (" +
                                (why.empty() ? std::string("a rank could not connect") : why) + ")");
   }
@@ -337,7 +342,7 @@ StatusOr<std::unique_ptr<LivenessMonitor>> LivenessMonitor::Create(MPI_Comm comm
   // The sockets are handed over before the thread starts.
   const double now = Now();
   for (int r = 0; r < size; ++r) {
-    m->peers_[r].fd = fds[r];
+    std::swap(m->peers_[r].fd, fds[r]);
     m->peers_[r].last_heard_s = now;
     m->peers_[r].progress_since_s = now;
   }
