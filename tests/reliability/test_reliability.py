@@ -16,8 +16,8 @@ happened instead of a hang:
   * duplicates    -- a second request with a name in flight is refused;
   * soak          -- 10,000 random collectives, every element checked, ranks
                      bitwise equal, anonymous RSS stable;
-  * validation    -- hypothesis properties of the Python API's arguments and
-                     of malformed NVGROUP_* knobs;
+  * validation    -- hypothesis properties of the Python API's arguments, of
+                     malformed NVGROUP_* knobs and of the engine's Enqueue checks;
   * wire format   -- an ASan/UBSan fuzz run of the negotiation decoders;
   * timeline      -- NVGROUP_TIMELINE writes a valid Chrome trace with every phase.
 
@@ -183,6 +183,11 @@ def test_validation_properties():
     ok = lines(r, r"^PROPERTY (\w+) OK$")
     assert ok == ["prop_reduce_op", "prop_broadcast_root", "prop_names", "prop_scale_factors", "prop_dtypes",
                   "prop_tensor_argument", "prop_malformed_knobs"], r.output
+
+
+def test_engine_request_validation_properties():
+    r = run("engine_validation_props.py", 1, env={"REL_EXAMPLES": 400}, timeout=200)
+    assert lines(r, r"^PROPERTY prop_requests OK \((\d+) refused, (\d+) completed\)$"), r.output
 
 
 # --- wire format fuzzing --------------------------------------------------------
