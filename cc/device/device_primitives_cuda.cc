@@ -60,7 +60,10 @@ Status DevicePrimitives::GroupAllreduce(size_t count, void* out) {
   a.in = in_;
   a.out = out;
   a.divisor = divisor;
-  a.phases = (in_registered_ ? 0 : kPhasePushScatter) | kPhaseReduceScatter | kPhaseAllgather;
+  if (in_registered_ && out == in_)  // in place on the registered buffer: no allgather phase
+    a.phases = kPhaseReduceScatter | kPhasePushResult;
+  else
+    a.phases = (in_registered_ ? 0 : kPhasePushScatter) | kPhaseReduceScatter | kPhaseAllgather;
   return LaunchTwoShotAllreduce(a, stream_);
 }
 

@@ -86,6 +86,7 @@ struct P2pLaunch {
 constexpr int kPhasePushScatter = 1;    // in's slice p -> member p's slot group_rank
 constexpr int kPhaseReduceScatter = 2;  // slice group_rank over members -> own data
 constexpr int kPhaseAllgather = 4;      // every member's slice -> out
+constexpr int kPhasePushResult = 8;     // reduced slice -> every member's data (in place)
 
 // One-shot: copy `in` into own data, barrier, every rank folds all members'
 // data into `out`. `peers.data` must point at the staging half of this call.

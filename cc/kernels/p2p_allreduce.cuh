@@ -34,7 +34,11 @@
 //     unit u of slice r from its own slots (local loads) and its own input, in
 //     group_rank order. No copy-in pass, no remote loads in this phase.
 //   Either way the result goes to slice r of this rank's data (and of out);
-//   nobody else reads that place during the phase. Then:
+//   nobody else reads that place during the phase. In place on the registered
+//   data (kPhasePushResult, pull only: the engine's fused buffer) the thread
+//   also stores the result into slice r of every member's data -- the units it
+//   has just loaded, which no one else reads -- and an end barrier finishes the
+//   call: no allgather phase. Otherwise:
 //   4. barrier: every member's reduced slice is complete;
 //   5. allgather (kPhaseAllgather): rank r copies unit u of slice p from member
 //      p's data into out, for every p != r (loads over NVLink);
@@ -440,6 +444,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 2) TwoShotKernel(P2pLaunch a
 
   if (a.phases & kPhaseReduceScatter) {
     const bool also_out = (a.phases & kPhaseAllgather) != 0 && out != own;
+    // In place on the registered data (pull only): member p's slice r is read
+    // by this rank alone, by this very thread, just before it is overwritten.
+    const bool push_result = (a.phases & kPhasePushResult) != 0;
     // Unit e of slice r: fold (push: own slots + own input; pull: members' data),
     // store to own data and, for a full allreduce, to out.
     auto reduce_unit = [&](size_t u, const uint4* raw, int n, bool vec) {
@@ -467,6 +474,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 2) TwoShotKernel(P2pLaunch a
       for (int k = 0; k < kE; ++k) acc[k] = Finish<A>(a.op, a.divisor, acc[k]);
       StoreUnit<T>(own + e, n, true, acc);
       if (also_out) StoreUnit<T>(out + e, n, out_vec, acc);
+      if (push_result)
+#pragma unroll
+        for (int p = 0; p < G; ++p)
+          if (p != r) StoreUnit<T>(src[p] + e, n, true, acc);
     };
     auto load_unit = [&](size_t u, uint4* raw) {
       const size_t e = slice_begin(r) + u * kE;
@@ -497,6 +508,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 2) TwoShotKernel(P2pLaunch a
     }
     // orders: every member's reduced slice is complete before anyone gathers it
     if ((a.phases & kPhaseAllgather) && !GroupBarrier<G>(a, &failed)) return;
+    // orders (push_result, the end): every pushed result has landed, and every
+    // member finished reading this rank's data before it is reused
+    if (push_result) GroupBarrier<G>(a, &failed);
   }
 
   if (a.phases & kPhaseAllgather) {
