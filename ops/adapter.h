@@ -172,11 +172,7 @@ class GroupedAllreduceOp : public tf::AsyncOpKernel {
   }
 
   void ComputeAsync(tf::OpKernelContext* context, DoneCallback done) override {
-    const int n = context->num_inputs();
-    if (n == 0) {
-      done();
-      return;
-    }
+    const int n = context->num_inputs();  // >= 1 (op definition)
     std::vector<CollectiveRequest> requests(n);
     for (int i = 0; i < n; ++i) {
       OP_REQUIRES_OK_ASYNC(context,
