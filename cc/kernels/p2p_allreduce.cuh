@@ -60,11 +60,11 @@
 //   * stores v into member p's arrived[v & 1][b][r] with st.release.sys, which
 //     orders everything block b wrote before the barrier (the __syncthreads
 //     before it makes the block's writes precede thread p's release);
-//   * spins with relaxed sys-scope loads until its own arrived[v & 1][b][p] ==
-//     v, then issues fence.acq_rel.sys (relaxed load + fence = acquire pattern
-//     of the PTX memory model; one fence instead of an acquire per poll), so
+//   * spins with ld.acquire.sys until its own arrived[v & 1][b][p] == v, so
 //     everything member p's block b wrote before arriving is visible here; a
-//     __syncthreads then extends that to the whole block.
+//     __syncthreads then extends that to the whole block. (Measured on 2x
+//     H200: polling with relaxed loads plus one fence.acq_rel.sys after the
+//     wait cost ~0.4-0.9 us more per barrier than acquire loads.)
 // Two parities: member p may already be at the next barrier (v + 1) and write
 // arrived[(v + 1) & 1] while this rank still waits for v; it cannot reach v + 2
 // before this rank arrived at v + 1. Counters live in device memory, start at 0
@@ -274,13 +274,10 @@ __device__ __forceinline__ void FoldPushed(T* const* slot, const T* own_in, bool
 __device__ __forceinline__ void StoreRelease(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ uint32_t LoadRelaxed(const uint32_t* p) {
+__device__ __forceinline__ uint32_t LoadAcquire(const uint32_t* p) {
   uint32_t v;
-  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
-}
-__device__ __forceinline__ void FenceAcqRelSystem() {
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 __device__ __forceinline__ uint64_t GlobalTimerNs() {
   uint64_t t;
@@ -306,7 +303,7 @@ __device__ __forceinline__ bool GroupBarrier(const P2pLaunch& a, int* failed) {
     const uint32_t* mine = &own->arrived[v & 1][blockIdx.x][p];
     uint64_t deadline = 0;
     uint32_t polls = 0;
-    while (LoadRelaxed(mine) != v) {
+    while (LoadAcquire(mine) != v) {
       if (++polls % kPollsPerCheck != 0) continue;
       int why = 0;
       if (a.control->abort) {
@@ -325,7 +322,6 @@ __device__ __forceinline__ bool GroupBarrier(const P2pLaunch& a, int* failed) {
         break;
       }
     }
-    FenceAcqRelSystem();  // acquire: member p's writes before its arrival are visible
   }
   __syncthreads();  // the acquire above (thread p) now covers the whole block
   return *failed == 0;
