@@ -6,10 +6,11 @@ Every rank runs collectives (allreduce by default) through the engine (pybind
 module). At STEP the
 victim prints a timestamp and sends itself SIGKILL (dead: its sockets close)
 or SIGSTOP (alive but silent: NVGROUP_TIMEOUT must fire). A survivor's wait()
-must raise naming the victim; it prints "CAUGHT <unix time> <error>" and exits
-3. Without dead-rank detection (kill) the survivors sit in the collective
-until mpirun kills them ~1 s later and never print CAUGHT; without the
-heartbeats (stop) the timeout error cannot name the victim.
+must raise naming the victim; it prints "CAUGHT <unix time> <error>", then
+"LATER <error>" for a collective submitted afterwards, and exits 3. Without
+dead-rank detection (kill) the survivors sit in the collective until mpirun
+kills them ~1 s later and never print CAUGHT; without the heartbeats (stop)
+the timeout error cannot name the victim by host and pid.
 """
 import os
 import signal
@@ -48,6 +49,14 @@ def main():
             engine.wait(h)
     except RuntimeError as e:
         say("rank %d: CAUGHT %.6f %s" % (rank, time.time(), e))
+        # Later requests are refused at once with the same cause.
+        x = np.ones(3)
+        try:
+            engine.wait(engine.allreduce_async("after", x.ctypes.data, x.ctypes.data, [3], "float64", "sum",
+                                               keepalive=x))
+            say("rank %d: a collective after the failure succeeded" % rank)
+        except RuntimeError as later:
+            say("rank %d: LATER %s" % (rank, later))
         sys.exit(3)
     say("rank %d: the loop ended without an error" % rank)
     sys.exit(4)
