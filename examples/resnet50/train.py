@@ -42,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--cycle-time-ms", type=float, default=None, help="sets NVGROUP_CYCLE_TIME")
     p.add_argument("--data-dir", default=None, help="TFRecords or class-per-directory images (default: synthetic)")
     p.add_argument("--checkpoint-dir", default=None, help="rank 0 saves weights here after each epoch")
+    p.add_argument("--reduce-only", action="store_true",
+                   help="time only the gradient reduction (random gradients of ResNet-50's shapes, "
+                        "bucketed as in training): isolates what --bucket-cap-mb changes")
     p.add_argument("--intra-op-threads", type=int, default=0,
                    help="TF intra-op threads per rank (0: this host's cores / ranks on it)")
     args = p.parse_args(argv)
@@ -107,9 +110,42 @@ def main(argv=None):
         callbacks.append(keras.callbacks.ModelCheckpoint(
             os.path.join(args.checkpoint_dir, "resnet50-{epoch:03d}.weights.h5"), save_weights_only=True))
 
+    if args.reduce_only:
+        return reduce_only(args, model, rank, size, untimed, bucket_cap, np, tf)
     model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
               shuffle=False, verbose=0)
     timer.report()
+    return 0
+
+
+def reduce_only(args, model, rank, size, untimed, bucket_cap, np, tf):
+    """Times DistributedOptimizer's reduction alone on ResNet-50's gradient shapes."""
+    from nvgroup_tf._keras_impl.reduce import GradientReducer
+    variables = model.trainable_variables
+    rng = np.random.default_rng(rank)
+    grads = [tf.constant(rng.standard_normal(v.shape).astype(np.float32)) for v in variables]
+    reducer = GradientReducer(bucket_cap_bytes=bucket_cap)
+    step = tf.function(lambda gs: reducer.reduce(gs, variables))
+    times = []
+    for i in range(untimed + args.steps):
+        t = time.perf_counter()
+        out = step(grads)
+        out[0].numpy()
+        if i >= untimed:
+            times.append(time.perf_counter() - t)
+    if rank == 0:
+        times.sort()
+        nbytes = sum(int(np.prod(v.shape)) * 4 for v in variables)
+        result = {"model": "resnet50", "mode": "reduce_only", "ranks": size, "bucket_cap_mb": args.bucket_cap_mb,
+                  "gradient_bytes": nbytes, "tensors": len(variables), "steps": args.steps,
+                  "batch_size": args.batch_size, "image_size": args.image_size, "data": "random gradients",
+                  "step_time_ms_mean": 1e3 * sum(times) / len(times),
+                  "step_time_ms_median": 1e3 * times[len(times) // 2],
+                  # "throughput" of this mode: reductions per second (scaling.py's columns)
+                  "img_per_sec_per_rank": len(times) / sum(times), "img_per_sec_total": len(times) / sum(times)}
+        print("# reduce-only: %d tensors, %.1f MB, %d ranks: median %.1f ms per step"
+              % (len(variables), nbytes / 1e6, size, result["step_time_ms_median"]))
+        print("NVG_RESULT " + json.dumps(result), flush=True)
     return 0
 
 
