@@ -166,38 +166,38 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
     it->second->reported = true;
     mine.push_back(it->second->entry.message);
   }
-  const std::vector<uint8_t> request_bytes = EncodeRequestList(mine);
+  CycleBuffers& b = *mpi_buffers_;
+  b.request_bytes = EncodeRequestList(mine);
   const std::string round = "negotiation round " + std::to_string(cycle_);
 
   // Gather every rank's request list at rank 0: lengths, then bytes. Orders
   // rank 0's decision after every rank's report of this cycle.
-  int my_length = static_cast<int>(request_bytes.size());
-  std::vector<int> lengths(rank_ == 0 ? size_ : 1), displs(rank_ == 0 ? size_ : 1, 0);
+  b.my_length = static_cast<int>(b.request_bytes.size());
+  b.lengths.assign(rank_ == 0 ? size_ : 1, 0);
+  b.displs.assign(rank_ == 0 ? size_ : 1, 0);
   MPI_Request req;
-  NVG_MPI_CHECK(MPI_Igather(&my_length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, comm_, &req));
+  NVG_MPI_CHECK(MPI_Igather(&b.my_length, 1, MPI_INT, b.lengths.data(), 1, MPI_INT, 0, comm_, &req));
   NVG_RETURN_IF_ERROR(Wait(&req, "the request-length gather of " + round));
-  std::vector<uint8_t> gathered;
+  size_t total = 0;
   if (rank_ == 0) {
-    size_t total = 0;
     for (int r = 0; r < size_; ++r) {
-      displs[r] = static_cast<int>(total);
-      total += lengths[r];
+      b.displs[r] = static_cast<int>(total);
+      total += b.lengths[r];
     }
-    gathered.resize(std::max<size_t>(total, 1));
   }
-  NVG_MPI_CHECK(MPI_Igatherv(request_bytes.data(), my_length, MPI_BYTE, gathered.data(),
-                             lengths.data(), displs.data(), MPI_BYTE, 0, comm_, &req));
+  b.gathered.resize(std::max<size_t>(total, 1));
+  NVG_MPI_CHECK(MPI_Igatherv(b.request_bytes.data(), b.my_length, MPI_BYTE, b.gathered.data(),
+                             b.lengths.data(), b.displs.data(), MPI_BYTE, 0, comm_, &req));
   NVG_RETURN_IF_ERROR(Wait(&req, "the request gather of " + round));
 
   // Rank 0 decides; everyone receives the same response list. The broadcast
   // orders every rank's execution (and cache update) after rank 0's decision,
   // so all ranks execute and cache the same responses in the same order.
   ResponseList list;
-  std::vector<uint8_t> response_bytes;
   if (rank_ == 0) {
     for (int r = 0; r < size_ && list.fatal_code == StatusCode::kOk; ++r) {
       std::vector<RequestMessage> requests;
-      Status s = DecodeRequestList(gathered.data() + displs[r], lengths[r], &requests);
+      Status s = DecodeRequestList(b.gathered.data() + b.displs[r], b.lengths[r], &requests);
       if (!s.ok()) {
         list.fatal_code = s.code();
         list.fatal_message = "rank 0 could not read rank " + std::to_string(r) + "'s requests: " + s.message();
@@ -208,16 +208,16 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
     list.responses = std::move(stalled_);
     stalled_.clear();
     for (ResponseMessage& r : coordinator_.TakeReadyResponses()) list.responses.push_back(std::move(r));
-    response_bytes = EncodeResponseList(list);
+    b.response_bytes = EncodeResponseList(list);
   }
-  uint64_t response_length = response_bytes.size();
-  NVG_MPI_CHECK(MPI_Ibcast(&response_length, 1, MPI_UINT64_T, 0, comm_, &req));
+  b.response_length = b.response_bytes.size();
+  NVG_MPI_CHECK(MPI_Ibcast(&b.response_length, 1, MPI_UINT64_T, 0, comm_, &req));
   NVG_RETURN_IF_ERROR(Wait(&req, "the response-length broadcast of " + round));
-  if (rank_ != 0) response_bytes.resize(response_length);
-  NVG_MPI_CHECK(MPI_Ibcast(response_bytes.data(), static_cast<int>(response_length), MPI_BYTE, 0, comm_, &req));
+  if (rank_ != 0) b.response_bytes.resize(b.response_length);
+  NVG_MPI_CHECK(MPI_Ibcast(b.response_bytes.data(), static_cast<int>(b.response_length), MPI_BYTE, 0, comm_, &req));
   NVG_RETURN_IF_ERROR(Wait(&req, "the response broadcast of " + round));
   if (rank_ != 0)
-    NVG_RETURN_IF_ERROR(DecodeResponseList(response_bytes.data(), response_bytes.size(), &list));
+    NVG_RETURN_IF_ERROR(DecodeResponseList(b.response_bytes.data(), b.response_bytes.size(), &list));
   if (list.fatal_code != StatusCode::kOk) return Status(list.fatal_code, list.fatal_message);
 
   for (ResponseMessage& r : list.responses) {
@@ -248,6 +248,7 @@ StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
         CreateCommunicator(MPI_Comm_c2f(comm_), device, options);
     if (!c.ok()) return c.status().WithContext("creating the communicator for " + device.ToString());
     cuda_comm_ = c.consume();
+    cuda_comm_for_abort_ = cuda_comm_.get();
     cuda_ordinal_ = device.ordinal;
     finalizer_ = std::make_unique<Finalizer>();
   }
@@ -476,6 +477,7 @@ void Engine::Loop() {
   Status exit_status;
   bool shut_down = false;
   for (;; ++cycle_) {
+    if (abort_) break;  // exit_status is replaced by the abort reason below
     std::vector<TensorEntry> fresh;
     bool shutdown_requested = false;
     queue_.WaitAndPop(knobs_.cycle_time_ms / 1000.0, &fresh, &shutdown_requested);
@@ -487,7 +489,8 @@ void Engine::Loop() {
                  order_.end());
     for (TensorEntry& e : fresh) Admit(std::move(e), now);
 
-    std::vector<uint64_t> bits(1 + cache_words_, 0);
+    std::vector<uint64_t>& bits = mpi_buffers_->bits;
+    bits.assign(1 + cache_words_, 0);
     bool must_report = FillCacheBits(now, &bits);
     if (rank_ == 0) {
       for (ResponseMessage& r : coordinator_.TakeStalledResponses(now)) stalled_.push_back(std::move(r));
@@ -522,9 +525,13 @@ void Engine::Loop() {
   }
 
   if (!shut_down) {
+    {
+      std::lock_guard<std::mutex> lock(abort_mu_);
+      if (!abort_status_.ok()) exit_status = abort_status_;
+    }
     if (exit_status.code() == StatusCode::kUnavailable || exit_status.code() == StatusCode::kAborted)
       mpi_broken_ = true;
-    if (exit_status.code() == StatusCode::kUnavailable) {  // see Note [Liveness probe]
+    if (exit_status.code() == StatusCode::kUnavailable && !abort_) {  // see Note [Liveness probe]
       StatusOr<std::vector<int>> silent = FindSilentRanks(comm_, std::min(2.0, knobs_.peer_timeout_s));
       if (silent.ok() && !silent.value().empty()) {
         std::string ranks;
@@ -574,14 +581,30 @@ Status Engine::Stop() {
   }
   thread_.join();
   finalizer_.reset();  // runs the remaining CUDA completions
+  {
+    std::lock_guard<std::mutex> lock(abort_mu_);  // no Abort() inside a communicator being freed
+    comms_freed_ = true;
+  }
   cuda_comm_.reset();
   cpu_comm_.reset();
+  if (mpi_broken_ || abort_) (void)mpi_buffers_.release();  // see CycleBuffers: MPI may still write there
   // After a timeout a negotiation request may never complete; freeing the
   // communicator under it is undefined, so it is left to MPI_Finalize.
   int finalized = 0;
   NVG_MPI_CHECK(MPI_Finalized(&finalized));
   if (!mpi_broken_ && !abort_ && !finalized) NVG_MPI_CHECK(MPI_Comm_free(&comm_));
   return Status::Ok();
+}
+
+void Engine::Abort(const Status& reason) {
+  std::lock_guard<std::mutex> lock(abort_mu_);
+  if (!abort_status_.ok() || comms_freed_) return;
+  abort_status_ = reason.ok() ? Status::Aborted("nvgroup_tf was aborted") : reason;
+  // Every negotiation wait polls abort_; the communicators' spin waits return
+  // kAborted after Abort(). The loop then fails everything with abort_status_.
+  abort_ = true;
+  cpu_comm_->Abort();
+  if (Communicator* c = cuda_comm_for_abort_.load()) c->Abort();
 }
 
 }  // namespace nvgroup

@@ -27,6 +27,9 @@
 //  * No negotiation wait is unbounded: every MPI call is non-blocking and polled
 //    with an abort flag and NVGROUP_TIMEOUT; a silent peer fails every pending
 //    request with kUnavailable and stops the loop.
+//  * Abort (engine_control.h, for a liveness monitor) raises a flag every wait
+//    polls; the loop then fails everything with the abort's reason. Memory an
+//    abandoned MPI operation may still touch is never freed (CycleBuffers).
 //  * Shutdown is agreed: a rank that wants to stop clears a bit in the cycle's
 //    allreduce, and all ranks leave the loop after that same cycle, so no rank
 //    is left inside a collective.
@@ -72,6 +75,10 @@ class Engine {
   // Agrees on shutdown with the other ranks, fails what is in flight with
   // kAborted, joins the thread and frees the communicators. Idempotent.
   Status Stop();
+  // Makes every wait in flight return and the loop stop, failing every pending
+  // and later request with `reason` (see engine_control.h). Any thread; the
+  // first reason wins.
+  void Abort(const Status& reason);
 
  private:
   struct Pending {
@@ -116,12 +123,28 @@ class Engine {
   std::unique_ptr<Finalizer> finalizer_;  // with cuda_comm_
 
   TensorQueue queue_;
-  std::atomic<bool> abort_{false};
+  std::atomic<bool> abort_{false};  // polled by every negotiation wait
+  std::mutex abort_mu_;              // guards the two below and the communicators' lifetime for Abort
+  Status abort_status_;              // why Abort was called (OK if it was not)
+  bool comms_freed_ = false;
+  std::atomic<Communicator*> cuda_comm_for_abort_{nullptr};
   std::atomic<bool> loop_exited_{false};
   std::mutex exit_mu_;
   std::condition_variable exit_cv_;
   bool mpi_broken_ = false;  // a negotiation request never completed: leave comm_ alone
   bool stopped_ = false;
+
+  // Memory that the cycle's non-blocking MPI operations read or write. An
+  // operation abandoned after a timeout or an abort may still complete later,
+  // so once that happened this memory is never freed (Stop leaks it).
+  struct CycleBuffers {
+    std::vector<uint64_t> bits;  // flag word + cache bits
+    int my_length = 0;
+    std::vector<int> lengths, displs;
+    std::vector<uint8_t> request_bytes, gathered, response_bytes;
+    uint64_t response_length = 0;
+  };
+  std::unique_ptr<CycleBuffers> mpi_buffers_ = std::make_unique<CycleBuffers>();
 
   // Background-thread state.
   std::unordered_map<std::string, std::unique_ptr<Pending>> pending_;

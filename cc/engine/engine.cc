@@ -16,6 +16,7 @@
 #include "common/env.h"
 #include "common/logging.h"
 #include "engine/background_loop.h"
+#include "engine/engine_control.h"
 #include "engine/mpi_wait.h"
 
 namespace nvgroup {
@@ -135,32 +136,52 @@ Status Submit(std::vector<CollectiveRequest> requests, bool grouped) {
 // rank's environment is malformed or the ranks disagree on a knob that shapes
 // the collectives (fusion threshold and cache size decide which collectives
 // run). Gathers each rank's verdict so every rank can name the culprit.
+// Memory of Init's non-blocking exchanges; leaked when a wait gives up, since
+// the abandoned operation may still write into it.
+struct InitExchange {
+  int64_t summary[3] = {0, 0, 0};
+  std::vector<int64_t> all;
+  std::string mine, texts;
+  std::vector<int> lengths, displs;
+};
+
 Status AgreeOnKnobs(MPI_Comm comm, int size, StatusOr<Knobs>* knobs, double timeout_s) {
   std::atomic<bool> never{false};
-  std::string mine = knobs->ok() ? std::string() : knobs->status().message();
-  int64_t summary[3] = {static_cast<int64_t>(mine.size()),
-                        knobs->ok() ? static_cast<int64_t>(knobs->value().fusion_threshold) : -1,
-                        knobs->ok() ? knobs->value().cache_capacity : -1};
-  std::vector<int64_t> all(3 * size);
+  auto x = std::make_unique<InitExchange>();
+  x->mine = knobs->ok() ? std::string() : knobs->status().message();
+  x->summary[0] = static_cast<int64_t>(x->mine.size());
+  x->summary[1] = knobs->ok() ? static_cast<int64_t>(knobs->value().fusion_threshold) : -1;
+  x->summary[2] = knobs->ok() ? knobs->value().cache_capacity : -1;
+  x->all.resize(3 * size);
   MPI_Request req;
-  NVG_MPI_CHECK(MPI_Iallgather(summary, 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm, &req));
-  NVG_RETURN_IF_ERROR(WaitMpi(&req, "Init's environment check", timeout_s, never));
-  std::vector<int> lengths(size), displs(size);
+  NVG_MPI_CHECK(MPI_Iallgather(x->summary, 3, MPI_INT64_T, x->all.data(), 3, MPI_INT64_T, comm, &req));
+  Status waited = WaitMpi(&req, "Init's environment check", timeout_s, never);
+  if (!waited.ok()) {
+    (void)x.release();
+    return waited;
+  }
+  x->lengths.resize(size);
+  x->displs.resize(size);
   int total = 0;
   for (int r = 0; r < size; ++r) {
-    lengths[r] = static_cast<int>(all[3 * r]);
-    displs[r] = total;
-    total += lengths[r];
+    x->lengths[r] = static_cast<int>(x->all[3 * r]);
+    x->displs[r] = total;
+    total += x->lengths[r];
   }
-  std::string texts(std::max(total, 1), '\0');
-  NVG_MPI_CHECK(MPI_Iallgatherv(mine.data(), static_cast<int>(mine.size()), MPI_CHAR, &texts[0],
-                                lengths.data(), displs.data(), MPI_CHAR, comm, &req));
-  NVG_RETURN_IF_ERROR(WaitMpi(&req, "Init's environment check", timeout_s, never));
+  x->texts.assign(std::max(total, 1), '\0');
+  NVG_MPI_CHECK(MPI_Iallgatherv(x->mine.data(), static_cast<int>(x->mine.size()), MPI_CHAR, &x->texts[0],
+                                x->lengths.data(), x->displs.data(), MPI_CHAR, comm, &req));
+  waited = WaitMpi(&req, "Init's environment check", timeout_s, never);
+  if (!waited.ok()) {
+    (void)x.release();
+    return waited;
+  }
   if (!knobs->ok()) return knobs->status();
+  const std::vector<int64_t>& all = x->all;
   for (int r = 0; r < size; ++r)
-    if (lengths[r] > 0)
+    if (x->lengths[r] > 0)
       return Status::InvalidArgument("nvgroup_tf initialization failed on rank " + std::to_string(r) +
-                                     ": " + texts.substr(displs[r], lengths[r]));
+                                     ": " + x->texts.substr(x->displs[r], x->lengths[r]));
   for (int r = 1; r < size; ++r) {
     if (all[3 * r + 1] != all[1])
       return Status::InvalidArgument("NVGROUP_FUSION_THRESHOLD differs across ranks: rank 0 has " +
@@ -202,11 +223,18 @@ Status Init(const EngineOptions& options) {
   if (user == MPI_COMM_NULL)
     return Status::InvalidArgument("the MPI communicator handle " + std::to_string(options.mpi_comm_fortran) +
                                    " is MPI_COMM_NULL");
-  MPI_Comm comm;
+  // The new handle is written when the duplication completes: heap memory,
+  // leaked if the wait gives up.
+  auto dup = std::make_unique<MPI_Comm>(MPI_COMM_NULL);
   MPI_Request req;
   std::atomic<bool> never{false};
-  NVG_MPI_CHECK(MPI_Comm_idup(user, &comm, &req));
-  NVG_RETURN_IF_ERROR(WaitMpi(&req, "Init's communicator duplication", timeout_s, never));
+  NVG_MPI_CHECK(MPI_Comm_idup(user, dup.get(), &req));
+  Status duplicated = WaitMpi(&req, "Init's communicator duplication", timeout_s, never);
+  if (!duplicated.ok()) {
+    (void)dup.release();
+    return duplicated.WithContext("nvgroup_tf.init");
+  }
+  MPI_Comm comm = *dup;
   int rank = 0, size = 1;
   NVG_MPI_CHECK(MPI_Comm_rank(comm, &rank));
   NVG_MPI_CHECK(MPI_Comm_size(comm, &size));
@@ -272,6 +300,15 @@ NVG_TOPOLOGY_GETTER(LocalSize, local_size)
 NVG_TOPOLOGY_GETTER(CrossRank, node_index)
 NVG_TOPOLOGY_GETTER(CrossSize, node_count)
 #undef NVG_TOPOLOGY_GETTER
+
+void AbortEngine(const Status& reason) {
+  std::shared_ptr<Engine> engine;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine = g_engine;
+  }
+  if (engine != nullptr) engine->Abort(reason);
+}
 
 Status Enqueue(CollectiveRequest request) {
   std::vector<CollectiveRequest> one;

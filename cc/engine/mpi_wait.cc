@@ -49,11 +49,13 @@ StatusOr<std::vector<int>> FindSilentRanks(MPI_Comm comm, double grace_s) {
   int rank = 0, size = 1;
   NVG_MPI_CHECK(MPI_Comm_rank(comm, &rank));
   NVG_MPI_CHECK(MPI_Comm_size(comm, &size));
-  std::vector<char> received(size);
+  // Heap, and leaked if a receive is left cancelled-but-maybe-matched: MPI may
+  // still write into it after we return.
+  auto* received = new std::vector<char>(size);
   std::vector<MPI_Request> recvs(size, MPI_REQUEST_NULL);
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
-    NVG_MPI_CHECK(MPI_Irecv(&received[r], 1, MPI_CHAR, r, kProbeTag, comm, &recvs[r]));
+    NVG_MPI_CHECK(MPI_Irecv(&(*received)[r], 1, MPI_CHAR, r, kProbeTag, comm, &recvs[r]));
     MPI_Request send;
     NVG_MPI_CHECK(MPI_Isend(&kToken, 1, MPI_CHAR, r, kProbeTag, comm, &send));
     NVG_MPI_CHECK(MPI_Request_free(&send));
@@ -76,6 +78,7 @@ StatusOr<std::vector<int>> FindSilentRanks(MPI_Comm comm, double grace_s) {
     NVG_MPI_CHECK(MPI_Cancel(&recvs[r]));
     NVG_MPI_CHECK(MPI_Request_free(&recvs[r]));
   }
+  if (silent.empty()) delete received;
   return silent;
 }
 

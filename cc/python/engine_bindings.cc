@@ -31,6 +31,7 @@
 #endif
 
 #include "engine/controller.h"
+#include "engine/engine_control.h"
 #include "engine/fusion.h"
 #include "engine/stall_inspector.h"
 #include "engine/wire_format.h"
@@ -415,6 +416,10 @@ void RegisterTestingBindings(py::module_& t) {
     }
     return out;
   });
+  t.def("abort_engine", [](const std::string& message) {
+    py::gil_scoped_release release;
+    AbortEngine(Status::Unavailable(message));
+  }, "Calls AbortEngine(kUnavailable `message`) as the liveness monitor would.");
   t.def("build_response", [](const std::vector<py::dict>& by_rank) {
     if (by_rank.empty()) throw EngineError("INVALID_ARGUMENT: build_response needs one request per rank");
     std::vector<RequestMessage> qs;

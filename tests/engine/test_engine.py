@@ -81,3 +81,11 @@ def test_timeline_is_valid_chrome_trace(tmp_path):
     assert_all_ranks_ok(run_mpi(worker("engine_timeline.py"), 2, args=[str(path)], timeout=60), 2)
     events = json.loads(path.read_text())
     assert any(e["name"] == "ALLREDUCE" for e in events)
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_abort_hook_fails_everything_with_the_given_reason(tmp_path, np):
+    """AbortEngine (cc/engine/engine_control.h), as a liveness monitor calls it."""
+    result = run_mpi(worker("engine_abort.py"), np, args=[str(tmp_path)], timeout=90, check=False)
+    assert not result.timed_out, result.output[-20000:]
+    assert_all_ranks_ok(result, np)

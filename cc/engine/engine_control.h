@@ -1,0 +1,18 @@
+// Internal controls of the running engine for other parts of the library (the
+// liveness monitor of cc/transport), not part of the public contract in
+// nvgroup/engine.h.
+#pragma once
+
+#include "nvgroup/status.h"
+
+namespace nvgroup {
+
+// Fails every pending and later request of the running engine with `reason`
+// (e.g. kUnavailable "rank 2 (host h, pid 123) died or exited without
+// shutdown(); aborting"), makes every wait in flight return (negotiation waits
+// and the communicators' spin waits) and stops the background loop; Shutdown()
+// is still needed to join and free. The first reason wins. No-op when no
+// engine is running. Safe from any thread, including a monitor thread.
+void AbortEngine(const Status& reason);
+
+}  // namespace nvgroup
