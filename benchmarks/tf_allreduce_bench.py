@@ -135,46 +135,49 @@ def raw_step(comm, total, target_seconds):
                 iters=iters, wrong=int(np.count_nonzero(out != expected(total, comm.size))))
 
 
-def fmt_row(r, n):
+def fmt_rows(r, n):
+    """(tf op row, mpi4py row) for one size."""
     factor = 2.0 * (n - 1) / n
 
     def cols(us, wrong):
         algbw = r["bytes"] / (us * 1e-6) / 1e9
         return "%10.1f %7.3f %7.3f %6d" % (us, algbw, algbw * factor, wrong)
-    return "%12d %12d %6s %6s %5s   %s   %s" % (
-        r["bytes"], r["count"], "float", "sum", "-1", cols(r["tf_us"], r["tf_wrong"]),
-        "%10s %7s %7s %6s" % ("N/A", "N/A", "N/A", "N/A")), \
-        "%12d %12d %6s %6s %5s   %s   %s" % (
-        r["bytes"], r["count"], "float", "sum", "-1", cols(r["mpi_us"], r["mpi_wrong"]),
-        cols(r["mpi_inplace_us"], r["mpi_inplace_wrong"]))
+    prefix = "%12d %12d %6s %6s %5s   " % (r["bytes"], r["count"], "float", "sum", "-1")
+    not_applicable = "%10s %7s %7s %6s" % ("N/A", "N/A", "N/A", "N/A")
+    return (prefix + cols(r["tf_us"], r["tf_wrong"]) + "   " + not_applicable,
+            prefix + cols(r["mpi_us"], r["mpi_wrong"]) + "   " +
+            cols(r["mpi_inplace_us"], r["mpi_inplace_wrong"]))
 
 
-HEADER = ["#%64s%s" % ("out-of-place", " " * 22 + "in-place"),
-          "#%11s %12s %6s %6s %5s   %10s %7s %7s %6s   %10s %7s %7s %6s" % (
-              "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
-              "time", "algbw", "busbw", "#wrong"),
-          "#%11s %12s %6s %6s %5s   %10s %7s %7s %6s   %10s %7s %7s %6s" % (
-              "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "",
-              "(us)", "(GB/s)", "(GB/s)", "")]
+_COLUMNS = "%12s %12s %6s %6s %5s   %10s %7s %7s %6s   %10s %7s %7s %6s"
+HEADER = ["#" + " " * 47 + "out-of-place".center(33) + "   " + "in-place".center(33),
+          "#" + (_COLUMNS % ("size", "count", "type", "redop", "root", "time", "algbw", "busbw",
+                             "#wrong", "time", "algbw", "busbw", "#wrong"))[1:],
+          "#" + (_COLUMNS % ("(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "",
+                             "(us)", "(GB/s)", "(GB/s)", ""))[1:]]
 
 
-def report(comm, rows, resnet, args, hosts):
+def report(comm, rows, resnet, hosts):
     n = comm.size
     lines = ["# nvgroup_tf TF-op allreduce vs MPI_Allreduce (mpi4py), %d ranks" % n,
              "# date %s, TensorFlow %s, %s, %d cores" % (
                  datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  tf.__version__, platform.processor() or platform.machine(), os.cpu_count())]
+    lines.append("# load average at the end of the run (shared build machine): %s" %
+                 " ".join("%.1f" % v for v in os.getloadavg()))
     lines += ["#  rank %d host %s device cpu" % (r, h) for r, h in enumerate(hosts)]
     tables = {"tf op (nvgroup_tf.allreduce in tf.function)": 0, "mpi4py MPI_Allreduce": 1}
     for title, index in tables.items():
         lines += ["#", "# %s" % title] + HEADER
-        lines += [fmt_row(r, n)[index] for r in rows]
+        lines += [fmt_rows(r, n)[index] for r in rows]
         wrong = sum(r["tf_wrong"] if index == 0 else r["mpi_wrong"] + r["mpi_inplace_wrong"]
                     for r in rows)
         key = "tf_us" if index == 0 else "mpi_us"
         avg_bus = np.mean([r["bytes"] / (r[key] * 1e-6) / 1e9 * 2 * (n - 1) / n for r in rows])
         lines += ["# Out of bounds values : %d %s" % (wrong, "OK" if wrong == 0 else "FAILED"),
                   "# Avg bus bandwidth    : %.4f" % avg_bus]
+    if not resnet["variants"]:
+        return lines
     lines += ["#", "# ResNet-50 step: %d gradient tensors, %.1fM float32 (%.1f MB), Average" % (
         resnet["tensors"], resnet["elements"] / 1e6, resnet["elements"] * 4 / 1e6)]
     lines += ["# %-52s %10s %8s %7s %6s" % ("variant", "time(ms)", "algbw", "iters", "#wrong")]
@@ -254,7 +257,7 @@ def main():
 
     hosts = comm.gather(socket.gethostname(), root=0)
     if comm.rank == 0:
-        lines = report(comm, rows, resnet, args, hosts)
+        lines = report(comm, rows, resnet, hosts)
         print("\n".join(lines), flush=True)
         write_outputs(args, lines, rows, resnet, comm.size)
 
