@@ -17,6 +17,7 @@ class Finalizer {
  public:
   using Job = std::function<void()>;
   Finalizer() : thread_([this] { Run(); }) {}
+  std::thread::id thread_id() const { return thread_.get_id(); }
   ~Finalizer() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -251,6 +252,7 @@ StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
     cuda_comm_for_abort_ = cuda_comm_.get();
     cuda_ordinal_ = device.ordinal;
     finalizer_ = std::make_unique<Finalizer>();
+    finalizer_thread_ = finalizer_->thread_id();
   }
   if (device.ordinal != cuda_ordinal_)
     return Status::Unimplemented("nvgroup_tf drives one CUDA device per process: this rank uses " +
@@ -605,6 +607,11 @@ void Engine::Abort(const Status& reason) {
   abort_ = true;
   cpu_comm_->Abort();
   if (Communicator* c = cuda_comm_for_abort_.load()) c->Abort();
+}
+
+bool Engine::OnEngineThread() const {
+  const std::thread::id me = std::this_thread::get_id();
+  return me == thread_.get_id() || me == finalizer_thread_.load();
 }
 
 }  // namespace nvgroup

@@ -79,6 +79,9 @@ class Engine {
   // and later request with `reason` (see engine_control.h). Any thread; the
   // first reason wins.
   void Abort(const Status& reason);
+  // True on the engine's own threads (where done callbacks run): Stop() must
+  // not be called there, it would join itself.
+  bool OnEngineThread() const;
 
  private:
   struct Pending {
@@ -121,6 +124,7 @@ class Engine {
   std::unique_ptr<Communicator> cuda_comm_;  // created by the first CUDA response
   int cuda_ordinal_ = -1;
   std::unique_ptr<Finalizer> finalizer_;  // with cuda_comm_
+  std::atomic<std::thread::id> finalizer_thread_{};
 
   TensorQueue queue_;
   std::atomic<bool> abort_{false};  // polled by every negotiation wait

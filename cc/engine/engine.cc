@@ -265,6 +265,9 @@ Status Shutdown() {
   std::shared_ptr<Engine> engine;
   {
     std::lock_guard<std::mutex> lock(g_mu);
+    if (g_engine != nullptr && g_engine->OnEngineThread())
+      return Status::FailedPrecondition("nvgroup_tf.shutdown() was called from a collective's done "
+                                        "callback; call it from another thread");
     engine.swap(g_engine);
   }
   if (engine == nullptr) return Status::Ok();
