@@ -5,12 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-EXAMPLE=(examples/allreduce_demo.py)
 NP="${NP:-2}"
+# ResNet-50 data-parallel at 64x64, batch 8 per rank: 1 rank, then $NP ranks
+# (scaling.py launches both through nvgrouprun) -> img/s and scaling efficiency.
+EXAMPLE=(examples/resnet50/scaling.py --np "$NP" --tag run_example --
+         --image-size 64 --batch-size 8 --steps 10 --warmup-steps 2 --log-every 5)
 
 bash scripts/setup.sh
 if [ "$(id -u)" -eq 0 ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
 export OMPI_MCA_rmaps_base_oversubscribe=1 TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-mpirun -np "$NP" --bind-to none -x PYTHONPATH -x TF_CPP_MIN_LOG_LEVEL .venv/bin/python "${EXAMPLE[@]}"
+.venv/bin/python "${EXAMPLE[@]}"
