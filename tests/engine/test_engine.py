@@ -43,6 +43,13 @@ def test_collectives_with_a_tiny_response_cache():
                                 timeout=150), 2)
 
 
+def test_collectives_through_the_hierarchical_path():
+    """4 ranks as 2 NV-groups of 2 (NVGROUP_GROUP_SIZE=2): the fused buffers go
+    through the group reduce-scatter / cross allreduce / group allgather."""
+    assert_all_ranks_ok(run_mpi(worker("engine_collectives.py"), 4, env={"NVGROUP_GROUP_SIZE": "2"},
+                                timeout=150), 4)
+
+
 @pytest.mark.parametrize("np", [2, 3, 4])
 def test_errors(np):
     assert_all_ranks_ok(run_mpi(worker("engine_errors.py"), np, timeout=90), np)
