@@ -54,8 +54,14 @@ Status ValidateRequest(const CollectiveRequest& q, int size) {
   if (static_cast<int>(q.type) > static_cast<int>(CollectiveType::kBroadcast))
     return Status::InvalidArgument(who + ": unknown collective type " + std::to_string(static_cast<int>(q.type)));
   if (!q.done) return Status::InvalidArgument(who + ": no done callback");
-  for (int64_t d : q.shape)
+  // Element and byte counts must fit in int64 (they travel as such and size
+  // every buffer computation).
+  int64_t bytes = static_cast<int64_t>(DataTypeSize(q.dtype));
+  for (int64_t d : q.shape) {
     if (d < 0) return Status::InvalidArgument(who + ": negative dimension in shape " + ShapeToString(q.shape));
+    if (__builtin_mul_overflow(bytes, d, &bytes))
+      return Status::InvalidArgument(who + ": shape " + ShapeToString(q.shape) + " is too large");
+  }
   if (q.device.kind == DeviceKind::kCuda) {
     if (q.device.ordinal < 0) return Status::InvalidArgument(who + ": CUDA device ordinal must be >= 0");
 #ifndef NVGROUP_WITH_CUDA
@@ -132,10 +138,6 @@ Status Submit(std::vector<CollectiveRequest> requests, bool grouped) {
   return engine.value()->Submit(std::move(entries));
 }
 
-// Parses the knobs on every rank and makes Init fail on every rank if any
-// rank's environment is malformed or the ranks disagree on a knob that shapes
-// the collectives (fusion threshold and cache size decide which collectives
-// run). Gathers each rank's verdict so every rank can name the culprit.
 // Memory of Init's non-blocking exchanges; leaked when a wait gives up, since
 // the abandoned operation may still write into it.
 struct InitExchange {
@@ -144,6 +146,11 @@ struct InitExchange {
   std::string mine, texts;
   std::vector<int> lengths, displs;
 };
+
+// Parses the knobs on every rank and makes Init fail on every rank if any
+// rank's environment is malformed or the ranks disagree on a knob that shapes
+// the collectives (fusion threshold and cache size decide which collectives
+// run). Gathers each rank's verdict so every rank can name the culprit.
 
 Status AgreeOnKnobs(MPI_Comm comm, int size, StatusOr<Knobs>* knobs, double timeout_s) {
   std::atomic<bool> never{false};

@@ -39,6 +39,8 @@ expect_error(lambda: E.allreduce_async("", x.ctypes.data, y.ctypes.data, [12], "
              code="INVALID_ARGUMENT")
 expect_error(lambda: E.allreduce_async("n", x.ctypes.data, y.ctypes.data, [-1], "float32"), "negative dimension",
              code="INVALID_ARGUMENT")
+expect_error(lambda: E.allreduce_async("big", x.ctypes.data, y.ctypes.data, [2**40, 2**40], "float32"),
+             "is too large", code="INVALID_ARGUMENT")
 expect_error(lambda: E.allreduce_async("p", 0, y.ctypes.data, [12], "float32"), "input pointer is null",
              code="INVALID_ARGUMENT")
 expect_error(lambda: E.allreduce_async("d", x.ctypes.data, y.ctypes.data, [12], "complex64"), "unknown dtype")
