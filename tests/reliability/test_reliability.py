@@ -33,7 +33,7 @@ import time
 
 import pytest
 
-from mpi_util import REPO, run_mpi
+from mpi_util import MPI_ENV, REPO, run_mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = os.path.join(HERE, "workers")
@@ -133,6 +133,30 @@ def test_clean_exit_at_different_times_is_not_a_death():
     assert_no_false_alarm(r)
 
 
+def test_liveness_monitor_verdicts_in_cpp(tmp_path):
+    """The monitor alone (C++ driver, ASan/UBSan): a stuck engine and a stopped
+    rank are named, a clean Close() and a stopped rank are not losses, a death
+    is reported with host and pid within a second (see liveness_driver.cc)."""
+    exe = str(tmp_path / "liveness_driver")
+    sources = [os.path.join(HERE, "liveness_driver.cc")] + [
+        os.path.join(REPO, "cc", p) for p in ("transport/liveness.cc", "common/status.cc", "common/logging.cc")]
+    _compile_sanitized(sources, exe)
+    record = tmp_path / "record"
+    record.mkdir()
+    full_env = dict(os.environ)
+    full_env.update({k: str(v) for k, v in MPI_ENV.items()})
+    # Rank 1 exits on purpose without MPI_Finalize: keep mpirun from killing
+    # the others before they have written down what they saw.
+    full_env["OMPI_MCA_orte_enable_recovery"] = "1"
+    proc = subprocess.run(["mpirun", "-np", "3", "--bind-to", "none", exe, str(record)], env=full_env,
+                          capture_output=True, text=True, timeout=120)
+    text = "".join(f.read_text() for f in sorted(record.iterdir()))
+    assert "FAIL" not in text, text + proc.stdout + proc.stderr
+    for rank in (0, 2):
+        assert "rank %d: OK DONE" % rank in text, text + proc.stdout + proc.stderr
+    assert "rank 0: OK death of rank 1 reported" in text, text
+
+
 # --- stalls -------------------------------------------------------------------
 
 def test_stall_warning_names_the_tensor_and_the_missing_rank():
@@ -198,16 +222,23 @@ def _mpi_flags(which):
     return subprocess.check_output(["mpicxx", "--showme:" + which], text=True).split()
 
 
-def test_wire_format_fuzz_asan_ubsan(tmp_path):
-    exe = str(tmp_path / "fuzz_wire_format")
+def _compile_sanitized(sources, exe):
+    """Builds a test driver against engine sources with ASan and UBSan (any
+    finding aborts the run)."""
     cxx = shutil.which("g++") or shutil.which("c++")
-    assert cxx, "a C++ compiler is needed for the fuzz driver"
-    sources = [os.path.join(HERE, "fuzz_wire_format.cc")] + [
-        os.path.join(REPO, "cc", p) for p in ("engine/wire_format.cc", "common/status.cc", "common/types.cc")]
+    assert cxx, "a C++ compiler is needed for the test drivers"
     cmd = [cxx, "-std=c++17", "-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
            "-fno-omit-frame-pointer", "-DOMPI_SKIP_MPICXX=1", "-I" + os.path.join(REPO, "cc", "include"),
            "-I" + os.path.join(REPO, "cc")] + _mpi_flags("compile") + sources + _mpi_flags("link") + ["-o", exe]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_wire_format_fuzz_asan_ubsan(tmp_path):
+    exe = str(tmp_path / "fuzz_wire_format")
+    sources = [os.path.join(HERE, "fuzz_wire_format.cc")] + [
+        os.path.join(REPO, "cc", p) for p in ("engine/wire_format.cc", "common/status.cc", "common/types.cc")]
+    _compile_sanitized(sources, exe)
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=1", UBSAN_OPTIONS="print_stacktrace=1")
     for seed in (1, 2):
         p = subprocess.run([exe, "150000", str(seed)], capture_output=True, text=True, timeout=300, env=env)
