@@ -25,8 +25,9 @@ def main():
     out_dir, tag, kind = sys.argv[1], sys.argv[2], sys.argv[3]
     hvd.init()
     me = hvd.rank()
-    # 64 small tensors (fusable) + a few large ones (several pipeline chunks).
-    shapes = [(i % 13 + 1, 17) for i in range(64)] + [(1 << 20,), (3, 1 << 20), (257, 4099)]
+    # 64 small tensors (fusable) + two larger than the 4 MiB default pipeline
+    # chunk (12 MiB and 4.2 MiB float32).
+    shapes = [(i % 13 + 1, 17) for i in range(64)] + [(3, 1 << 20), (257, 4099)]
     dtypes = [np.float32 if i % 3 else np.float64 for i in range(len(shapes))]
     inputs = [tf.constant(data(kind, [i, me], s, d)) for i, (s, d) in enumerate(zip(shapes, dtypes))]
 
