@@ -9,8 +9,16 @@
 //      (cc/device/ipc_cuda.cc);
 //   3. the communicator owns one stream; collectives are ordered on the caller's
 //      stream (see communicator.h for the stream contract).
-// Ranks without peer access to the rest of their node form groups of one and
-// use host-staged MPI for everything (correct, slow; a one-line warning says so).
+// Allreduce runs the one skeleton (cc/algorithms/hierarchical_allreduce.h) with
+// DevicePrimitives (cc/device/device_primitives.h): one group -> the one-shot
+// or two-shot NVLink kernel (cc/kernels/p2p_allreduce.cuh); several groups ->
+// per chunk NVLink reduce-scatter, MPI between groups, NVLink allgather.
+// Allgatherv and Broadcast stage through host memory and MPI (correct, not
+// tuned). NVGROUP_ALLREDUCE_ALGORITHM=hierarchical forces the skeleton's
+// three steps on one group; "mpi" has no separate CUDA path (same as auto).
+// If some GPUs of a node lack mutual peer access, every group shrinks to one
+// GPU and all reduction crosses MPI through host memory (correct, slow; a
+// one-line warning says so).
 #pragma once
 
 #include <mpi.h>

@@ -46,7 +46,6 @@ struct DeviceGroup {
   TopologyComms comms;
   int device = 0;
   std::unique_ptr<IpcRegion> region;  // registered buffer + flags + staging of every member
-  GroupPeers flags_only{};            // flags of every member (data filled per launch)
   DeviceControl* control_host = nullptr;    // cudaHostAllocMapped control words
   DeviceControl* control_device = nullptr;  // the same, as the kernels see them
   uint64_t timeout_ns = 0;

@@ -33,8 +33,6 @@ class IpcRegion {
   // make sure no kernel still uses them (see CudaCommunicator's destructor).
   ~IpcRegion();
 
-  int group_size() const { return group_size_; }
-  int group_rank() const { return group_rank_; }
   size_t data_bytes() const { return data_bytes_; }
   size_t staging_bytes() const { return staging_bytes_; }
   // Member p's pieces as mapped into this process (own for p == group_rank).

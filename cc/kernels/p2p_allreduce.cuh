@@ -38,17 +38,20 @@
 //   data (kPhasePushResult, pull only: the engine's fused buffer) the thread
 //   also stores the result into slice r of every member's data -- the units it
 //   has just loaded, which no one else reads -- and an end barrier finishes the
-//   call: no allgather phase. Otherwise:
-//   4. barrier: every member's reduced slice is complete;
-//   5. allgather (kPhaseAllgather): rank r copies unit u of slice p from member
-//      p's data into out, for every p != r (loads over NVLink);
-//   6. end barrier: every member has finished reading this rank's data, so the
-//      next call may overwrite it (and push into it: no start barrier needed).
-//   Thread mapping: global thread t handles units t, t + stride, ... of every
-//   slice in every phase, so the thread that reads a value on one GPU has the
-//   same index as the thread that wrote it on the other (vLLM's rule: cross-GPU
-//   visibility is reasoned about per thread; with release/acquire plus
-//   __syncthreads it also holds block-wide, and we keep the stricter mapping).
+//   call: no allgather phase. Otherwise a barrier (every member's reduced
+//   slice is complete), then the allgather (kPhaseAllgather): rank r copies
+//   unit u of slice p from member p's data into out, for every p != r (loads
+//   over NVLink), then an end barrier: every member has finished reading this
+//   rank's data, so the next call may overwrite it (and push into it: no start
+//   barrier is needed in push mode).
+//   Thread mapping: global thread t handles units t, t + step, t + 2 step, ...
+//   (step = threads in the grid) of every slice in every phase, so the thread
+//   that reads a value on one GPU has the same index as the thread that wrote
+//   it on the other (vLLM's rule: cross-GPU visibility is reasoned about per
+//   thread; with release/acquire plus __syncthreads it also holds block-wide,
+//   and we keep the stricter mapping). Full aligned units go in batches of
+//   TwoShotBatch<G>() units per thread (all loads first, then the stores);
+//   the batch covers the same units t, t + step, ... so the mapping holds.
 //   The hierarchical allreduce (cc/algorithms/hierarchical_allreduce.h) runs
 //   the phases separately: {reduce-scatter} per chunk, then the fold over
 //   groups, then {allgather}.
@@ -81,8 +84,10 @@
 // that call are garbage and the counters of the members are out of step: the
 // host reads DeviceControl before every launch and in Synchronize and fails
 // that and every later call with kUnavailable (timeout) or kAborted naming the
-// member. A peer that dies mid-call leaves its IPC memory mapped until this
-// process closes the handles; NVLink loads from it do not fault.
+// member. Tested: a peer that never enters the call (allreduce_check's dead
+// peer case: kUnavailable after the 2 s timeout, later calls fail the same
+// way). Not tested: a peer process that exits while its memory is mapped here
+// (what loads from that mapping then do is up to the driver).
 //
 // Determinism: element i is always folded members 0..G-1 in order, in the
 // accumulation type (fp32 for fp16/bf16, the type itself otherwise), and
