@@ -103,6 +103,24 @@ def _linear_grads_np(w, xb, yb):
     return 2.0 * xb.T @ err / err.size
 
 
+def check_fp16_compression():
+    x, y = global_data(seed=55)
+    model = dense_model(14)
+    init = model.get_weights()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR), compression=hvd.Compression.fp16),
+                  loss="mse")
+    model.fit(rank_slice(x), rank_slice(y), batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_same_on_all_ranks(model.get_weights(), "weights (fp16 compression)")
+    # Gradients travel as float16 (~3 significant digits): close, not equal, to the reference.
+    assert_close(model.get_weights(), reference_fit(init, x, y, LR), "fp16 compression vs reference",
+                 rtol=1e-3, atol=1e-4)
+    plain = dense_model(14)
+    plain.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse")
+    plain.fit(rank_slice(x), rank_slice(y), batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert any(not np.array_equal(a, b) for a, b in zip(model.get_weights(), plain.get_weights())), \
+        "fp16 compression had no effect on the result"
+
+
 def check_backward_passes_per_step():
     rng = np.random.default_rng(5)
     n_in, n_out, passes, steps = 5, 2, 2, 6

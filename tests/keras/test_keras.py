@@ -10,7 +10,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "keras_worker.py")
 LEGACY_WORKER = os.path.join(HERE, "legacy_worker.py")
 
-ALL_CHECKS = ["fit_average_matches_single_process", "fit_sum_equals_scaled_lr", "backward_passes_per_step",
+ALL_CHECKS = ["fit_average_matches_single_process", "fit_sum_equals_scaled_lr", "fp16_compression",
+              "backward_passes_per_step",
               "broadcast_callback_equalizes_ranks", "metric_average_callback", "lr_warmup_and_schedule",
               "mixed_precision_loss_scale", "sparse_embedding_gradients", "distributed_gradient_tape",
               "load_model_makes_optimizer_distributed", "bad_input_errors"]
