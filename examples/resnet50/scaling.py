@@ -127,17 +127,31 @@ def plot(report, path):
         ax.set_xticks(ranks)
         ax.set_title("ResNet-50 data-parallel scaling (batch %d/rank, %dpx)"
                      % (runs[0]["batch_size"], runs[0]["image_size"]))
+        ax.legend()
     else:
         caps = report["caps_mb"]
-        ax.plot(range(len(caps)), [r["img_per_sec_total"] for r in runs], "o-")
-        ax.set_xticks(range(len(caps)))
+        xs = range(len(caps))
+        reduce_only = runs[0].get("mode") == "reduce_only"
+        # Every repeat as a dot, their median as the line (shared machines are noisy).
+        med = []
+        for x, r in zip(xs, runs):
+            reps = r["repeats_img_per_sec_total"]
+            ys = sorted(1e3 / v for v in reps) if reduce_only else sorted(reps)
+            ax.plot([x] * len(ys), ys, ".", color="0.6")
+            med.append(ys[len(ys) // 2])
+        ax.plot(xs, med, "o-", label="median of %d runs" % len(runs[0]["repeats_img_per_sec_total"]))
+        ax.set_xticks(list(xs))
         ax.set_xticklabels(["%g" % c for c in caps])
         ax.set_xlabel("fusion bucket cap (MiB; 0 = one allreduce per gradient)")
-        ax.set_ylabel("images / s (total)")
-        ax.set_title("ResNet-50, %d ranks: throughput vs bucket cap" % report["np"])
-    ax.grid(alpha=0.3)
-    if report["kind"] == "scaling":
+        if reduce_only:
+            ax.set_ylabel("mean time per gradient reduction (ms)")
+            ax.set_title("ResNet-50 gradients (%.0f MB), %d ranks"
+                         % (runs[0]["gradient_bytes"] / 1e6, report["np"]))
+        else:
+            ax.set_ylabel("images / s (total)")
+            ax.set_title("ResNet-50, %d ranks: throughput vs bucket cap" % report["np"])
         ax.legend()
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print("wrote %s" % path)
@@ -156,8 +170,13 @@ def main(argv=None):
     p.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument("--repeat", type=int, default=1, help="runs per configuration, interleaved; the median is kept")
     p.add_argument("--tag", default="cpu", help="file name tag: resnet50_<kind>_<tag>.{json,png}")
+    p.add_argument("--replot", default=None, help="redraw the PNG of an existing JSON report and exit")
     p.add_argument("--launcher-args", nargs="*", default=[], help="extra nvgrouprun flags, e.g. -H a:4,b:4")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), os.path.splitext(args.replot)[0] + ".png")
+        return 0
     if args.np < 2:
         p.error("--np must be >= 2")
     if args.repeat < 1:
