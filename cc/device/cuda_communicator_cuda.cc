@@ -93,6 +93,10 @@ class CudaCommunicator final : public Communicator {
               const Topology& host_topology);
   Status CheckHealthy() const;
   Status CheckDevicePointer(const void* p, const char* what);
+  // Allgatherv/Broadcast go through the registered buffers (peer copies) when
+  // all ranks form one NV-group and on no rank the buffers a and b overlap the
+  // registered buffer; else host staging through MPI. Collective.
+  StatusOr<bool> UsePeerCopies(const void* a, size_t a_bytes, const void* b, size_t b_bytes);
   cudaStream_t StreamOf(void* stream) const {
     return stream != nullptr ? static_cast<cudaStream_t>(stream) : stream_;
   }
@@ -338,7 +342,22 @@ Status CudaCommunicator::AllreducePiece(const void* in, void* out, size_t count,
   return Status::Ok();
 }
 
-// Host staging through MPI: correct and simple (not a tuned path).
+StatusOr<bool> CudaCommunicator::UsePeerCopies(const void* a, size_t a_bytes, const void* b,
+                                               size_t b_bytes) {
+  const char* reg = static_cast<const char*>(group_.region->data(group_.topo.group_rank));
+  auto overlaps = [&](const void* p, size_t n) {
+    const char* c = static_cast<const char*>(p);
+    return n > 0 && c < reg + group_.region->data_bytes() && c + n > reg;
+  };
+  int ok = group_.topo.group_count == 1 && group_.topo.group_size > 1 && !overlaps(a, a_bytes) &&
+           !overlaps(b, b_bytes);
+  int all_ok = 0;  // the choice is collective: pointers differ per rank
+  NVG_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm_));
+  return all_ok == 1;
+}
+
+// Within one NV-group: peer copies through the registered buffers. Otherwise
+// host staging through MPI. Correct and simple, not tuned paths.
 Status CudaCommunicator::Allgatherv(const void* in, void* out,
                                     const std::vector<size_t>& bytes_per_rank, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
@@ -360,6 +379,31 @@ Status CudaCommunicator::Allgatherv(const void* in, void* out,
     return Status::InvalidArgument("allgatherv: null input or output pointer");
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
   cudaStream_t stream = StreamOf(stream_arg);
+  StatusOr<bool> peer = total <= registered_capacity()
+                            ? UsePeerCopies(in, mine, out, total)
+                            : StatusOr<bool>(false);
+  if (!peer.ok()) return peer.status();
+  if (peer.value()) {
+    // One NV-group: every rank puts its part into its registered buffer at its
+    // displacement, then copies every member's part out of the member's buffer
+    // (peer copies over NVLink). MPI barriers on the group order the steps.
+    char* own = static_cast<char*>(registered_buffer());
+    const int me = group_.topo.rank;
+    if (mine > 0)
+      NVG_CUDA_CHECK(cudaMemcpyAsync(own + displs[me], in, mine, cudaMemcpyDeviceToDevice, stream));
+    NVG_CUDA_CHECK(cudaStreamSynchronize(stream));
+    NVG_MPI_CHECK(MPI_Barrier(group_.comms.group));  // orders: every part is in place
+    for (int p = 0; p < group_.topo.group_size; ++p) {
+      const int r = member_ranks_[p];
+      if (counts[r] > 0)
+        NVG_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + displs[r],
+                                       group_.region->data(p) + displs[r], counts[r],
+                                       cudaMemcpyDefault, stream));
+    }
+    NVG_CUDA_CHECK(cudaStreamSynchronize(stream));
+    NVG_MPI_CHECK(MPI_Barrier(group_.comms.group));  // orders: reads done before reuse
+    return Status::Ok();
+  }
   std::vector<char> send(mine), recv(total);
   NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: `in` is produced
   if (mine > 0) NVG_CUDA_CHECK(cudaMemcpy(send.data(), in, mine, cudaMemcpyDeviceToHost));
@@ -383,6 +427,33 @@ Status CudaCommunicator::Broadcast(void* buf, size_t bytes, int root, void* stre
   if (buf == nullptr) return Status::InvalidArgument("broadcast: null buffer");
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
   cudaStream_t stream = StreamOf(stream_arg);
+  StatusOr<bool> peer = UsePeerCopies(buf, bytes, nullptr, 0);
+  if (!peer.ok()) return peer.status();
+  if (peer.value()) {
+    // One NV-group: the root stages each piece in its registered buffer, the
+    // others copy it from there (peer copies over NVLink); MPI barriers on the
+    // group order the steps. Pieces of the registered capacity.
+    int root_member = 0;
+    for (int p = 0; p < group_.topo.group_size; ++p)
+      if (member_ranks_[p] == root) root_member = p;
+    char* root_data = group_.region->data(root_member);
+    const size_t cap = registered_capacity();
+    for (size_t off = 0; off < bytes; off += cap) {
+      const size_t n = std::min(cap, bytes - off);
+      if (group_.topo.rank == root)
+        NVG_CUDA_CHECK(cudaMemcpyAsync(root_data, static_cast<char*>(buf) + off, n,
+                                       cudaMemcpyDeviceToDevice, stream));
+      NVG_CUDA_CHECK(cudaStreamSynchronize(stream));
+      NVG_MPI_CHECK(MPI_Barrier(group_.comms.group));  // orders: the piece is staged
+      if (group_.topo.rank != root) {
+        NVG_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(buf) + off, root_data, n,
+                                       cudaMemcpyDefault, stream));
+        NVG_CUDA_CHECK(cudaStreamSynchronize(stream));
+      }
+      NVG_MPI_CHECK(MPI_Barrier(group_.comms.group));  // orders: reads done before reuse
+    }
+    return Status::Ok();
+  }
   std::vector<char> host(bytes);
   NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: the root's buffer is produced
   if (group_.topo.rank == root)
