@@ -13,7 +13,9 @@
 // DevicePrimitives (cc/device/device_primitives.h): one group -> the one-shot
 // or two-shot NVLink kernel (cc/kernels/p2p_allreduce.cuh); several groups ->
 // per chunk NVLink reduce-scatter, MPI between groups, NVLink allgather.
-// Allgatherv and Broadcast stage through host memory and MPI (correct, not
+// Allgatherv and Broadcast copy through the members' registered buffers
+// (peer copies over NVLink, MPI barriers between the steps) when all ranks
+// form one NV-group, else stage through host memory and MPI (correct, not
 // tuned). NVGROUP_ALLREDUCE_ALGORITHM=hierarchical forces the skeleton's
 // three steps on one group; "mpi" has no separate CUDA path (same as auto).
 // If some GPUs of a node lack mutual peer access, every group shrinks to one
