@@ -304,9 +304,11 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
   StatusOr<Communicator*> comm_or = GetCommunicator(device);
   if (!comm_or.ok()) return comm_or.status();
   Communicator* comm = comm_or.value();
-  if (bucket.bytes > comm->registered_capacity()) {
-    // Larger than the registered buffer (a tensor above the threshold, or a
-    // CUDA buffer smaller than the CPU one): one tensor at a time, unfused.
+  if (bucket.responses.size() == 1 || bucket.bytes > comm->registered_capacity()) {
+    // One tensor gains nothing from the fusion copies (the communicator reads
+    // any input and writes any output itself); a bucket larger than this
+    // device's registered buffer runs one tensor at a time. The arithmetic is
+    // the fused path's (same scaled copies, same fold), so the bits are too.
     for (size_t i : bucket.responses) NVG_RETURN_IF_ERROR(RunAllreduceAlone(&(*work)[i]));
     return Status::Ok();
   }

@@ -6,9 +6,9 @@
 // timestamps since Open:
 //   QUEUE            Enqueue -> the background loop picks it up
 //   NEGOTIATE        picked up -> its response is known on every rank
-//   FUSION_COPY_IN   batched scaled copy into the registered buffer (allreduce)
+//   FUSION_COPY_IN   batched scaled copy into the registered buffer (fused allreduce)
 //   ALLREDUCE | ALLGATHER | BROADCAST   the communicator call
-//   FUSION_COPY_OUT  batched scaled copy out of the registered buffer
+//   FUSION_COPY_OUT  batched scaled copy out of the registered buffer (fused allreduce)
 // For CUDA the communicator phases measure the host enqueue, not device time.
 // The file is a JSON array: "[" at Open, one event per line joined by commas,
 // "]" at Close, so it parses after every clean Shutdown. Only the background

@@ -14,11 +14,13 @@ E.init()
 rank, size = E.rank(), E.size()
 xs = [np.full(100 * (i + 1), i, np.float32) for i in range(3)]
 ys = [np.zeros_like(v) for v in xs]
-for step in range(2):
-    hs = [E.allreduce_async("tl/w%d" % i, xs[i].ctypes.data, ys[i].ctypes.data, [xs[i].size], "float32")
-          for i in range(3)]
+for step in range(2):  # a group: one fused bucket, so the fusion phases appear
+    hs = E.grouped_allreduce_async([("tl/w%d" % i, xs[i].ctypes.data, ys[i].ctypes.data, [xs[i].size], "float32")
+                                    for i in range(3)])
     for h in hs:
         E.wait(h, 30)
+solo = E.allreduce_async("tl/solo", xs[2].ctypes.data, ys[2].ctypes.data, [xs[2].size], "float32")
+E.wait(solo, 30)
 g = E.wait(E.allgather_async("tl/gather", xs[0].ctypes.data, [10], "float32", keepalive=xs[0]), 30)
 E.wait(E.broadcast_async("tl/bcast", xs[1].ctypes.data, ys[1].ctypes.data, [xs[1].size], "float32", 0), 30)
 E.shutdown()
@@ -27,7 +29,7 @@ if rank == 0:
     with open(path) as f:
         events = json.load(f)  # valid JSON after shutdown
     rows = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
-    check(set(rows.values()) == {"tl/w0", "tl/w1", "tl/w2", "tl/gather", "tl/bcast"}, "rows %s" % rows)
+    check(set(rows.values()) == {"tl/w0", "tl/w1", "tl/w2", "tl/solo", "tl/gather", "tl/bcast"}, "rows %s" % rows)
     phases = {}
     for e in events:
         if e["ph"] in "BE":
@@ -37,6 +39,9 @@ if rank == 0:
             seq = phases.get((name, phase), [])
             check([p for p, _ in seq] == ["B", "E"] * 2, "%s %s: %s" % (name, phase, seq))
             check(all(seq[i][1] <= seq[i + 1][1] for i in range(0, len(seq), 2)), "%s %s: E before B" % (name, phase))
+    # A lone tensor skips the fusion copies.
+    check([p for p, _ in phases.get(("tl/solo", "ALLREDUCE"), [])] == ["B", "E"], "solo allreduce phase")
+    check(("tl/solo", "FUSION_COPY_IN") not in phases, "solo tensor went through the fusion buffer")
     check([p for p, _ in phases.get(("tl/gather", "ALLGATHER"), [])] == ["B", "E"], "allgather phase")
     check([p for p, _ in phases.get(("tl/bcast", "BROADCAST"), [])] == ["B", "E"], "broadcast phase")
 E.finalize_mpi()  # the engine initialized MPI (no mpi4py here), so it finalizes it
