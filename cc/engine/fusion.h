@@ -29,15 +29,19 @@
 // Measured with this engine on 2 CPU ranks of our 2-core build box
 // (tests/engine/workers/engine_fusion_sweep.py: 161 float32 tensors with
 // ResNet-50's size mix, 102.6 MB per step, all ready at once, cached cycles;
-// mean of the per-rank medians of 3 steps; the box was shared, load ~11):
+// mean of the per-rank medians of 3 steps; the box was shared, load ~13, so
+// single numbers swing by tens of percent):
 //   threshold      0     1 MiB   4 MiB   16 MiB   64 MiB   128 MiB
-//   run 1 (ms)   136.1   160.4   161.0   153.5    135.8    144.3
-//   run 2 (ms)   129.7   128.4   118.8   134.1    147.2    170.9
-// On the CPU the threshold makes no difference beyond the ~20% run-to-run
-// noise: the host reduction is memory-bound and the engine's per-collective
-// overhead (a cached cycle, ~0.09 ms for a small allreduce on 2 ranks) is
-// small next to ~1.3 ms per MB. The CPU measurement therefore only shows the
-// default costs nothing there; the choice rests on the GPU bandwidth curve.
+//   run 1 (ms)    49.3    57.3   180.3    88.9     91.0     98.1
+//   run 2 (ms)    54.4    62.8    87.2    84.0     67.5    109.5
+// On the CPU fusion does not pay: the engine's per-collective overhead (a
+// cached cycle, ~0.1 ms) is small, and a big bucket most likely streams every
+// byte through DRAM three times (copy in, reduce, copy out) where a lone
+// tensor (which skips the fusion copies) or a small bucket stays in cache.
+// CPU-only jobs are better off with NVGROUP_FUSION_THRESHOLD=0 or 1 MiB; the
+// 64 MiB default is chosen for the GPU path, where each collective has a fixed
+// cost and the two copies run at HBM bandwidth (several TB/s on an H200, a
+// fraction of the time the same bytes take over NVLink).
 #pragma once
 
 #include <cstddef>
