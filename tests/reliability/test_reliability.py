@@ -6,9 +6,11 @@ stopped rank) the run uses check=False and the assertions say what must have
 happened instead of a hang:
 
   * dead rank     -- SIGKILL of one rank: the survivors name it within ~1 s
-                     (cc/transport/liveness.h), before mpirun's own kill; a
+                     (cc/transport/liveness.h), before mpirun's own kill, in
+                     the pybind module and in TensorFlow (UnavailableError); a
                      clean exit (shutdown() says BYE) is never taken for one;
   * silent rank   -- SIGSTOP of one rank: NVGROUP_TIMEOUT fires and names it;
+  * monitor alone -- a C++ driver of the LivenessMonitor's verdicts (ASan/UBSan);
   * stalls        -- a rank skips a tensor: rank 0 warns naming the tensor and
                      the rank; NVGROUP_STALL_SHUTDOWN_TIME turns it into errors;
   * shutdown()    -- with collectives in flight: each completes or is ABORTED,
@@ -22,7 +24,8 @@ happened instead of a hang:
   * timeline      -- NVGROUP_TIMELINE writes a valid Chrome trace with every phase.
 
 Needs the engine module (NVGROUP_WITHOUT_TF=1 python setup.py build_ext --inplace)
-and, for the validation properties, the TF op library (the full build).
+and, for the Python API properties and the TensorFlow dead-rank test, the TF op
+library (the full build); a C++ compiler for the ASan/UBSan drivers.
 """
 import json
 import os
