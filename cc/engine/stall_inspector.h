@@ -46,6 +46,7 @@ class StallInspector {
   int size_;
   double warning_s_;
   double shutdown_s_;
+  double next_check_ = 0;  // Check() looks at the table at most every kCheckIntervalS
   std::unordered_map<std::string, Entry> entries_;
 };
 
