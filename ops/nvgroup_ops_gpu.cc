@@ -25,6 +25,19 @@ absl::Status CudaError(const char* what, cudaError_t error) {
   return absl::InternalError(std::string(what) + " failed: " + cudaGetErrorString(error));
 }
 
+absl::Status RecordEvent(cudaStream_t stream, void** event) {
+  cudaEvent_t cuda_event = nullptr;
+  cudaError_t error = cudaEventCreateWithFlags(&cuda_event, cudaEventDisableTiming);
+  if (error != cudaSuccess) return CudaError("cudaEventCreateWithFlags", error);
+  error = cudaEventRecord(cuda_event, stream);
+  if (error != cudaSuccess) {
+    cudaEventDestroy(cuda_event);
+    return CudaError("cudaEventRecord", error);
+  }
+  *event = cuda_event;
+  return absl::OkStatus();
+}
+
 struct GpuTraits {
   static absl::Status Prepare(tf::OpKernelContext* context, Device* device, void** event) {
     const tf::DeviceContext* device_context = context->op_device_context();
@@ -35,20 +48,21 @@ struct GpuTraits {
     stream_executor::Stream* stream = device_context->stream();
     auto cuda_stream = static_cast<cudaStream_t>(stream->platform_specific_handle().stream);
     *device = Device::Cuda(stream->parent()->device_ordinal());
-    // The engine's thread may run on any device: make TF's device current for
-    // the event calls.
-    cudaError_t error = cudaSetDevice(device->ordinal);
+    // The event must belong to the stream's device; this TF thread's current
+    // device is put back afterwards.
+    int previous_device = 0;
+    cudaError_t error = cudaGetDevice(&previous_device);
+    if (error != cudaSuccess) return CudaError("cudaGetDevice", error);
+    error = cudaSetDevice(device->ordinal);
     if (error != cudaSuccess) return CudaError("cudaSetDevice", error);
-    cudaEvent_t cuda_event = nullptr;
-    error = cudaEventCreateWithFlags(&cuda_event, cudaEventDisableTiming);
-    if (error != cudaSuccess) return CudaError("cudaEventCreateWithFlags", error);
-    error = cudaEventRecord(cuda_event, cuda_stream);
-    if (error != cudaSuccess) {
-      cudaEventDestroy(cuda_event);
-      return CudaError("cudaEventRecord", error);
+    absl::Status status = RecordEvent(cuda_stream, event);
+    error = cudaSetDevice(previous_device);
+    if (status.ok() && error != cudaSuccess) {
+      Release(*event);
+      *event = nullptr;
+      return CudaError("cudaSetDevice (restoring the caller's device)", error);
     }
-    *event = cuda_event;
-    return absl::OkStatus();
+    return status;
   }
 
   // Runs after the engine finished with the event; a failure here cannot be
