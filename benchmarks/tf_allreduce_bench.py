@@ -188,6 +188,13 @@ def report(comm, rows, resnet, hosts):
     return lines
 
 
+CAVEAT = ("Caveat: measured on a 2-core VM shared with other builds and test runs (see the "
+          "load average in the header): with more runnable processes than cores a rank can be "
+          "descheduled for milliseconds, which shows as isolated multi-millisecond times even for "
+          "MPI_Allreduce of a few bytes, and repeated runs differ by 2x or more. Read the tables "
+          "as orders of magnitude, not as a ranking of close numbers.")
+
+
 def write_outputs(args, lines, rows, resnet, n):
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
@@ -217,6 +224,7 @@ def write_outputs(args, lines, rows, resnet, n):
                     "benchmarks/tf_allreduce_bench.py` (see its docstring for the method). "
                     "JSON: `%s`, plot: `%s`.\n\n" % (n, os.path.relpath(args.json),
                                                      os.path.relpath(args.png)))
+            f.write(CAVEAT + "\n\n")
             f.write("```\n" + "\n".join(lines) + "\n```\n\n![latency and busbw](%s)\n" %
                     os.path.relpath(args.png, os.path.dirname(os.path.abspath(args.markdown))))
 
