@@ -182,9 +182,9 @@ def test_real_two_rank_job_passes_knobs():
     env = dict(os.environ, NVGROUP_TEST_KNOB="42", PYTHONUNBUFFERED="1",
                OMPI_MCA_btl="self,vader,tcp", OMPI_MCA_pml="ob1",
                OMPI_MCA_btl_tcp_if_include="lo", OMPI_MCA_oob_tcp_if_include="lo")
-    code = ("import os; print('rank', os.environ['OMPI_COMM_WORLD_RANK'], 'of', "
-            "os.environ['OMPI_COMM_WORLD_SIZE'], 'knob', os.environ['NVGROUP_TEST_KNOB'], "
-            "os.environ['EXTRA'])")
+    # One write() per rank, so the two ranks' lines cannot interleave.
+    code = ("import os; e = os.environ; os.write(1, ('rank %s of %s knob %s %s\\n' % (e['OMPI_COMM_WORLD_RANK'], "
+            "e['OMPI_COMM_WORLD_SIZE'], e['NVGROUP_TEST_KNOB'], e['EXTRA'])).encode())")
     res = nvgrouprun(["-np", "2", "-x", "EXTRA=yes", sys.executable, "-c", code], env)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = sorted(l for l in res.stdout.splitlines() if l.startswith("rank"))
