@@ -265,6 +265,7 @@ def test_timeline_is_a_chrome_trace_with_every_phase(tmp_path):
             phases.setdefault(rows[e["tid"]], []).append((e["name"], e["ph"], e["ts"]))
     expected = {"layer%d/grad" % k: ["QUEUE", "NEGOTIATE", "FUSION_COPY_IN", "ALLREDUCE", "FUSION_COPY_OUT"]
                 for k in range(4)}
+    expected["lone"] = ["QUEUE", "NEGOTIATE", "ALLREDUCE"]
     expected["gathered"] = ["QUEUE", "NEGOTIATE", "ALLGATHER"]
     expected["bcast"] = ["QUEUE", "NEGOTIATE", "BROADCAST"]
     assert set(phases) == set(expected), sorted(phases)
@@ -282,5 +283,7 @@ def test_timeline_is_a_chrome_trace_with_every_phase(tmp_path):
             else:
                 assert stack and stack.pop() == name, (tensor, seq)
         assert not stack, (tensor, seq)
-    # The allreduces ran three times each (three steps), fused with each other.
-    assert sum(1 for p, ph, _ in phases["layer0/grad"] if p == "ALLREDUCE" and ph == "B") == 3
+    # Three steps: the group fused three times, the lone tensor never.
+    assert sum(1 for p, ph, _ in phases["layer0/grad"] if p == "FUSION_COPY_IN" and ph == "B") == 3
+    assert sum(1 for p, ph, _ in phases["lone"] if p == "ALLREDUCE" and ph == "B") == 3
+    assert not any(p.startswith("FUSION") for p, _, _ in phases["lone"]), phases["lone"]

@@ -1,5 +1,5 @@
-"""Timeline worker: a few fused allreduces, an allgather and a broadcast with
-NVGROUP_TIMELINE set, then shutdown() (which closes the trace). The test reads
+"""Timeline worker: a fused group of allreduces, a lone allreduce, an allgather
+and a broadcast with NVGROUP_TIMELINE set, then shutdown() (which closes the trace). The test reads
 the file rank 0 wrote."""
 import traceback
 
@@ -16,15 +16,24 @@ def main():
     engine.init()
     rank, size = engine.rank(), engine.size()
     for step in range(3):
-        handles = []
+        # A group is fused whole (one bucket: fusion copies); "lone" alone in
+        # its bucket goes straight through the communicator.
+        items, checks, keep = [], [], []
         for k in range(4):
             xs = [np.random.default_rng([step, k, r]).standard_normal(64 + k) for r in range(size)]
             y = np.empty_like(xs[rank])
-            h = engine.allreduce_async("layer%d/grad" % k, xs[rank].ctypes.data, y.ctypes.data,
-                                       [xs[rank].size], "float64", "sum", keepalive=(xs[rank], y))
-            handles.append((h, y, xs))
-        for h, y, xs in handles:
+            items.append(("layer%d/grad" % k, xs[rank].ctypes.data, y.ctypes.data, [xs[rank].size], "float64"))
+            checks.append((y, xs))
+            keep += [xs[rank], y]
+        handles = engine.grouped_allreduce_async(items, keepalive=keep)
+        for h in handles:
             wait_bounded(h, 60)
+        xs = [np.random.default_rng([step, 9, r]).standard_normal(50) for r in range(size)]
+        y = np.empty_like(xs[rank])
+        wait_bounded(engine.allreduce_async("lone", xs[rank].ctypes.data, y.ctypes.data, [50], "float64", "sum",
+                                            keepalive=(xs[rank], y)), 60)
+        checks.append((y, xs))
+        for y, xs in checks:
             why = check_allreduce(y, xs, "float64", "sum")
             if why:
                 raise AssertionError(why)
