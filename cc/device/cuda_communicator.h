@@ -46,4 +46,9 @@ StatusOr<std::unique_ptr<Communicator>> CreateCudaCommunicator(MPI_Comm comm, in
 Status SetCudaKernelTuning(Communicator* comm, size_t oneshot_max_bytes, int oneshot_blocks,
                            int twoshot_blocks);
 
+// Overrides the pipeline chunk of the two-shot kernel on user buffers (bytes
+// per slice; 0 runs the un-pipelined kernel: reduce-scatter, then allgather).
+// Same rules as SetCudaKernelTuning.
+Status SetCudaTwoShotChunk(Communicator* comm, size_t chunk_bytes);
+
 }  // namespace nvgroup

@@ -46,6 +46,10 @@ constexpr size_t kDefaultOneShotMaxBytesTwoGpus = 8u << 20;
 constexpr size_t kDefaultOneShotMaxBytesLarger = 512u << 10;
 constexpr int kDefaultOneShotBlocks = 128;
 constexpr int kDefaultTwoShotBlocks = 128;
+// Two-shot on user buffers: pipeline chunk per slice (Note [Pipelined
+// two-shot] in p2p_allreduce.cuh), measured with allreduce_perf --pipeline_sweep
+// (docs/PERFORMANCE.md "Pipelined two-shot").
+constexpr size_t kDefaultTwoShotChunkBytes = 8u << 20;
 // BatchedScaledCopy descriptor slots in flight (pinned host + device each).
 constexpr int kCopySlots = 4;
 
@@ -86,6 +90,8 @@ class CudaCommunicator final : public Communicator {
   void Abort() override;
 
   Status SetTuning(const KernelTuning& tuning);
+  const KernelTuning& tuning() const { return group_.tuning; }
+  Status SetTwoShotChunk(size_t chunk_bytes);
 
  private:
   CudaCommunicator() = default;
@@ -163,6 +169,7 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
                                    std::to_string(kOneShotStagingBytes) + " bytes");
   group_.tuning.oneshot_blocks = kDefaultOneShotBlocks;
   group_.tuning.twoshot_blocks = kDefaultTwoShotBlocks;
+  group_.tuning.twoshot_chunk_bytes = kDefaultTwoShotChunkBytes;
   group_.timeout_ns = static_cast<uint64_t>(options.timeout_seconds * 1e9);
   group_.cuda_aware_mpi = MpiIsCudaAware();
   chunk_bytes_ = options.pipeline_chunk_bytes > 0 ? options.pipeline_chunk_bytes : k.pipeline_chunk;
@@ -540,6 +547,11 @@ Status CudaCommunicator::SetTuning(const KernelTuning& t) {
   return Status::Ok();
 }
 
+Status CudaCommunicator::SetTwoShotChunk(size_t chunk_bytes) {
+  group_.tuning.twoshot_chunk_bytes = chunk_bytes;
+  return Status::Ok();
+}
+
 StatusOr<std::unique_ptr<Communicator>> CudaCommunicator::Create(
     MPI_Comm comm, int device_ordinal, const CommunicatorOptions& options,
     const Topology& host_topology) {
@@ -568,7 +580,14 @@ Status SetCudaKernelTuning(Communicator* comm, size_t oneshot_max_bytes, int one
                            int twoshot_blocks) {
   auto* cuda = dynamic_cast<CudaCommunicator*>(comm);
   if (cuda == nullptr) return Status::InvalidArgument("not a CUDA communicator");
-  return cuda->SetTuning({oneshot_max_bytes, oneshot_blocks, twoshot_blocks});
+  return cuda->SetTuning({oneshot_max_bytes, oneshot_blocks, twoshot_blocks,
+                         cuda->tuning().twoshot_chunk_bytes});
+}
+
+Status SetCudaTwoShotChunk(Communicator* comm, size_t chunk_bytes) {
+  auto* cuda = dynamic_cast<CudaCommunicator*>(comm);
+  if (cuda == nullptr) return Status::InvalidArgument("not a CUDA communicator");
+  return cuda->SetTwoShotChunk(chunk_bytes);
 }
 
 }  // namespace nvgroup

@@ -38,6 +38,9 @@ struct KernelTuning {
   size_t oneshot_max_bytes = 0;  // messages up to this use the one-shot kernel
   int oneshot_blocks = 0;        // grid cap of the one-shot kernel
   int twoshot_blocks = 0;        // grid cap of the two-shot kernel
+  // Two-shot on user buffers: pipeline chunk per slice in bytes (0: the phases
+  // run one after the other over the whole message).
+  size_t twoshot_chunk_bytes = 0;
 };
 
 // Long-lived state of one CUDA communicator that the primitives use.

@@ -64,6 +64,8 @@ Status DevicePrimitives::GroupAllreduce(size_t count, void* out) {
     a.phases = kPhaseReduceScatter | kPhasePushResult;
   else
     a.phases = (in_registered_ ? 0 : kPhasePushScatter) | kPhaseReduceScatter | kPhaseAllgather;
+  if (a.phases == (kPhasePushScatter | kPhaseReduceScatter | kPhaseAllgather))
+    a.chunk_units = (group_->tuning.twoshot_chunk_bytes + 15) / 16;
   return LaunchTwoShotAllreduce(a, stream_);
 }
 

@@ -77,6 +77,11 @@ struct P2pLaunch {
   void* out = nullptr;       // result destination (one-shot; two-shot kAllgather)
   size_t count = 0;          // elements
   int phases = 0;            // two-shot only: kPhase* bits
+  // Two-shot on user buffers (phases push + reduce-scatter + allgather only):
+  // > 0 runs the pipelined kernel with chunks of this many 16-byte units per
+  // slice (rounded up to the grid's thread count); 0 runs the phases one after
+  // the other. See Note [Pipelined two-shot] in p2p_allreduce.cuh.
+  size_t chunk_units = 0;
   int blocks = 0;            // grid size, 1..kMaxBlocks
   DeviceControl* control = nullptr;  // device pointer of the mapped control words
   uint64_t timeout_ns = 0;           // barrier spin budget
@@ -91,7 +96,8 @@ constexpr int kPhasePushResult = 8;     // reduced slice -> every member's data 
 // One-shot: copy `in` into own data, barrier, every rank folds all members'
 // data into `out`. `peers.data` must point at the staging half of this call.
 Status LaunchOneShotAllreduce(const P2pLaunch& launch, cudaStream_t stream);
-// Two-shot (and the hierarchy's group steps): the phases named in `phases`.
+// Two-shot (and the hierarchy's group steps): the phases named in `phases`,
+// pipelined in chunks when `chunk_units` > 0.
 Status LaunchTwoShotAllreduce(const P2pLaunch& launch, cudaStream_t stream);
 
 // dst[i] = fold over g < num_sources of src[g * count + i] (g order), final

@@ -34,6 +34,11 @@ struct TwoShotOf {
   static constexpr P2pKernel kernel = kernels::TwoShotKernel<T, G>;
 };
 
+template <typename T, int G>
+struct TwoShotPipelinedOf {
+  static constexpr P2pKernel kernel = kernels::TwoShotPipelinedKernel<T, G>;
+};
+
 template <template <typename, int> class Select>
 P2pKernel KernelFor(DataType dtype, int g) {
   switch (dtype) {
@@ -88,7 +93,14 @@ Status LaunchOneShotAllreduce(const P2pLaunch& a, cudaStream_t stream) {
 
 Status LaunchTwoShotAllreduce(const P2pLaunch& a, cudaStream_t stream) {
   if (a.count == 0) return Status::Ok();
-  return Launch(KernelFor<TwoShotOf>(a.dtype, a.group_size), a, stream, "two-shot allreduce");
+  if (a.chunk_units == 0)
+    return Launch(KernelFor<TwoShotOf>(a.dtype, a.group_size), a, stream, "two-shot allreduce");
+  if (a.phases != (kPhasePushScatter | kPhaseReduceScatter | kPhaseAllgather))
+    return Status::InvalidArgument("pipelined two-shot allreduce: phases " +
+                                   std::to_string(a.phases) +
+                                   " given, only push + reduce-scatter + allgather is pipelined");
+  return Launch(KernelFor<TwoShotPipelinedOf>(a.dtype, a.group_size), a, stream,
+                "pipelined two-shot allreduce");
 }
 
 Status LaunchFoldSources(const void* src, int n, void* dst, size_t count, DataType dtype,

@@ -42,8 +42,13 @@
 //   slice is complete), then the allgather (kPhaseAllgather): rank r copies
 //   unit u of slice p from member p's data into out, for every p != r (loads
 //   over NVLink), then an end barrier: every member has finished reading this
-//   rank's data, so the next call may overwrite it (and push into it: no start
-//   barrier is needed in push mode).
+//   rank's data, so the next call may overwrite it. Push mode also starts
+//   with a barrier: a member's registered data is still in use between its
+//   calls (the engine copies fused results out of it, a test reads it), so a
+//   peer may push into it only once the member has entered this call (stream
+//   order: its earlier copies are done). Without it, compute-sanitizer's
+//   slowed-down racecheck run of allreduce_check found in-place registered
+//   results overwritten by the peer's next push (2xH200, 09:03 UTC).
 //   Thread mapping: global thread t handles units t, t + step, t + 2 step, ...
 //   (step = threads in the grid) of every slice in every phase, so the thread
 //   that reads a value on one GPU has the same index as the thread that wrote
@@ -55,6 +60,39 @@
 //   The hierarchical allreduce (cc/algorithms/hierarchical_allreduce.h) runs
 //   the phases separately: {reduce-scatter} per chunk, then the fold over
 //   groups, then {allgather}.
+//
+// Note [Pipelined two-shot]. On user buffers the two-shot kernel above runs
+// push, fold and gather one after the other over the whole message, so the
+// local fold (HBM only: read the pushed slot and the own input, write own data
+// and out) leaves NVLink idle. The pipelined kernel (TwoShotPipelinedKernel,
+// P2pLaunch::chunk_units > 0) cuts every slice into chunks of chunk_units
+// units (rounded up to the grid's thread count) and runs, per block, step
+// k = 0 .. chunks + 2:
+//   wait barrier k - 1; fold chunk k - 2; gather chunk k - 3;
+//   arrive at barrier k; push chunk k.
+// So a block pushes chunk k while its fold of k - 2 and gather of k - 3 are
+// still draining, and HBM work overlaps NVLink work. Why it is race-free:
+//   * fold(c) reads the slots of chunk c, written by the peers' push(c) in
+//     their step c before their arrival at barrier c + 1; fold(c) runs in step
+//     c + 2, after waiting for barrier c + 1 (release/acquire as below);
+//   * gather(c) reads member p's reduced chunk c, written by p's fold(c) in
+//     step c + 2 before p's arrival at barrier c + 2; gather(c) runs in step
+//     c + 3 after waiting for it;
+//   * within a call every chunk has its own slots and result units, so a push
+//     or fold never touches what another step still reads; across calls the
+//     last barrier (chunks + 2, arrival after the last gather) orders every
+//     member's reads of this rank's slots and data before the next call's
+//     pushes and folds (as the plain kernel's end barrier), and a start
+//     barrier (as the plain kernel's in push mode) keeps pushes out of a
+//     member's registered data until it has entered the call;
+//   * the push after an arrival is released by the next arrival: a barrier is
+//     split into BarrierArrive / BarrierWait so the push runs while the flags
+//     travel. A member can still be at most one barrier ahead (it arrives at
+//     k + 1 only after waiting for k, which needs this rank's arrival at k),
+//     so the two flag parities suffice.
+// Thread mapping as in the plain kernel (chunks start at multiples of the
+// grid's thread count), the same fold order (bitwise identical results), and
+// chunks + 3 barriers per call instead of 4.
 //
 // Note [Barrier protocol]. A barrier is per block: block b of every member
 // meets block b of every other member (all ranks launch identical grids, so
@@ -294,18 +332,32 @@ __device__ __forceinline__ uint64_t GlobalTimerNs() {
 // costs a PCIe read of host memory (~1 us), 1024 polls take longer than that.
 constexpr uint32_t kPollsPerCheck = 1024;
 
-// See Note [Barrier protocol] and Note [Dead peers]. Returns false when the
-// block must stop (abort or timeout); `failed` is the block's shared flag.
+// See Note [Barrier protocol] and Note [Dead peers]. A barrier is split in
+// two halves so that the pipelined kernel can do independent work in between:
+// BarrierArrive publishes this block's arrival (thread p < G returns the
+// counter value it stored), BarrierWait(v) waits for every member's arrival at
+// v. GroupBarrier is both at once.
 template <int G>
-__device__ __forceinline__ bool GroupBarrier(const P2pLaunch& a, int* failed) {
-  __syncthreads();  // the block's writes of the last phase precede the release below
+__device__ __forceinline__ uint32_t BarrierArrive(const P2pLaunch& a) {
+  __syncthreads();  // the block's writes so far precede the release below
+  uint32_t v = 0;
   if (threadIdx.x < G) {
     const int p = threadIdx.x;
     BarrierFlags* own = a.peers.flags[a.group_rank];
-    const uint32_t v = own->counter[blockIdx.x][p] + 1;
+    v = own->counter[blockIdx.x][p] + 1;
     own->counter[blockIdx.x][p] = v;
     StoreRelease(&a.peers.flags[p]->arrived[v & 1][blockIdx.x][a.group_rank], v);
-    const uint32_t* mine = &own->arrived[v & 1][blockIdx.x][p];
+  }
+  return v;
+}
+
+// Returns false when the block must stop (abort or timeout); `failed` is the
+// block's shared flag.
+template <int G>
+__device__ __forceinline__ bool BarrierWait(const P2pLaunch& a, uint32_t v, int* failed) {
+  if (threadIdx.x < G) {
+    const int p = threadIdx.x;
+    const uint32_t* mine = &a.peers.flags[a.group_rank]->arrived[v & 1][blockIdx.x][p];
     uint64_t deadline = 0;
     uint32_t polls = 0;
     while (LoadAcquire(mine) != v) {
@@ -330,6 +382,11 @@ __device__ __forceinline__ bool GroupBarrier(const P2pLaunch& a, int* failed) {
   }
   __syncthreads();  // the acquire above (thread p) now covers the whole block
   return *failed == 0;
+}
+
+template <int G>
+__device__ __forceinline__ bool GroupBarrier(const P2pLaunch& a, int* failed) {
+  return BarrierWait<G>(a, BarrierArrive<G>(a), failed);
 }
 
 // ---------------------------------------------------------------- kernels
@@ -411,6 +468,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 2) TwoShotKernel(P2pLaunch a
   const size_t batch_span = (kB - 1) * step;  // last unit of a batch, relative
 
   if (push) {
+    // orders: every member has entered this call, so it is done with its
+    // registered data (see "How it works": push mode)
+    if (!GroupBarrier<G>(a, &failed)) return;
     // Slice p of the input goes to member p's slot r, at r * stride (slots are
     // unclamped: the registered buffer holds G * stride elements).
     size_t u = first;
@@ -547,6 +607,203 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 2) TwoShotKernel(P2pLaunch a
     // orders: every member finished reading this rank's data before it is reused
     GroupBarrier<G>(a, &failed);
   }
+}
+
+// Pipelined two-shot on user buffers (phases push + reduce-scatter +
+// allgather, out not the registered data; a.chunk_units > 0). See Note
+// [Pipelined two-shot]. The phase bodies below are TwoShotKernel's push path
+// restricted to units [lo, hi) of every slice (lo a multiple of step, so thread
+// t keeps the units congruent to t in every phase and chunk, as there).
+struct TwoShotGeometry {
+  size_t stride;           // slice stride, elements (whole units)
+  size_t units_per_slice;  // stride / units
+  size_t full;             // units below this are full in every slice
+  size_t first, step;      // this thread's first unit, threads in the grid
+};
+
+template <typename T, int G>
+__device__ __forceinline__ TwoShotGeometry MakeTwoShotGeometry(const P2pLaunch& a) {
+  constexpr int kE = Unit<T>::kElems;
+  TwoShotGeometry g;
+  g.stride = ((a.count + G - 1) / G + kE - 1) / kE * kE;
+  g.units_per_slice = g.stride / kE;
+  g.full = (a.count - MinSize(a.count, (G - 1) * g.stride)) / kE;
+  g.first = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  g.step = static_cast<size_t>(gridDim.x) * blockDim.x;
+  return g;
+}
+
+// Slice p of the input, units [lo, hi) -> member p's slot r (p != r).
+template <typename T, int G>
+__device__ __forceinline__ void PushChunk(const P2pLaunch& a, const TwoShotGeometry& g, size_t lo,
+                                          size_t hi) {
+  constexpr int kE = Unit<T>::kElems;
+  constexpr int kB = TwoShotBatch<G>();
+  const int r = a.group_rank;
+  const T* in = static_cast<const T*>(a.in);
+  const bool in_vec = Aligned16(in);
+  auto dst = [&](int p) { return reinterpret_cast<T*>(a.peers.data[p]) + r * g.stride; };
+  size_t u = lo + g.first;
+  if (in_vec) {
+    for (; u + (kB - 1) * g.step < MinSize(hi, g.full); u += kB * g.step) {
+      uint4 v[kB][G];
+#pragma unroll
+      for (int j = 0; j < kB; ++j)
+#pragma unroll
+        for (int p = 0; p < G; ++p)
+          if (p != r)
+            v[j][p] = __ldcg(reinterpret_cast<const uint4*>(in + p * g.stride + (u + j * g.step) * kE));
+#pragma unroll
+      for (int j = 0; j < kB; ++j)
+#pragma unroll
+        for (int p = 0; p < G; ++p)
+          if (p != r) *reinterpret_cast<uint4*>(dst(p) + (u + j * g.step) * kE) = v[j][p];
+    }
+  }
+  for (; u < hi; u += g.step) {
+#pragma unroll
+    for (int p = 0; p < G; ++p) {
+      const size_t e = MinSize(a.count, p * g.stride) + u * kE;
+      const size_t end = MinSize(a.count, (p + 1) * g.stride);
+      if (p != r && e < end)
+        CopyUnit<T>(in + e, dst(p) + u * kE, static_cast<int>(MinSize(kE, end - e)), in_vec);
+    }
+  }
+}
+
+// Slice r, units [lo, hi): fold own slots + own input in group_rank order,
+// store to own data (the peers gather it) and to out.
+template <typename T, int G>
+__device__ __forceinline__ void FoldChunk(const P2pLaunch& a, const TwoShotGeometry& g, size_t lo,
+                                          size_t hi) {
+  using A = typename AccumulatorOf<T>::type;
+  constexpr int kE = Unit<T>::kElems;
+  constexpr int kB = TwoShotBatch<G>();
+  const int r = a.group_rank;
+  T* own = reinterpret_cast<T*>(a.peers.data[r]);
+  const T* in = static_cast<const T*>(a.in);
+  T* out = static_cast<T*>(a.out);
+  const bool in_vec = Aligned16(in), out_vec = Aligned16(out);
+  const size_t begin = MinSize(a.count, r * g.stride), end = MinSize(a.count, (r + 1) * g.stride);
+  auto finish_store = [&](size_t e, int n, A* acc) {
+#pragma unroll
+    for (int k = 0; k < kE; ++k) acc[k] = Finish<A>(a.op, a.divisor, acc[k]);
+    StoreUnit<T>(own + e, n, true, acc);
+    StoreUnit<T>(out + e, n, out_vec, acc);
+  };
+  size_t u = lo + g.first;
+  if (in_vec && out_vec) {
+    for (; u + (kB - 1) * g.step < MinSize(hi, g.full); u += kB * g.step) {
+      uint4 raw[kB][G];
+#pragma unroll
+      for (int j = 0; j < kB; ++j)
+#pragma unroll
+        for (int q = 0; q < G; ++q) {
+          const size_t uj = u + j * g.step;
+          const T* from = q == r ? in + begin + uj * kE : own + q * g.stride + uj * kE;
+          raw[j][q] = __ldcg(reinterpret_cast<const uint4*>(from));
+        }
+#pragma unroll
+      for (int j = 0; j < kB; ++j) {
+        A acc[kE];
+        const T* e0 = reinterpret_cast<const T*>(&raw[j][0]);
+#pragma unroll
+        for (int k = 0; k < kE; ++k) acc[k] = Widen<T>(e0[k]);
+#pragma unroll
+        for (int q = 1; q < G; ++q) {
+          const T* eq = reinterpret_cast<const T*>(&raw[j][q]);
+#pragma unroll
+          for (int k = 0; k < kE; ++k) acc[k] = Apply<A>(a.op, acc[k], Widen<T>(eq[k]));
+        }
+        finish_store(begin + (u + j * g.step) * kE, kE, acc);
+      }
+    }
+  }
+  for (; u < hi; u += g.step) {
+    const size_t e = begin + u * kE;
+    if (e >= end) break;
+    const int n = static_cast<int>(MinSize(kE, end - e));
+    T* slot[G];
+#pragma unroll
+    for (int q = 0; q < G; ++q) slot[q] = own + q * g.stride + u * kE;
+    A acc[kE];
+    FoldPushed<T, G>(slot, in + e, in_vec, r, n, a.op, acc);
+    finish_store(e, n, acc);
+  }
+}
+
+// Slices p != r, units [lo, hi): member p's reduced data -> out.
+template <typename T, int G>
+__device__ __forceinline__ void GatherChunk(const P2pLaunch& a, const TwoShotGeometry& g,
+                                            size_t lo, size_t hi) {
+  constexpr int kE = Unit<T>::kElems;
+  constexpr int kB = TwoShotBatch<G>();
+  const int r = a.group_rank;
+  T* out = static_cast<T*>(a.out);
+  const bool out_vec = Aligned16(out);
+  auto src = [&](int p) { return reinterpret_cast<const T*>(a.peers.data[p]); };
+  size_t u = lo + g.first;
+  if (out_vec) {
+    for (; u + (kB - 1) * g.step < MinSize(hi, g.full); u += kB * g.step) {
+      uint4 v[kB][G];
+#pragma unroll
+      for (int j = 0; j < kB; ++j)
+#pragma unroll
+        for (int p = 0; p < G; ++p)
+          if (p != r)
+            v[j][p] = __ldcg(reinterpret_cast<const uint4*>(src(p) + p * g.stride + (u + j * g.step) * kE));
+#pragma unroll
+      for (int j = 0; j < kB; ++j)
+#pragma unroll
+        for (int p = 0; p < G; ++p)
+          if (p != r) *reinterpret_cast<uint4*>(out + p * g.stride + (u + j * g.step) * kE) = v[j][p];
+    }
+  }
+  for (; u < hi; u += g.step) {
+#pragma unroll
+    for (int p = 0; p < G; ++p) {
+      const size_t e = MinSize(a.count, p * g.stride) + u * kE;
+      const size_t end = MinSize(a.count, (p + 1) * g.stride);
+      if (p != r && e < end)
+        CopyUnit<T>(src(p) + e, out + e, static_cast<int>(MinSize(kE, end - e)), out_vec);
+    }
+  }
+}
+
+template <typename T, int G>
+__global__ void __launch_bounds__(kThreadsPerBlock, 2) TwoShotPipelinedKernel(P2pLaunch a) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  const TwoShotGeometry g = MakeTwoShotGeometry<T, G>(a);
+  // Chunk: a multiple of the grid's step, so every chunk starts at a multiple
+  // of step and thread t keeps the units congruent to t in every phase and chunk.
+  const size_t chunk = (a.chunk_units + g.step - 1) / g.step * g.step;
+  const size_t chunks = (g.units_per_slice + chunk - 1) / chunk;
+  auto lo = [&](size_t c) { return c * chunk; };
+  auto hi = [&](size_t c) { return MinSize(g.units_per_slice, (c + 1) * chunk); };
+
+  // Step k: wait for barrier k - 1, fold chunk k - 2, gather chunk k - 3,
+  // arrive at barrier k, push chunk k (each phase has one call site, so it is
+  // inlined once). Chunk c is pushed in step c before barrier c + 1, folded in
+  // step c + 2 after it, gathered in step c + 3 after barrier c + 2, which the
+  // peers pass only after their fold of c. The push after the arrival runs
+  // while the barrier's flags travel.
+  // orders: every member has entered this call, so it is done with its
+  // registered data (see "How it works": push mode)
+  if (!GroupBarrier<G>(a, &failed)) return;
+  uint32_t v = 0;
+  for (size_t k = 0; k <= chunks + 2; ++k) {
+    // barrier k - 1: the peers' PushChunk(k - 2) and FoldChunk(k - 3) are visible
+    if (k >= 2 && !BarrierWait<G>(a, v, &failed)) return;
+    if (k >= 2 && k - 2 < chunks) FoldChunk<T, G>(a, g, lo(k - 2), hi(k - 2));
+    if (k >= 3) GatherChunk<T, G>(a, g, lo(k - 3), hi(k - 3));
+    // barrier k releases PushChunk(k - 1) and FoldChunk(k - 2); the last one
+    // (k = chunks + 2) ends the call: every member finished reading this
+    // rank's slots and data before the next call writes them
+    if (k >= 1) v = BarrierArrive<G>(a);
+    if (k < chunks) PushChunk<T, G>(a, g, lo(k), hi(k));
+  }
+  BarrierWait<G>(a, v, &failed);
 }
 
 // Fold over groups (hierarchy step 2, after the exchange): local only.

@@ -20,6 +20,8 @@
 //
 // Usage: allreduce_check [--mode auto|oneshot|twoshot] [--max_elems N]
 //                        [--large] [--quick] [--no_timeout_test]
+//                        [--twoshot_chunk BYTES]  (0: un-pipelined two-shot)
+//                        [--twoshot_blocks N]     (grid cap of --mode twoshot, 64)
 // Exit code 0 only if every check passed; prints one summary line per section.
 #include <cuda_runtime.h>
 #include <mpi.h>
@@ -43,6 +45,8 @@ struct Args {
   bool large = false;
   bool quick = false;
   bool timeout_test = true;
+  long long twoshot_chunk = -1;  // -1: the communicator's default
+  int twoshot_blocks = 64;       // --mode twoshot: small caps give many chunks
 };
 
 Args ParseArgs(int argc, char** argv) {
@@ -58,6 +62,8 @@ Args ParseArgs(int argc, char** argv) {
     else if (s == "--large") a.large = true;
     else if (s == "--quick") a.quick = true;
     else if (s == "--no_timeout_test") a.timeout_test = false;
+    else if (s == "--twoshot_chunk") a.twoshot_chunk = std::stoll(next());
+    else if (s == "--twoshot_blocks") a.twoshot_blocks = std::stoi(next());
     else Die("unknown argument " + s);
   }
   return a;
@@ -393,8 +399,11 @@ int main(int argc, char** argv) {
   Check(created.status(), "CreateCudaCommunicator");
   std::unique_ptr<Communicator> comm = created.consume();
   if (args.mode == "oneshot") Check(SetCudaKernelTuning(comm.get(), 16u << 20, 32, 64), "tuning");
-  else if (args.mode == "twoshot") Check(SetCudaKernelTuning(comm.get(), 0, 32, 64), "tuning");
+  else if (args.mode == "twoshot")
+    Check(SetCudaKernelTuning(comm.get(), 0, 32, args.twoshot_blocks), "tuning");
   else if (args.mode != "auto") Die("--mode must be auto, oneshot or twoshot");
+  if (args.twoshot_chunk >= 0)
+    Check(SetCudaTwoShotChunk(comm.get(), static_cast<size_t>(args.twoshot_chunk)), "chunk");
 
   Suite s{comm.get(), GatherLayout(comm->topology()), false, host.rank};
   const char* algo = std::getenv("NVGROUP_ALLREDUCE_ALGORITHM");
@@ -408,8 +417,8 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   MPI_Barrier(MPI_COMM_WORLD);
   if (host.rank == 0)
-    std::printf("# allreduce_check: %d ranks, %d group(s) of %d, mode %s, %s path\n", t.size,
-                t.group_count, t.group_size, args.mode.c_str(),
+    std::printf("# allreduce_check: %d ranks, %d group(s) of %d, mode %s, two-shot chunk %lld, %s path\n",
+                t.size, t.group_count, t.group_size, args.mode.c_str(), args.twoshot_chunk,
                 s.hierarchical ? "hierarchical" : "flat NV-group");
 
   const DataType dtypes[] = {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16,

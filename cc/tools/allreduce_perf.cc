@@ -20,6 +20,12 @@
 // --sweep: instead of the tables, times nvgroup (out of place) for one-shot and
 // two-shot at grid caps 4..128 over 8 B..64 MiB: the data behind the defaults
 // in cc/device/cuda_communicator_cuda.cc.
+// --pipeline_sweep: instead of the tables, times the two-shot kernel on user
+// buffers un-pipelined (chunk 0) against the pipelined kernel at chunks of
+// 1..32 MiB per slice, grid caps 64/128/192, and NCCL, 16 MiB..--max_bytes;
+// every configuration's result is checked element by element once (#wrong).
+// --twoshot_chunk BYTES: the pipeline chunk for the tables (default: the
+// communicator's; 0 = un-pipelined).
 // --resnet FILE: also times the engine's data path for the gradient set in FILE
 // (benchmarks/resnet50_gradients.txt): BatchedScaledCopy into the registered
 // buffer, Average allreduce, BatchedScaledCopy out -- against one NCCL
@@ -27,7 +33,7 @@
 //
 // Usage: mpirun -np 2 allreduce_perf [--min_bytes 8] [--max_bytes 1G]
 //   [--nccl_lib libnccl.so.2] [--mpi_max_bytes 64M] [--json out.json]
-//   [--sweep] [--resnet FILE]
+//   [--sweep] [--pipeline_sweep] [--twoshot_chunk BYTES] [--resnet FILE]
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <mpi.h>
@@ -120,6 +126,8 @@ struct Args {
   std::string json;
   std::string resnet;
   bool sweep = false;
+  bool pipeline_sweep = false;
+  long long twoshot_chunk = -1;  // -1: the communicator's default
 };
 
 Args ParseArgs(int argc, char** argv) {
@@ -137,6 +145,8 @@ Args ParseArgs(int argc, char** argv) {
     else if (s == "--json") a.json = next();
     else if (s == "--resnet") a.resnet = next();
     else if (s == "--sweep") a.sweep = true;
+    else if (s == "--pipeline_sweep") a.pipeline_sweep = true;
+    else if (s == "--twoshot_chunk") a.twoshot_chunk = std::stoll(next());
     else Die("unknown argument " + s);
   }
   if (a.min_bytes < 4 || a.max_bytes < a.min_bytes) Die("need 4 <= min_bytes <= max_bytes");
@@ -374,6 +384,8 @@ struct SweepPoint {
   std::string kernel;
   int blocks;
   double us;
+  size_t chunk_bytes = 0;  // pipeline sweep: two-shot chunk per slice
+  long long wrong = 0;     // pipeline sweep: elements off the reference
 };
 
 std::vector<SweepPoint> RunSweep(Bench& b, Data& d) {
@@ -402,6 +414,54 @@ std::vector<SweepPoint> RunSweep(Bench& b, Data& d) {
         if (b.rank == 0) std::printf(" %7.2f", us);
       }
       if (b.rank == 0) std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+  return pts;
+}
+
+// Two-shot on user buffers, un-pipelined vs pipelined chunks, and NCCL. Leaves
+// the communicator's tuning at its defaults for the grid and one-shot limit.
+std::vector<SweepPoint> RunPipelineSweep(Bench& b, Data& d, const Args& a, long long* wrong) {
+  std::vector<SweepPoint> pts;
+  const size_t chunks[] = {0, 1u << 20, 2u << 20, 4u << 20, 8u << 20, 16u << 20, 32u << 20};
+  const int blocks[] = {64, 128, 192};
+  if (b.rank == 0) {
+    std::printf("# pipeline sweep: two-shot on user buffers, us per call (busbw GB/s); chunk per slice\n");
+    std::printf("#%11s %9s %10s", "bytes", "nccl", "chunk");
+    for (int bl : blocks) std::printf("  %7s@%-3d", "us", bl);
+    std::printf("  best_bw  wrong\n");
+  }
+  for (size_t bytes = 16u << 20; bytes <= a.max_bytes; bytes *= 2) {
+    const size_t n = bytes / 4;
+    const double nccl_us = Time(b, bytes, [&] {
+      b.nccl.Check(b.nccl.AllReduce(d.d_in, d.d_out, n, kNcclFloat32, kNcclSum, b.nccl.comm, b.stream),
+                   "ncclAllReduce");
+    });
+    pts.push_back({bytes, "nccl", 0, nccl_us});
+    for (size_t chunk : chunks) {
+      if (b.rank == 0) std::printf("%12zu %9.2f %9zuK", bytes, nccl_us, chunk >> 10);
+      double best = 1e30;
+      long long row_wrong = 0;
+      for (int bl : blocks) {
+        Check(SetCudaKernelTuning(b.comm, 0, bl, bl), "tuning");
+        Check(SetCudaTwoShotChunk(b.comm, chunk), "chunk");
+        auto op = [&] {
+          Check(b.comm->Allreduce(d.d_in, d.d_out, n, DataType::kFloat32, ReduceOp::kSum, b.stream),
+                "allreduce");
+        };
+        const double us = Time(b, bytes, op);
+        CheckCuda(cudaMemsetAsync(d.d_out, 0xff, bytes, b.stream), "poison");
+        op();
+        CheckCuda(cudaStreamSynchronize(b.stream), "sync");
+        const long long w = CountWrong(b, d, d.d_out, n, &d.got);
+        row_wrong += w;
+        best = std::min(best, us);
+        pts.push_back({bytes, chunk == 0 ? "twoshot" : "pipelined", bl, us, chunk, w});
+        if (b.rank == 0) std::printf("  %11.2f", us);
+      }
+      *wrong += row_wrong;
+      if (b.rank == 0) std::printf("  %7.1f  %5lld\n", BusBw(b.size, bytes, best), row_wrong);
       std::fflush(stdout);
     }
   }
@@ -496,7 +556,8 @@ void WriteJson(const Bench& b, const Args& a, const std::string& gpu, const std:
   o << "  ],\n  \"sweep\": [\n";
   for (size_t i = 0; i < sweep.size(); ++i)
     o << "    {\"bytes\": " << sweep[i].bytes << ", \"kernel\": \"" << sweep[i].kernel
-      << "\", \"blocks\": " << sweep[i].blocks << ", \"us\": " << sweep[i].us << "}"
+      << "\", \"blocks\": " << sweep[i].blocks << ", \"us\": " << sweep[i].us
+      << ", \"chunk_bytes\": " << sweep[i].chunk_bytes << ", \"wrong\": " << sweep[i].wrong << "}"
       << (i + 1 < sweep.size() ? "," : "") << "\n";
   o << "  ]";
   if (resnet != nullptr)
@@ -561,8 +622,13 @@ int main(int argc, char** argv) {
   ResnetResult resnet;
   const bool have_resnet = !a.resnet.empty();
   long long wrong = 0;
+  if (a.twoshot_chunk >= 0)
+    Check(SetCudaTwoShotChunk(b.comm, static_cast<size_t>(a.twoshot_chunk)), "chunk");
   if (a.sweep) {
     sweep = RunSweep(b, d);
+  } else if (a.pipeline_sweep) {
+    sweep = RunPipelineSweep(b, d, a, &wrong);
+    if (b.rank == 0) std::printf("# pipeline sweep: %lld wrong elements %s\n", wrong, wrong == 0 ? "OK" : "FAILED");
   } else {
     rows = RunTables(b, d, a);
     if (have_resnet) resnet = RunResnet(b, d, a.resnet);

@@ -6,8 +6,12 @@
 #   modes   the same with one-shot / two-shot forced at every size
 #   hier    hierarchy: forced on one group, G=1 (MPI between GPUs), 2 ranks
 #           per GPU as 2 NV-groups (NVLink + MPI + pipelined chunks)
-#   sanitize  compute-sanitizer memcheck + racecheck on a quick case
+#   pipecheck the pipelined two-shot kernel forced at every size: default
+#           chunk, smallest chunk (many chunks), odd grid; and un-pipelined
+#   sanitize  compute-sanitizer memcheck + racecheck on a quick case, and on
+#           the pipelined two-shot kernel with 1 block (many chunks)
 #   sweep   kernel tuning sweep (one-/two-shot x grid caps)
+#   pipeline  two-shot un-pipelined vs pipelined chunks x grid caps, 16 MiB..1 GiB
 #   bench   nccl-tests tables vs NCCL and MPI + ResNet-50 gradient set
 #   engine  the engine's full path (Enqueue) on the ResNet-50 gradient set
 #   pytest  build the pybind11 module with CUDA, run tests/gpu
@@ -63,6 +67,13 @@ for stage in "$@"; do
       run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode twoshot --no_timeout_test
       step "check: forced one-shot"
       run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode oneshot --no_timeout_test ;;
+    pipecheck)
+      step "check: forced two-shot, smallest pipeline chunk (many chunks)"
+      run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode twoshot --twoshot_chunk 1 --no_timeout_test
+      step "check: forced two-shot, 3 blocks, smallest chunk"
+      run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode twoshot --twoshot_blocks 3 --twoshot_chunk 1 --no_timeout_test --max_elems 1048583
+      step "check: forced two-shot, un-pipelined"
+      run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode twoshot --twoshot_chunk 0 --no_timeout_test ;;
     hier)
       step "check: forced hierarchical on one group"
       run timeout 300 mpirun -np $NP --bind-to none -x NVGROUP_ALLREDUCE_ALGORITHM=hierarchical -x NVGROUP_PIPELINE_CHUNK=65536 $CHECK --no_timeout_test --max_elems 1048583
@@ -74,10 +85,16 @@ for stage in "$@"; do
       step "compute-sanitizer memcheck"
       run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 4097
       step "compute-sanitizer racecheck"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000 ;;
+      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
+      step "compute-sanitizer memcheck + racecheck: pipelined two-shot, 1 block, smallest chunk"
+      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
+      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539 ;;
     sweep)
       step "sweep"
       run timeout 150 mpirun -np $NP --bind-to none $PERF --sweep --max_bytes 256M --nccl_lib "$NCCL_LIB" --json "$OUT/sweep.json" ;;
+    pipeline)
+      step "pipeline sweep"
+      run timeout 300 mpirun -np $NP --bind-to none $PERF --pipeline_sweep --max_bytes 1G --nccl_lib "$NCCL_LIB" --json "$OUT/pipeline_sweep.json" ;;
     bench)
       step "bench"
       run timeout 250 mpirun -np $NP --bind-to none $PERF --max_bytes ${BENCH_MAX:-1G} --nccl_lib "$NCCL_LIB" --resnet benchmarks/resnet50_gradients.txt --json "$OUT/perf.json" > "$OUT/perf.txt" 2>&1
