@@ -33,7 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.0125, help="learning rate per rank (scaled by the number of ranks)")
-    p.add_argument("--lr-warmup-epochs", type=float, default=0.0,
+    p.add_argument("--lr-warmup-epochs", type=int, default=0,
                    help="Goyal et al. warmup from lr to lr*ranks over this many epochs (0: off)")
     p.add_argument("--mixed-precision", action="store_true", help="mixed_float16 + LossScaleOptimizer")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
