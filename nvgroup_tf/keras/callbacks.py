@@ -31,6 +31,19 @@ def _optimizer_built(optimizer):
     return bool(_optimizer_variables(optimizer))  # tf_keras: slots exist after the first step
 
 
+def _variables_to_broadcast(model):
+    """The model's variables less Keras 3's random-seed states.
+
+    Keras 3 keeps each SeedGenerator's state (dropout, random augmentation) in a
+    variable among model.variables. Broadcasting it would give every rank the
+    same dropout masks; each data-parallel replica should draw its own, as with
+    Horovod on Keras 2 (which had no such variables). The list is the same on
+    every rank, so the broadcast stays matched.
+    """
+    return [v for v in model.variables
+            if not getattr(v, "path", "").endswith("seed_generator_state")]
+
+
 class BroadcastGlobalVariablesCallback(_Callback):
     """Broadcasts the model's variables (and the optimizer's, once they exist)
     from root_rank at the start of training.
@@ -51,7 +64,7 @@ class BroadcastGlobalVariablesCallback(_Callback):
     def _broadcast(self):
         with tf.device(self.device):
             if not self._model_done:
-                core.broadcast_variables(self.model.variables, self.root_rank,
+                core.broadcast_variables(_variables_to_broadcast(self.model), self.root_rank,
                                          name="nvg_bcast_model_variables")
                 self._model_done = True
             optimizer = getattr(self.model, "optimizer", None)

@@ -179,6 +179,22 @@ def check_broadcast_callback_equalizes_ranks():
     assert_close(model.get_weights(), ref.get_weights(), "broadcast + fit vs reference from rank 0's init")
 
 
+def check_broadcast_callback_keeps_per_rank_dropout_seeds():
+    x, y = global_data(seed=78)
+    keras.utils.set_random_seed(200 + RANK)  # different weights and seed states per rank
+    model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(8),
+                              keras.layers.Dropout(0.5), keras.layers.Dense(y.shape[1])])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse")
+    model.fit(rank_slice(x), rank_slice(y), batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert_same_on_all_ranks(model.get_weights(), "weights after broadcast + fit")
+    seeds = [v.numpy() for v in model.variables if v.path.endswith("seed_generator_state")]
+    assert seeds, "test setup: the model should have a dropout seed state"
+    if SIZE > 1:
+        gathered = hvd.allgather_object([s.tobytes() for s in seeds])
+        assert len(set(g[0] for g in gathered)) == SIZE, "dropout seed states were made equal across ranks"
+
+
 class _SetRankMetric(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         logs["rank_metric"] = 1.5 * RANK + epoch

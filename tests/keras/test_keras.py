@@ -12,7 +12,8 @@ LEGACY_WORKER = os.path.join(HERE, "legacy_worker.py")
 
 ALL_CHECKS = ["fit_average_matches_single_process", "fit_sum_equals_scaled_lr", "fp16_compression",
               "backward_passes_per_step",
-              "broadcast_callback_equalizes_ranks", "metric_average_callback", "lr_warmup_and_schedule",
+              "broadcast_callback_equalizes_ranks", "broadcast_callback_keeps_per_rank_dropout_seeds",
+              "metric_average_callback", "lr_warmup_and_schedule",
               "mixed_precision_loss_scale", "sparse_embedding_gradients", "distributed_gradient_tape",
               "load_model_makes_optimizer_distributed", "bad_input_errors"]
 THREE_RANK_CHECKS = ["fit_average_matches_single_process", "backward_passes_per_step",
