@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the GPU tools (allreduce_check, allreduce_perf, engine_perf) from the
+# Builds the GPU tools (allreduce_check, allreduce_perf, engine_perf,
+# p2p_bandwidth) from the
 # engine's sources: nvcc for cc/kernels/*.cu, g++ for the rest, linked with
 # Open MPI and cudart. setup.py builds libraries, not binaries, hence this.
 # Usage: scripts/device/build_tools.sh [build_dir] [jobs]
@@ -39,4 +40,5 @@ done
 ENGINE_OBJS=""
 for s in $CU_SRCS $ENGINE_SRCS $CUDA_CC_SRCS; do ENGINE_OBJS+=" $BUILD/$(echo "$s" | tr / _).o"; done
 g++ -o "$BUILD/engine_perf" "$BUILD/cc_tools_engine_perf.cc.o" $ENGINE_OBJS $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt
-echo "built $BUILD/allreduce_check $BUILD/allreduce_perf $BUILD/engine_perf"
+nvcc $NVFLAGS -o "$BUILD/p2p_bandwidth" cc/tools/p2p_bandwidth.cu
+echo "built $BUILD/allreduce_check $BUILD/allreduce_perf $BUILD/engine_perf $BUILD/p2p_bandwidth"
