@@ -74,6 +74,12 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
   report_cached_after_s_ = 1.0;
   if (knobs.stall_warning_s > 0) report_cached_after_s_ = std::min(report_cached_after_s_, knobs.stall_warning_s / 2);
   if (knobs.stall_shutdown_s > 0) report_cached_after_s_ = std::min(report_cached_after_s_, knobs.stall_shutdown_s / 2);
+  // Collective; Init's collectives just ran, so the ranks are in step and
+  // NVGROUP_TIMEOUT bounds the setup.
+  StatusOr<std::unique_ptr<LivenessMonitor>> liveness =
+      LivenessMonitor::Create(comm_, knobs.peer_timeout_s, [this](const Status& lost) { Abort(lost); });
+  if (liveness.ok()) liveness_ = liveness.consume();
+  else NVG_LOG(kWarning) << "dead-rank detection is off: " << liveness.status().message();
   if (rank_ == 0 && !knobs.timeline_path.empty()) {
     Status s = timeline_.Open(knobs.timeline_path, MonotonicSeconds());
     if (!s.ok()) NVG_LOG(kWarning) << s.message() << "; continuing without a timeline";
@@ -466,6 +472,7 @@ Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
       case CollectiveType::kBroadcast: s = RunBroadcast(&first); break;
     }
     if (s.ok()) continue;
+    s = Cause(s);
     // The same call failed on every rank (same arguments, same order); fail the
     // bucket's requests. A lost or aborted peer ends the loop.
     for (size_t i : bucket.responses) {
@@ -485,6 +492,7 @@ void Engine::Loop() {
     std::vector<TensorEntry> fresh;
     bool shutdown_requested = false;
     queue_.WaitAndPop(knobs_.cycle_time_ms / 1000.0, &fresh, &shutdown_requested);
+    if (liveness_) liveness_->SetProgress(cycle_);
     const double now = MonotonicSeconds();
     // Drop names that completed in the last cycle before admitting new ones
     // (a completed name may come back at once).
@@ -521,6 +529,7 @@ void Engine::Loop() {
     if (!(bits[0] & kNothingToReport)) exit_status = Negotiate(now, &work);
     if (exit_status.ok()) exit_status = Execute(&work, cache_hits);
     if (!exit_status.ok()) {
+      exit_status = Cause(exit_status);
       // Requests taken out of pending_ this cycle but not completed yet.
       for (Work& w : work)
         if (w.pending != nullptr && w.pending->entry.request.done) Complete(w.pending.get(), exit_status);
@@ -543,6 +552,8 @@ void Engine::Loop() {
         exit_status = Status::Unavailable(exit_status.message() + "; ranks [" + ranks +
                                           "] did not answer a liveness probe");
       }
+      const std::string hung = liveness_ ? liveness_->DescribeSilentPeers() : std::string();
+      if (!hung.empty()) exit_status = Status::Unavailable(exit_status.message() + "; " + hung);
     }
     NVG_LOG(kError) << "background loop stopped: " << exit_status.ToString();
     cpu_comm_->Abort();
@@ -584,6 +595,7 @@ Status Engine::Stop() {
     }
   }
   thread_.join();
+  if (liveness_) liveness_->Close();  // BYE: this rank leaves on purpose, not a death
   finalizer_.reset();  // runs the remaining CUDA completions
   {
     std::lock_guard<std::mutex> lock(abort_mu_);  // no Abort() inside a communicator being freed
@@ -598,6 +610,11 @@ Status Engine::Stop() {
   NVG_MPI_CHECK(MPI_Finalized(&finalized));
   if (!mpi_broken_ && !abort_ && !finalized) NVG_MPI_CHECK(MPI_Comm_free(&comm_));
   return Status::Ok();
+}
+
+Status Engine::Cause(const Status& s) {
+  std::lock_guard<std::mutex> lock(abort_mu_);
+  return abort_status_.ok() ? s : abort_status_;
 }
 
 void Engine::Abort(const Status& reason) {

@@ -55,6 +55,7 @@
 #include "engine/tensor_queue.h"
 #include "engine/timeline.h"
 #include "nvgroup/communicator.h"
+#include "transport/liveness.h"
 
 namespace nvgroup {
 
@@ -97,6 +98,9 @@ class Engine {
   };
 
   void Loop();
+  // `s`, or the reason given to Abort() when there is one: after an abort
+  // (e.g. a peer died) every failure is a consequence of it.
+  Status Cause(const Status& s);
   void Admit(TensorEntry entry, double now);
   bool FillCacheBits(double now, std::vector<uint64_t>* bits);
   std::vector<Work> TakeCacheHits(const std::vector<uint64_t>& bits);
@@ -161,6 +165,10 @@ class Engine {
   std::vector<ResponseMessage> stalled_;  // rank 0: stall errors for the next round
   Timeline timeline_;         // rank 0
   uint64_t cycle_ = 0;
+
+  // Dead-rank detection (transport/liveness.h): calls Abort() when a peer
+  // dies. Null when its setup failed (the job runs without it).
+  std::unique_ptr<LivenessMonitor> liveness_;
 
   std::thread thread_;  // last: starts after everything it uses exists
 };
