@@ -47,9 +47,8 @@ Status SetCudaKernelTuning(Communicator* comm, size_t oneshot_max_bytes, int one
                            int twoshot_blocks);
 
 // Overrides the pipeline chunk of the two-shot kernel on user buffers (bytes
-// per slice; 0 runs the un-pipelined kernel: reduce-scatter, then allgather)
-// and, for pipelined 2-GPU groups, whether the reduced slice is pushed to the
-// peer (push-gather) instead of pulled. Same rules as SetCudaKernelTuning.
-Status SetCudaTwoShotChunk(Communicator* comm, size_t chunk_bytes, bool push_gather = false);
+// per slice; 0 runs the un-pipelined kernel: reduce-scatter, then allgather).
+// Same rules as SetCudaKernelTuning.
+Status SetCudaTwoShotChunk(Communicator* comm, size_t chunk_bytes);
 
 }  // namespace nvgroup

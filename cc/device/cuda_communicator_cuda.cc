@@ -91,7 +91,7 @@ class CudaCommunicator final : public Communicator {
 
   Status SetTuning(const KernelTuning& tuning);
   const KernelTuning& tuning() const { return group_.tuning; }
-  Status SetTwoShotChunk(size_t chunk_bytes, bool push_gather);
+  Status SetTwoShotChunk(size_t chunk_bytes);
 
  private:
   CudaCommunicator() = default;
@@ -547,9 +547,8 @@ Status CudaCommunicator::SetTuning(const KernelTuning& t) {
   return Status::Ok();
 }
 
-Status CudaCommunicator::SetTwoShotChunk(size_t chunk_bytes, bool push_gather) {
+Status CudaCommunicator::SetTwoShotChunk(size_t chunk_bytes) {
   group_.tuning.twoshot_chunk_bytes = chunk_bytes;
-  group_.tuning.twoshot_push_gather = push_gather;
   return Status::Ok();
 }
 
@@ -582,13 +581,13 @@ Status SetCudaKernelTuning(Communicator* comm, size_t oneshot_max_bytes, int one
   auto* cuda = dynamic_cast<CudaCommunicator*>(comm);
   if (cuda == nullptr) return Status::InvalidArgument("not a CUDA communicator");
   return cuda->SetTuning({oneshot_max_bytes, oneshot_blocks, twoshot_blocks,
-                         cuda->tuning().twoshot_chunk_bytes, cuda->tuning().twoshot_push_gather});
+                         cuda->tuning().twoshot_chunk_bytes});
 }
 
-Status SetCudaTwoShotChunk(Communicator* comm, size_t chunk_bytes, bool push_gather) {
+Status SetCudaTwoShotChunk(Communicator* comm, size_t chunk_bytes) {
   auto* cuda = dynamic_cast<CudaCommunicator*>(comm);
   if (cuda == nullptr) return Status::InvalidArgument("not a CUDA communicator");
-  return cuda->SetTwoShotChunk(chunk_bytes, push_gather);
+  return cuda->SetTwoShotChunk(chunk_bytes);
 }
 
 }  // namespace nvgroup

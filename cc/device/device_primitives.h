@@ -41,9 +41,6 @@ struct KernelTuning {
   // Two-shot on user buffers: pipeline chunk per slice in bytes (0: the phases
   // run one after the other over the whole message).
   size_t twoshot_chunk_bytes = 0;
-  // With pipelining on 2-GPU groups: push the reduced slice to the peer
-  // instead of letting it pull (kPhasePushGather).
-  bool twoshot_push_gather = false;
 };
 
 // Long-lived state of one CUDA communicator that the primitives use.

@@ -64,11 +64,8 @@ Status DevicePrimitives::GroupAllreduce(size_t count, void* out) {
     a.phases = kPhaseReduceScatter | kPhasePushResult;
   else
     a.phases = (in_registered_ ? 0 : kPhasePushScatter) | kPhaseReduceScatter | kPhaseAllgather;
-  if (a.phases == (kPhasePushScatter | kPhaseReduceScatter | kPhaseAllgather)) {
+  if (a.phases == (kPhasePushScatter | kPhaseReduceScatter | kPhaseAllgather))
     a.chunk_units = (group_->tuning.twoshot_chunk_bytes + 15) / 16;
-    if (a.chunk_units > 0 && a.group_size == 2 && group_->tuning.twoshot_push_gather)
-      a.phases |= kPhasePushGather;
-  }
   return LaunchTwoShotAllreduce(a, stream_);
 }
 

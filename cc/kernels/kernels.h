@@ -92,7 +92,6 @@ constexpr int kPhasePushScatter = 1;    // in's slice p -> member p's slot group
 constexpr int kPhaseReduceScatter = 2;  // slice group_rank over members -> own data
 constexpr int kPhaseAllgather = 4;      // every member's slice -> out
 constexpr int kPhasePushResult = 8;     // reduced slice -> every member's data (in place)
-constexpr int kPhasePushGather = 16;    // pipelined, G = 2: result pushed, copied out locally
 
 // One-shot: copy `in` into own data, barrier, every rank folds all members'
 // data into `out`. `peers.data` must point at the staging half of this call.

@@ -95,12 +95,10 @@ Status LaunchTwoShotAllreduce(const P2pLaunch& a, cudaStream_t stream) {
   if (a.count == 0) return Status::Ok();
   if (a.chunk_units == 0)
     return Launch(KernelFor<TwoShotOf>(a.dtype, a.group_size), a, stream, "two-shot allreduce");
-  const int full = kPhasePushScatter | kPhaseReduceScatter | kPhaseAllgather;
-  if (a.phases != full && (a.phases != (full | kPhasePushGather) || a.group_size != 2))
+  if (a.phases != (kPhasePushScatter | kPhaseReduceScatter | kPhaseAllgather))
     return Status::InvalidArgument("pipelined two-shot allreduce: phases " +
                                    std::to_string(a.phases) +
-                                   " given, only push + reduce-scatter + allgather is pipelined"
-                                   " (+ push-gather for 2 GPUs)");
+                                   " given, only push + reduce-scatter + allgather is pipelined");
   return Launch(KernelFor<TwoShotPipelinedOf>(a.dtype, a.group_size), a, stream,
                 "pipelined two-shot allreduce");
 }

@@ -93,14 +93,6 @@
 // Thread mapping as in the plain kernel (chunks start at multiples of the
 // grid's thread count), the same fold order (bitwise identical results), and
 // chunks + 3 barriers per call instead of 4.
-// Push-gather (kPhasePushGather, G = 2 only): the fold stores its result
-// into the peer's data at the peer's own slice position (the peer's own slot:
-// no one pushes there, and in this mode the peer keeps its own result only in
-// out) instead of into own data, and "gather" copies that region of own data
-// to out locally. All NVLink traffic is then SM stores, which keep more of
-// the link both ways than SM loads (docs/PERFORMANCE.md). Same steps and
-// barriers: the fold of chunk c (now a remote write) is released by barrier
-// c + 2, the copy of chunk c runs after it.
 //
 // Note [Barrier protocol]. A barrier is per block: block b of every member
 // meets block b of every other member (all ranks launch identical grids, so
@@ -680,9 +672,7 @@ __device__ __forceinline__ void PushChunk(const P2pLaunch& a, const TwoShotGeome
 }
 
 // Slice r, units [lo, hi): fold own slots + own input in group_rank order,
-// store to out and to own data (the peers gather it), or with
-// kPhasePushGather (G = 2) into the peer's data at its own slice position
-// (its own slot, which no one pushes to), where the peer copies it to its out.
+// store to own data (the peers gather it) and to out.
 template <typename T, int G>
 __device__ __forceinline__ void FoldChunk(const P2pLaunch& a, const TwoShotGeometry& g, size_t lo,
                                           size_t hi) {
@@ -695,14 +685,10 @@ __device__ __forceinline__ void FoldChunk(const P2pLaunch& a, const TwoShotGeome
   T* out = static_cast<T*>(a.out);
   const bool in_vec = Aligned16(in), out_vec = Aligned16(out);
   const size_t begin = MinSize(a.count, r * g.stride), end = MinSize(a.count, (r + 1) * g.stride);
-  // Where unit u of the result goes besides out: result + u * kE.
-  T* result = own + begin;
-  if (G == 2 && (a.phases & kPhasePushGather))
-    result = reinterpret_cast<T*>(a.peers.data[1 - r]) + (1 - r) * g.stride;
   auto finish_store = [&](size_t e, int n, A* acc) {
 #pragma unroll
     for (int k = 0; k < kE; ++k) acc[k] = Finish<A>(a.op, a.divisor, acc[k]);
-    StoreUnit<T>(result + (e - begin), n, true, acc);
+    StoreUnit<T>(own + e, n, true, acc);
     StoreUnit<T>(out + e, n, out_vec, acc);
   };
   size_t u = lo + g.first;
@@ -746,9 +732,7 @@ __device__ __forceinline__ void FoldChunk(const P2pLaunch& a, const TwoShotGeome
   }
 }
 
-// Slices p != r, units [lo, hi): member p's reduced data -> out (loads over
-// NVLink), or with kPhasePushGather (G = 2) the result the peer pushed into
-// this rank's own slice position (local loads).
+// Slices p != r, units [lo, hi): member p's reduced data -> out.
 template <typename T, int G>
 __device__ __forceinline__ void GatherChunk(const P2pLaunch& a, const TwoShotGeometry& g,
                                             size_t lo, size_t hi) {
@@ -757,12 +741,7 @@ __device__ __forceinline__ void GatherChunk(const P2pLaunch& a, const TwoShotGeo
   const int r = a.group_rank;
   T* out = static_cast<T*>(a.out);
   const bool out_vec = Aligned16(out);
-  const bool local = G == 2 && (a.phases & kPhasePushGather);
-  // Unit u of slice p's result is at src(p) + u * kE.
-  auto src = [&](int p) {
-    return local ? reinterpret_cast<const T*>(a.peers.data[r]) + r * g.stride
-                 : reinterpret_cast<const T*>(a.peers.data[p]) + p * g.stride;
-  };
+  auto src = [&](int p) { return reinterpret_cast<const T*>(a.peers.data[p]); };
   size_t u = lo + g.first;
   if (out_vec) {
     for (; u + (kB - 1) * g.step < MinSize(hi, g.full); u += kB * g.step) {
@@ -772,7 +751,7 @@ __device__ __forceinline__ void GatherChunk(const P2pLaunch& a, const TwoShotGeo
 #pragma unroll
         for (int p = 0; p < G; ++p)
           if (p != r)
-            v[j][p] = __ldcg(reinterpret_cast<const uint4*>(src(p) + (u + j * g.step) * kE));
+            v[j][p] = __ldcg(reinterpret_cast<const uint4*>(src(p) + p * g.stride + (u + j * g.step) * kE));
 #pragma unroll
       for (int j = 0; j < kB; ++j)
 #pragma unroll
@@ -786,7 +765,7 @@ __device__ __forceinline__ void GatherChunk(const P2pLaunch& a, const TwoShotGeo
       const size_t e = MinSize(a.count, p * g.stride) + u * kE;
       const size_t end = MinSize(a.count, (p + 1) * g.stride);
       if (p != r && e < end)
-        CopyUnit<T>(src(p) + u * kE, out + e, static_cast<int>(MinSize(kE, end - e)), out_vec);
+        CopyUnit<T>(src(p) + e, out + e, static_cast<int>(MinSize(kE, end - e)), out_vec);
     }
   }
 }

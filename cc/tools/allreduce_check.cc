@@ -22,7 +22,6 @@
 //                        [--large] [--quick] [--no_timeout_test]
 //                        [--twoshot_chunk BYTES]  (0: un-pipelined two-shot)
 //                        [--twoshot_blocks N]     (grid cap of --mode twoshot, 64)
-//                        [--push_gather]          (pipelined 2-GPU push-gather)
 // Exit code 0 only if every check passed; prints one summary line per section.
 #include <cuda_runtime.h>
 #include <mpi.h>
@@ -48,7 +47,6 @@ struct Args {
   bool timeout_test = true;
   long long twoshot_chunk = -1;  // -1: the communicator's default
   int twoshot_blocks = 64;       // --mode twoshot: small caps give many chunks
-  bool push_gather = false;
 };
 
 Args ParseArgs(int argc, char** argv) {
@@ -66,7 +64,6 @@ Args ParseArgs(int argc, char** argv) {
     else if (s == "--no_timeout_test") a.timeout_test = false;
     else if (s == "--twoshot_chunk") a.twoshot_chunk = std::stoll(next());
     else if (s == "--twoshot_blocks") a.twoshot_blocks = std::stoi(next());
-    else if (s == "--push_gather") a.push_gather = true;
     else Die("unknown argument " + s);
   }
   return a;
@@ -405,12 +402,8 @@ int main(int argc, char** argv) {
   else if (args.mode == "twoshot")
     Check(SetCudaKernelTuning(comm.get(), 0, 32, args.twoshot_blocks), "tuning");
   else if (args.mode != "auto") Die("--mode must be auto, oneshot or twoshot");
-  if (args.twoshot_chunk >= 0 || args.push_gather)
-    Check(SetCudaTwoShotChunk(comm.get(),
-                              args.twoshot_chunk >= 0 ? static_cast<size_t>(args.twoshot_chunk)
-                                                      : size_t{8} << 20,
-                              args.push_gather),
-          "chunk");
+  if (args.twoshot_chunk >= 0)
+    Check(SetCudaTwoShotChunk(comm.get(), static_cast<size_t>(args.twoshot_chunk)), "chunk");
 
   Suite s{comm.get(), GatherLayout(comm->topology()), false, host.rank};
   const char* algo = std::getenv("NVGROUP_ALLREDUCE_ALGORITHM");
@@ -424,9 +417,8 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   MPI_Barrier(MPI_COMM_WORLD);
   if (host.rank == 0)
-    std::printf("# allreduce_check: %d ranks, %d group(s) of %d, mode %s, two-shot chunk %lld%s, %s path\n",
+    std::printf("# allreduce_check: %d ranks, %d group(s) of %d, mode %s, two-shot chunk %lld, %s path\n",
                 t.size, t.group_count, t.group_size, args.mode.c_str(), args.twoshot_chunk,
-                args.push_gather ? " push-gather" : "",
                 s.hierarchical ? "hierarchical" : "flat NV-group");
 
   const DataType dtypes[] = {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16,

@@ -22,11 +22,10 @@
 // in cc/device/cuda_communicator_cuda.cc.
 // --pipeline_sweep: instead of the tables, times the two-shot kernel on user
 // buffers un-pipelined (chunk 0) against the pipelined kernel at chunks of
-// 4..16 MiB per slice (pull or push allgather), grid caps 64/128, and NCCL,
-// 16 MiB..--max_bytes;
+// 1..32 MiB per slice, grid caps 64/128/192, and NCCL, 16 MiB..--max_bytes;
 // every configuration's result is checked element by element once (#wrong).
 // --twoshot_chunk BYTES: the pipeline chunk for the tables (default: the
-// communicator's; 0 = un-pipelined). --push_gather: pipelined push-gather.
+// communicator's; 0 = un-pipelined).
 // --resnet FILE: also times the engine's data path for the gradient set in FILE
 // (benchmarks/resnet50_gradients.txt): BatchedScaledCopy into the registered
 // buffer, Average allreduce, BatchedScaledCopy out -- against one NCCL
@@ -34,7 +33,7 @@
 //
 // Usage: mpirun -np 2 allreduce_perf [--min_bytes 8] [--max_bytes 1G]
 //   [--nccl_lib libnccl.so.2] [--mpi_max_bytes 64M] [--json out.json]
-//   [--sweep] [--pipeline_sweep] [--twoshot_chunk BYTES] [--push_gather] [--resnet FILE]
+//   [--sweep] [--pipeline_sweep] [--twoshot_chunk BYTES] [--resnet FILE]
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <mpi.h>
@@ -48,7 +47,6 @@
 #include <functional>
 #include <sstream>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "device/cuda_communicator.h"
@@ -130,7 +128,6 @@ struct Args {
   bool sweep = false;
   bool pipeline_sweep = false;
   long long twoshot_chunk = -1;  // -1: the communicator's default
-  bool push_gather = false;
 };
 
 Args ParseArgs(int argc, char** argv) {
@@ -150,7 +147,6 @@ Args ParseArgs(int argc, char** argv) {
     else if (s == "--sweep") a.sweep = true;
     else if (s == "--pipeline_sweep") a.pipeline_sweep = true;
     else if (s == "--twoshot_chunk") a.twoshot_chunk = std::stoll(next());
-    else if (s == "--push_gather") a.push_gather = true;
     else Die("unknown argument " + s);
   }
   if (a.min_bytes < 4 || a.max_bytes < a.min_bytes) Die("need 4 <= min_bytes <= max_bytes");
@@ -428,15 +424,11 @@ std::vector<SweepPoint> RunSweep(Bench& b, Data& d) {
 // the communicator's tuning at its defaults for the grid and one-shot limit.
 std::vector<SweepPoint> RunPipelineSweep(Bench& b, Data& d, const Args& a, long long* wrong) {
   std::vector<SweepPoint> pts;
-  // {chunk, push-gather}: pull allgather (un-pipelined and pipelined), then push-gather.
-  const std::pair<size_t, bool> chunks[] = {{0, false},        {4u << 20, false},
-                                            {8u << 20, false}, {16u << 20, false},
-                                            {4u << 20, true},  {8u << 20, true},
-                                            {16u << 20, true}};
-  const int blocks[] = {64, 128};
+  const size_t chunks[] = {0, 1u << 20, 2u << 20, 4u << 20, 8u << 20, 16u << 20, 32u << 20};
+  const int blocks[] = {64, 128, 192};
   if (b.rank == 0) {
     std::printf("# pipeline sweep: two-shot on user buffers, us per call (busbw GB/s); chunk per slice\n");
-    std::printf("#%11s %9s %10s %6s", "bytes", "nccl", "chunk", "gather");
+    std::printf("#%11s %9s %10s", "bytes", "nccl", "chunk");
     for (int bl : blocks) std::printf("  %7s@%-3d", "us", bl);
     std::printf("  best_bw  wrong\n");
   }
@@ -447,14 +439,13 @@ std::vector<SweepPoint> RunPipelineSweep(Bench& b, Data& d, const Args& a, long 
                    "ncclAllReduce");
     });
     pts.push_back({bytes, "nccl", 0, nccl_us});
-    for (const auto& [chunk, push_gather] : chunks) {
-      if (b.rank == 0)
-        std::printf("%12zu %9.2f %9zuK %6s", bytes, nccl_us, chunk >> 10, push_gather ? "push" : "pull");
+    for (size_t chunk : chunks) {
+      if (b.rank == 0) std::printf("%12zu %9.2f %9zuK", bytes, nccl_us, chunk >> 10);
       double best = 1e30;
       long long row_wrong = 0;
       for (int bl : blocks) {
         Check(SetCudaKernelTuning(b.comm, 0, bl, bl), "tuning");
-        Check(SetCudaTwoShotChunk(b.comm, chunk, push_gather), "chunk");
+        Check(SetCudaTwoShotChunk(b.comm, chunk), "chunk");
         auto op = [&] {
           Check(b.comm->Allreduce(d.d_in, d.d_out, n, DataType::kFloat32, ReduceOp::kSum, b.stream),
                 "allreduce");
@@ -466,8 +457,7 @@ std::vector<SweepPoint> RunPipelineSweep(Bench& b, Data& d, const Args& a, long 
         const long long w = CountWrong(b, d, d.d_out, n, &d.got);
         row_wrong += w;
         best = std::min(best, us);
-        pts.push_back({bytes, chunk == 0 ? "twoshot" : push_gather ? "pipelined-pushgather" : "pipelined",
-                       bl, us, chunk, w});
+        pts.push_back({bytes, chunk == 0 ? "twoshot" : "pipelined", bl, us, chunk, w});
         if (b.rank == 0) std::printf("  %11.2f", us);
       }
       *wrong += row_wrong;
@@ -632,12 +622,8 @@ int main(int argc, char** argv) {
   ResnetResult resnet;
   const bool have_resnet = !a.resnet.empty();
   long long wrong = 0;
-  if (a.twoshot_chunk >= 0 || a.push_gather)
-    Check(SetCudaTwoShotChunk(b.comm,
-                              a.twoshot_chunk >= 0 ? static_cast<size_t>(a.twoshot_chunk)
-                                                   : size_t{8} << 20,
-                              a.push_gather),
-          "chunk");
+  if (a.twoshot_chunk >= 0)
+    Check(SetCudaTwoShotChunk(b.comm, static_cast<size_t>(a.twoshot_chunk)), "chunk");
   if (a.sweep) {
     sweep = RunSweep(b, d);
   } else if (a.pipeline_sweep) {

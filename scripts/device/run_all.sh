@@ -7,13 +7,11 @@
 #   hier    hierarchy: forced on one group, G=1 (MPI between GPUs), 2 ranks
 #           per GPU as 2 NV-groups (NVLink + MPI + pipelined chunks)
 #   pipecheck the pipelined two-shot kernel forced at every size: default
-#           chunk, smallest chunk (many chunks), odd grid, push-gather; and
-#           un-pipelined
+#           chunk, smallest chunk (many chunks), odd grid; and un-pipelined
 #   sanitize  compute-sanitizer memcheck + racecheck on a quick case, and on
 #           the pipelined two-shot kernel with 1 block (many chunks)
 #   sweep   kernel tuning sweep (one-/two-shot x grid caps)
-#   pipeline  two-shot un-pipelined vs pipelined chunks (pull / push gather) x
-#           grid caps, 16 MiB..1 GiB
+#   pipeline  two-shot un-pipelined vs pipelined chunks x grid caps, 16 MiB..1 GiB
 #   bench   nccl-tests tables vs NCCL and MPI + ResNet-50 gradient set
 #   engine  the engine's full path (Enqueue) on the ResNet-50 gradient set
 #   pytest  build the pybind11 module with CUDA, run tests/gpu
@@ -74,11 +72,6 @@ for stage in "$@"; do
       run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode twoshot --twoshot_chunk 1 --no_timeout_test
       step "check: forced two-shot, 3 blocks, smallest chunk"
       run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode twoshot --twoshot_blocks 3 --twoshot_chunk 1 --no_timeout_test --max_elems 1048583
-      step "check: forced two-shot, push-gather, smallest chunk; and 3 blocks"
-      run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode twoshot --twoshot_chunk 1 --push_gather --no_timeout_test
-      run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode twoshot --twoshot_blocks 3 --twoshot_chunk 1 --push_gather --no_timeout_test --max_elems 1048583
-      step "check: auto with push-gather (default chunk), large sizes"
-      run timeout 300 mpirun -np $NP --bind-to none $CHECK --push_gather --large --no_timeout_test
       step "check: forced two-shot, un-pipelined"
       run timeout 300 mpirun -np $NP --bind-to none $CHECK --mode twoshot --twoshot_chunk 0 --no_timeout_test ;;
     hier)
@@ -95,10 +88,7 @@ for stage in "$@"; do
       run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
       step "compute-sanitizer memcheck + racecheck: pipelined two-shot, 1 block, smallest chunk"
       run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
-      step "compute-sanitizer memcheck + racecheck: pipelined push-gather, 1 block, smallest chunk"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --push_gather --max_elems 65539
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --push_gather --max_elems 65539 ;;
+      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539 ;;
     sweep)
       step "sweep"
       run timeout 150 mpirun -np $NP --bind-to none $PERF --sweep --max_bytes 256M --nccl_lib "$NCCL_LIB" --json "$OUT/sweep.json" ;;
