@@ -151,7 +151,7 @@ long long CheckAgainstFloat64(const Suite& s, const std::string& label, DataType
 long long CheckRanksEqual(const Suite& s, const void* data, size_t bytes) {
   uint64_t h = HashBytes(data, bytes);
   std::vector<uint64_t> all(s.layout.size);
-  MPI_Allgather(&h, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Allgather(&h, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD));
   for (uint64_t x : all)
     if (x != all[0]) return 1;
   return 0;
@@ -370,7 +370,7 @@ void RunTimeout(Suite& s, const Topology& host) {
     Status again = comm->Allreduce(d, d, 1024, DataType::kFloat32, ReduceOp::kSum, nullptr);
     if (again.code() != StatusCode::kUnavailable) ++bad;  // poisoned for good
   }
-  MPI_Bcast(&verdict, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Bcast(&verdict, 1, MPI_INT, 0, MPI_COMM_WORLD));
   comm->Abort();
   comm.reset();
   CheckCuda(cudaFree(d), "cudaFree");
@@ -387,7 +387,7 @@ int main(int argc, char** argv) {
   using namespace nvgroup;
   using namespace nvgroup::tools;
   int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  NVG_TOOL_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided));
   Args args = ParseArgs(argc, argv);
   Topology host;
   TopologyComms comms;
@@ -415,7 +415,7 @@ int main(int argc, char** argv) {
   std::printf("# rank %d: cuda:%d bus %s group %d/%d rank-in-group %d/%d\n", t.rank, dev, bus,
               t.group_index, t.group_count, t.group_rank, t.group_size);
   std::fflush(stdout);
-  MPI_Barrier(MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Barrier(MPI_COMM_WORLD));
   if (host.rank == 0)
     std::printf("# allreduce_check: %d ranks, %d group(s) of %d, mode %s, two-shot chunk %lld, %s path\n",
                 t.size, t.group_count, t.group_size, args.mode.c_str(), args.twoshot_chunk,
@@ -454,10 +454,10 @@ int main(int argc, char** argv) {
   if (args.timeout_test) RunTimeout(s, host);
 
   long long totals[2] = {s.cases, s.wrong}, sum[2];
-  MPI_Allreduce(totals, sum, 2, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Allreduce(totals, sum, 2, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
   if (host.rank == 0)
     std::printf("# allreduce_check: %lld case-runs over all ranks, %lld wrong -> %s\n", sum[0],
                 sum[1], sum[1] == 0 ? "PASSED" : "FAILED");
-  MPI_Finalize();
+  NVG_TOOL_MPI(MPI_Finalize());
   return sum[1] == 0 ? 0 : 1;
 }

@@ -100,7 +100,7 @@ struct Nccl {
   void Init(int rank, int size) {
     NcclUniqueId id;
     if (rank == 0) Check(GetUniqueId(&id), "ncclGetUniqueId");
-    MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
+    NVG_TOOL_MPI(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD));
     Check(CommInitRank(&comm, size, id, rank), "ncclCommInitRank");
   }
 };
@@ -177,7 +177,7 @@ double Time(Bench& b, size_t bytes, const std::function<void()>& op, int iters_o
   if (iters_override > 0) { iters = iters_override; warmup = std::min(warmup, 2); }
   for (int i = 0; i < warmup; ++i) op();
   CheckCuda(cudaStreamSynchronize(b.stream), "sync");
-  MPI_Barrier(MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Barrier(MPI_COMM_WORLD));
   CheckCuda(cudaEventRecord(b.start, b.stream), "event");
   for (int i = 0; i < iters; ++i) op();
   CheckCuda(cudaEventRecord(b.stop, b.stream), "event");
@@ -185,7 +185,7 @@ double Time(Bench& b, size_t bytes, const std::function<void()>& op, int iters_o
   float ms = 0;
   CheckCuda(cudaEventElapsedTime(&ms, b.start, b.stop), "elapsed");
   double us = 1000.0 * ms / iters, sum = 0;
-  MPI_Allreduce(&us, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Allreduce(&us, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
   return sum / b.size;
 }
 
@@ -262,7 +262,7 @@ long long CountWrong(Bench& b, Data& d, const float* dev, size_t count, std::vec
   for (size_t i = 0; i < count; ++i)
     if (!(std::fabs((*host)[i] - d.ref[i]) <= bound)) ++wrong;
   long long sum = 0;
-  MPI_Allreduce(&wrong, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Allreduce(&wrong, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
   return sum;
 }
 
@@ -339,7 +339,7 @@ std::vector<Row> RunTables(Bench& b, Data& d, const Args& a) {
         CheckCuda(cudaMemcpy(d.got_nccl.data(), d.d_ref, bytes, cudaMemcpyDeviceToHost), "D2H");
         long long diff = 0;
         for (size_t i = 0; i < n; ++i) diff += std::memcmp(&d.got[i], &d.got_nccl[i], 4) != 0;
-        MPI_Allreduce(&diff, &r.diff_vs_nccl, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+        NVG_TOOL_MPI(MPI_Allreduce(&diff, &r.diff_vs_nccl, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
         r.ip_us = Time(b, bytes, [&] { nv(d.d_out, d.d_out, n); });
         restore(d.d_out, bytes);
         nv(d.d_out, d.d_out, n);
@@ -364,7 +364,7 @@ std::vector<Row> RunTables(Bench& b, Data& d, const Args& a) {
         auto op = [&] {
           CheckCuda(cudaMemcpyAsync(d.pinned, d.d_in, bytes, cudaMemcpyDeviceToHost, b.stream), "D2H");
           CheckCuda(cudaStreamSynchronize(b.stream), "sync");
-          MPI_Allreduce(MPI_IN_PLACE, d.pinned, static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+          NVG_TOOL_MPI(MPI_Allreduce(MPI_IN_PLACE, d.pinned, static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD));
           CheckCuda(cudaMemcpyAsync(d.d_out, d.pinned, bytes, cudaMemcpyHostToDevice, b.stream), "H2D");
         };
         r.oop_us = Time(b, bytes, op, bytes > (1u << 20) ? 5 : 0);
@@ -529,7 +529,7 @@ ResnetResult RunResnet(Bench& b, Data& d, const std::string& file) {
   for (size_t t = 0; t < counts.size(); ++t)
     for (size_t i = offsets[t]; i < offsets[t] + counts[t]; ++i)
       if (!(std::fabs(got[i] - d.ref[i] / b.size) <= bound)) ++wrong;
-  MPI_Allreduce(&wrong, &res.wrong, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Allreduce(&wrong, &res.wrong, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
   return res;
 }
 
@@ -576,11 +576,11 @@ int main(int argc, char** argv) {
   using namespace nvgroup;
   using namespace nvgroup::tools;
   int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  NVG_TOOL_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided));
   Args a = ParseArgs(argc, argv);
   Bench b;
-  MPI_Comm_rank(MPI_COMM_WORLD, &b.rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &b.size);
+  NVG_TOOL_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &b.rank));
+  NVG_TOOL_MPI(MPI_Comm_size(MPI_COMM_WORLD, &b.size));
   Topology host;
   TopologyComms comms;
   Check(SplitNodes(MPI_COMM_WORLD, &host, &comms), "SplitNodes");
@@ -606,13 +606,13 @@ int main(int argc, char** argv) {
   if (b.rank == 0)
     std::printf("# nvgroup allreduce_perf: nranks %d, %d NV-group(s) of %d, NCCL %d, float32 sum\n",
                 b.size, t.group_count, t.group_size, b.nccl.version);
-  MPI_Barrier(MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Barrier(MPI_COMM_WORLD));
   for (int r = 0; r < b.size; ++r) {
     if (r == b.rank)
       std::printf("#  Rank %2d Group %2d Pid %6d on %10s device %2d [%s] %s\n", b.rank, t.group_index,
                   static_cast<int>(getpid()), host_name, dev, bus, prop.name);
     std::fflush(stdout);
-    MPI_Barrier(MPI_COMM_WORLD);
+    NVG_TOOL_MPI(MPI_Barrier(MPI_COMM_WORLD));
   }
 
   Data d;
@@ -669,6 +669,6 @@ int main(int argc, char** argv) {
     WriteJson(b, a, prop.name, rows, sweep, have_resnet ? &resnet : nullptr);
   comm.reset();
   b.nccl.Check(b.nccl.CommDestroy(b.nccl.comm), "ncclCommDestroy");
-  MPI_Finalize();
+  NVG_TOOL_MPI(MPI_Finalize());
   return wrong == 0 ? 0 : 1;
 }

@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   using namespace nvgroup;
   using namespace nvgroup::tools;
   int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  NVG_TOOL_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided));
   if (argc < 2) Die("usage: engine_perf GRADIENT_TABLE [steps]");
   const int steps = argc > 2 ? std::stoi(argv[2]) : 20;
   Check(Init(EngineOptions{}), "engine Init");
@@ -101,11 +101,11 @@ int main(int argc, char** argv) {
     Check(first_error, "allreduce");
   };
   for (int i = 0; i < 3; ++i) step();
-  MPI_Barrier(MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Barrier(MPI_COMM_WORLD));
   const double t0 = MPI_Wtime();
   for (int i = 0; i < steps; ++i) step();
   double us = (MPI_Wtime() - t0) * 1e6 / steps, sum = 0;
-  MPI_Allreduce(&us, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Allreduce(&us, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
 
   // Verify the last step: every element of every gradient vs float64 / size.
   long long wrong = 0;
@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
     }
   }
   long long all_wrong = 0;
-  MPI_Allreduce(&wrong, &all_wrong, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Allreduce(&wrong, &all_wrong, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
   if (rank == 0)
     std::printf("# engine_perf: %d ranks, %d tensors, %zu floats (%.1f MB): %.1f us per step "
                 "(mean of %d, enqueue -> last callback), wrong %lld\n",
@@ -130,6 +130,6 @@ int main(int argc, char** argv) {
     CheckCuda(cudaFree(d_out[t]), "cudaFree");
   }
   Check(Shutdown(), "Shutdown");
-  MPI_Finalize();
+  NVG_TOOL_MPI(MPI_Finalize());
   return all_wrong == 0 ? 0 : 1;
 }

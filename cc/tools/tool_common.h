@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/checks.h"
 #include "cpu/half.h"
 #include "cpu/host_reduce.h"
 #include "nvgroup/communicator.h"
@@ -34,6 +35,12 @@ inline void Die(const std::string& what) {
 inline void Check(const Status& s, const std::string& what) {
   if (!s.ok()) Die(what + ": " + s.ToString());
 }
+// Every MPI call of the tools goes through this, with the call's text: a
+// failure stops the tool on every rank with MPI's own error string.
+inline void CheckMpi(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) Die(std::string(what) + " failed: " + MpiErrorString(rc));
+}
+#define NVG_TOOL_MPI(call) ::nvgroup::tools::CheckMpi((call), #call)
 inline void CheckCuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) Die(std::string(what) + ": " + cudaGetErrorString(e));
 }
@@ -118,7 +125,7 @@ inline Layout GatherLayout(const Topology& t) {
   l.group_size = t.group_size;
   std::vector<int> pos(2 * t.size);
   int mine[2] = {t.group_index, t.group_rank};
-  MPI_Allgather(mine, 2, MPI_INT, pos.data(), 2, MPI_INT, MPI_COMM_WORLD);
+  NVG_TOOL_MPI(MPI_Allgather(mine, 2, MPI_INT, pos.data(), 2, MPI_INT, MPI_COMM_WORLD));
   l.rank_at.assign(t.size, -1);
   for (int r = 0; r < t.size; ++r) l.rank_at[pos[2 * r] * t.group_size + pos[2 * r + 1]] = r;
   return l;
