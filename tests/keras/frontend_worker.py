@@ -69,6 +69,40 @@ def check_broadcast_callback_lazily_built_models():
                                    callbacks=[cb]), RuntimeError, "nothing was broadcast")
 
 
+# ---------------------------------------------------------------- item 3: names inside tf.function
+
+
+def check_auto_names_survive_uneven_retrace():
+    """An unnamed allgather in a tf.function retraced on rank 0 only (its last
+    batch is smaller), then an unnamed allreduce in another function: with
+    per-trace counters the names drift apart across ranks and the job hangs."""
+    rng = np.random.default_rng(600)
+    rows = [4, 3] if RANK == 0 else [4, 4]   # rank 0: uneven last batch -> second trace
+    data = [rng.standard_normal((n, 2)) + RANK for n in rows]
+
+    @tf.function
+    def gather(x):
+        return hvd_core.allgather(x)
+
+    @tf.function
+    def total(x):
+        with tf.name_scope("scoped"):
+            return hvd_core.allreduce(x, op=hvd_core.Sum) + hvd_core.allreduce(2.0 * x, op=hvd_core.Sum)
+
+    for step, x in enumerate(data):
+        got = gather(tf.constant(x)).numpy()
+        per_rank = hvd.allgather_object(x)
+        np.testing.assert_array_equal(got, np.concatenate(per_rank), err_msg="allgather step %d" % step)
+    v = np.arange(5, dtype=np.float64) * (RANK + 1)
+    got = total(tf.constant(v)).numpy()
+    expected = 3.0 * np.arange(5, dtype=np.float64) * sum(r + 1 for r in range(SIZE))
+    np.testing.assert_array_equal(got, expected)
+    names = [op.get_attr("tensor_name").decode() for op in
+             total.get_concrete_function(tf.constant(v)).graph.get_operations() if op.type == "NvgroupAllreduce"]
+    assert sorted(names) == ["NvgroupAllreduce.graph:total/scoped/NvgroupAllreduce",
+                             "NvgroupAllreduce.graph:total/scoped/NvgroupAllreduce_1"], names
+
+
 # ---------------------------------------------------------------------------- main
 
 

@@ -12,6 +12,7 @@ WORKER = os.path.join(HERE, "frontend_worker.py")
 
 CHECKS = [
     "broadcast_callback_lazily_built_models",       # issue 9 item 1
+    "auto_names_survive_uneven_retrace",            # issue 9 item 3
 ]
 
 
