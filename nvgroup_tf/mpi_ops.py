@@ -162,17 +162,20 @@ def _broadcast(tensor, root_rank, name=None):
 
 
 def _sparse_allreduce(slices, op, prescale_factor, postscale_factor, name):
-    """IndexedSlices: gather every rank's values and indices (as Horovod does);
-    duplicate indices are summed by whoever applies the slices."""
+    """IndexedSlices, as Horovod treats them: gather every rank's values and
+    indices (duplicate indices are summed by whoever applies the slices);
+    Average divides the gathered values by the size with TF's `/`, so integer
+    values come back as floats (int32/int64 -> float64), as with Horovod. Only
+    Sum and Average, and no scale factors (NotImplementedError, raised on every
+    rank before any collective)."""
     if op not in (Sum, Average):
-        raise NotImplementedError("allreduce of tf.IndexedSlices supports op=Sum or Average only")
+        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
     values = _allgather(slices.values, name=None if name is None else name + ".values")
     indices = _allgather(slices.indices, name=None if name is None else name + ".indices")
-    scale = prescale_factor * postscale_factor
     if op == Average:
-        scale /= basics.size()
-    if scale != 1.0:
-        values = values * tf.constant(scale, dtype=values.dtype)
+        values = values / tf.cast(basics.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 

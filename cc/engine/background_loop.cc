@@ -82,7 +82,7 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
   else NVG_LOG(kWarning) << "dead-rank detection is off: " << liveness.status().message();
   if (rank_ == 0 && !knobs.timeline_path.empty()) {
     Status s = timeline_.Open(knobs.timeline_path, MonotonicSeconds());
-    if (!s.ok()) NVG_LOG(kWarning) << s.message() << "; continuing without a timeline";
+    if (!s.ok()) NVG_LOG(kWarning) << "NVGROUP_TIMELINE: " << s.message() << "; continuing without a timeline";
   }
   thread_ = std::thread([this] { Loop(); });
 }
@@ -456,6 +456,7 @@ Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
   for (const Work& w : *work) responses.push_back(w.response);
   const size_t threshold = std::min(knobs_.fusion_threshold, cpu_comm_->registered_capacity());
   const double now = MonotonicSeconds();
+  if (mark_cycles_ && timeline_.enabled()) timeline_.MarkCycle(now);
   if (timeline_.enabled())
     for (const Work& w : *work)
       if (w.pending) timeline_.End(w.response.name, "NEGOTIATE", now);
@@ -493,6 +494,7 @@ void Engine::Loop() {
     bool shutdown_requested = false;
     queue_.WaitAndPop(knobs_.cycle_time_ms / 1000.0, &fresh, &shutdown_requested);
     if (liveness_) liveness_->SetProgress(cycle_);
+    if (timeline_command_pending_.load(std::memory_order_acquire)) ApplyTimelineCommand();
     const double now = MonotonicSeconds();
     // Drop names that completed in the last cycle before admitting new ones
     // (a completed name may come back at once).
@@ -573,10 +575,57 @@ void Engine::Loop() {
   }
   timeline_.Close();
   {
+    std::lock_guard<std::mutex> lock(timeline_mu_);
+    timeline_loop_gone_ = true;
+    if (timeline_command_pending_) {
+      timeline_command_pending_ = false;
+      timeline_answer_ = Status::FailedPrecondition("the engine's background loop has stopped");
+      timeline_answered_ = true;
+    }
+  }
+  timeline_cv_.notify_all();
+  {
     std::lock_guard<std::mutex> lock(exit_mu_);
     loop_exited_ = true;
   }
   exit_cv_.notify_all();
+}
+
+// ---- Run-time timeline control ------------------------------------------------
+
+Status Engine::ControlTimeline(bool start, const std::string& path, bool mark_cycles) {
+  if (rank_ != 0) return Status::Ok();  // rank 0 writes the timeline, as with NVGROUP_TIMELINE
+  const char* what = start ? "start_timeline" : "stop_timeline";
+  std::lock_guard<std::mutex> one_at_a_time(timeline_call_mu_);
+  std::unique_lock<std::mutex> lock(timeline_mu_);
+  if (timeline_loop_gone_)
+    return Status::FailedPrecondition(std::string(what) + ": the engine's background loop has stopped");
+  timeline_command_ = TimelineCommand{start, path, mark_cycles};
+  timeline_answered_ = false;
+  timeline_command_pending_.store(true, std::memory_order_release);
+  if (!timeline_cv_.wait_for(lock, std::chrono::duration<double>(knobs_.peer_timeout_s + 1.0),
+                             [this] { return timeline_answered_; })) {
+    timeline_command_pending_ = false;
+    return Status::Unavailable(std::string(what) + ": the background loop did not take the change within " +
+                               std::to_string(knobs_.peer_timeout_s) + " s (NVGROUP_TIMEOUT)");
+  }
+  return timeline_answer_.ok() ? timeline_answer_ : timeline_answer_.WithContext(what);
+}
+
+void Engine::ApplyTimelineCommand() {
+  std::lock_guard<std::mutex> lock(timeline_mu_);
+  if (!timeline_command_pending_) return;  // the caller gave up meanwhile
+  timeline_command_pending_ = false;
+  if (timeline_command_.start) {
+    timeline_answer_ = timeline_.Open(timeline_command_.path, MonotonicSeconds());
+    mark_cycles_ = timeline_answer_.ok() && timeline_command_.mark_cycles;
+  } else {
+    timeline_.Close();
+    mark_cycles_ = false;
+    timeline_answer_ = Status::Ok();
+  }
+  timeline_answered_ = true;
+  timeline_cv_.notify_all();
 }
 
 Status Engine::Stop() {

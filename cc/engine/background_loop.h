@@ -83,6 +83,10 @@ class Engine {
   // True on the engine's own threads (where done callbacks run): Stop() must
   // not be called there, it would join itself.
   bool OnEngineThread() const;
+  // start_timeline/stop_timeline (engine.h). Rank 0 hands the change to the
+  // background thread, which alone touches timeline_, and waits (bounded by
+  // NVGROUP_TIMEOUT) until the loop applied it; other ranks return OK.
+  Status ControlTimeline(bool start, const std::string& path, bool mark_cycles);
 
  private:
   struct Pending {
@@ -164,6 +168,26 @@ class Engine {
   Coordinator coordinator_;   // rank 0
   std::vector<ResponseMessage> stalled_;  // rank 0: stall errors for the next round
   Timeline timeline_;         // rank 0
+  bool mark_cycles_ = false;  // background thread: CYCLE_START events (start_timeline)
+
+  // Run-time timeline control (ControlTimeline -> ApplyTimelineCommand at the
+  // top of each cycle). One caller at a time (timeline_call_mu_); the command
+  // and its answer are guarded by timeline_mu_; the atomic flag keeps the
+  // per-cycle check to one load.
+  struct TimelineCommand {
+    bool start = false;
+    std::string path;
+    bool mark_cycles = false;
+  };
+  void ApplyTimelineCommand();
+  std::mutex timeline_call_mu_;
+  std::mutex timeline_mu_;
+  std::condition_variable timeline_cv_;
+  std::atomic<bool> timeline_command_pending_{false};
+  TimelineCommand timeline_command_;
+  bool timeline_answered_ = false;
+  Status timeline_answer_;
+  bool timeline_loop_gone_ = false;  // the loop exited: nobody will apply a command
   uint64_t cycle_ = 0;
 
   // Dead-rank detection (transport/liveness.h): calls Abort() when a peer

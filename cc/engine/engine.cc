@@ -45,6 +45,8 @@ uint64_t GroupId(const std::vector<CollectiveRequest>& requests) {
 std::mutex g_mu;                  // guards the three below
 std::shared_ptr<Engine> g_engine;
 bool g_initialized_mpi = false;   // Init called MPI_Init_thread
+bool g_thread_multiple = false;   // set by Init: MPI_Query_thread == MPI_THREAD_MULTIPLE
+bool g_homogeneous = false;       // set by Init: every node has the same local size
 
 Status ValidateRequest(const CollectiveRequest& q, int size) {
   const std::string who = "collective '" + q.name + "'";
@@ -218,6 +220,7 @@ Status Init(const EngineOptions& options) {
   }
   int provided = 0;
   NVG_MPI_CHECK(MPI_Query_thread(&provided));
+  g_thread_multiple = provided >= MPI_THREAD_MULTIPLE;
   if (provided < MPI_THREAD_MULTIPLE)
     NVG_LOG(kWarning) << "MPI provides thread level " << provided << ", not MPI_THREAD_MULTIPLE: "
                       << "do not call MPI from other threads while nvgroup_tf runs";
@@ -262,6 +265,13 @@ Status Init(const EngineOptions& options) {
     MPI_Comm_free(&comm);
     return cpu.status().WithContext("nvgroup_tf.init: creating the CPU communicator");
   }
+  // Homogeneous: the largest and the smallest local size agree (one MAX
+  // allreduce of {local_size, -local_size}), so every rank reports the same.
+  int local_sizes[2] = {cpu.value()->topology().local_size, -cpu.value()->topology().local_size};
+  NVG_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, local_sizes, 2, MPI_INT, MPI_MAX, comm, &req));
+  Status agreed_sizes = WaitMpi(&req, "Init's local-size allreduce", timeout_s, never);
+  if (!agreed_sizes.ok()) return agreed_sizes.WithContext("nvgroup_tf.init");  // comm may still be in use: kept
+  g_homogeneous = local_sizes[0] == -local_sizes[1];
   g_engine = std::make_shared<Engine>(knobs.value(), comm, rank, size, cpu.consume());
   NVG_LOG(kInfo) << "initialized: " << size << " ranks, fusion threshold "
                  << knobs.value().fusion_threshold << " B, cache " << knobs.value().cache_capacity;
@@ -310,6 +320,33 @@ NVG_TOPOLOGY_GETTER(LocalSize, local_size)
 NVG_TOPOLOGY_GETTER(CrossRank, node_index)
 NVG_TOPOLOGY_GETTER(CrossSize, node_count)
 #undef NVG_TOPOLOGY_GETTER
+
+StatusOr<int> MpiThreadsSupported() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_engine == nullptr)
+    return Status::FailedPrecondition("nvgroup_tf has not been initialized; call hvd.init() first");
+  return g_thread_multiple ? 1 : 0;
+}
+
+StatusOr<int> IsHomogeneous() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_engine == nullptr)
+    return Status::FailedPrecondition("nvgroup_tf has not been initialized; call hvd.init() first");
+  return g_homogeneous ? 1 : 0;
+}
+
+Status StartTimeline(const std::string& path, bool mark_cycles) {
+  if (path.empty()) return Status::InvalidArgument("start_timeline: the file path is empty");
+  StatusOr<std::shared_ptr<Engine>> engine = CurrentEngine();
+  if (!engine.ok()) return engine.status();
+  return engine.value()->ControlTimeline(true, path, mark_cycles);
+}
+
+Status StopTimeline() {
+  StatusOr<std::shared_ptr<Engine>> engine = CurrentEngine();
+  if (!engine.ok()) return engine.status();
+  return engine.value()->ControlTimeline(false, "", false);
+}
 
 void AbortEngine(const Status& reason) {
   std::shared_ptr<Engine> engine;

@@ -80,6 +80,21 @@ StatusOr<int> LocalSize();
 StatusOr<int> CrossRank();
 StatusOr<int> CrossSize();
 
+// MPI provides MPI_THREAD_MULTIPLE (Horovod's mpi_threads_supported): 1 or 0.
+StatusOr<int> MpiThreadsSupported();
+// Every node runs the same number of ranks (Horovod's is_homogeneous): 1 or 0,
+// agreed by all ranks at Init.
+StatusOr<int> IsHomogeneous();
+
+// Run-time timeline control (Horovod's start_timeline/stop_timeline). Rank 0
+// (the one that writes, as with NVGROUP_TIMELINE) opens `path`, replacing any
+// open timeline; the other ranks return OK and write nothing. `mark_cycles`
+// adds a CYCLE_START instant event for every cycle that executes collectives.
+// Both return once the background loop has applied the change (the file is
+// open, or closed and valid JSON), bounded by NVGROUP_TIMEOUT.
+Status StartTimeline(const std::string& path, bool mark_cycles);
+Status StopTimeline();
+
 Status Enqueue(CollectiveRequest request);
 
 // All requests are negotiated and fused as one unit: none runs until all are
