@@ -143,9 +143,20 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
   NVG_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
 
   const int requested = options.group_size > 0 ? options.group_size : k.group_size;
-  NVG_RETURN_IF_ERROR_CTX(ResolveDeviceTopology(comm_, device_ordinal, requested, &group_.topo,
-                                                &group_.comms, &group_.device),
-                          "resolving the GPU topology");
+  int members_on_device = 1;
+  NVG_RETURN_IF_ERROR_CTX(
+      ResolveDeviceTopology(comm_, device_ordinal, requested,
+                            options.one_gpu_group || k.one_gpu_group, &group_.topo, &group_.comms,
+                            &group_.device, &members_on_device),
+      "resolving the GPU topology");
+  if (members_on_device > 1) {
+    // One-GPU group mode: the grids of all members must be resident together
+    // (a block spinning on a barrier whose partner block cannot be scheduled
+    // never returns). One block per multiprocessor per member always fits.
+    int sms = 0;
+    NVG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, group_.device));
+    group_.block_cap = std::max(1, std::min(kMaxBlocks, sms / members_on_device));
+  }
   if (group_.topo.rank != host_topology.rank || group_.topo.size != host_topology.size ||
       group_.topo.local_rank != host_topology.local_rank)
     return Status::Internal("CUDA topology disagrees with the host topology passed in (rank " +

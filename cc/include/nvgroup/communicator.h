@@ -61,8 +61,13 @@ struct CommunicatorOptions {
   size_t registered_bytes = 0;
   // Pipeline chunk for the hierarchical path; 0 = default (NVGROUP_PIPELINE_CHUNK).
   size_t pipeline_chunk_bytes = 0;
-  // Spin waits (cross-rank barriers) give up after this long with kUnavailable.
+  // A call whose kernels cannot finish because a peer does not arrive gives up
+  // after this long (from the kernel's start, over all its barriers) with
+  // kUnavailable naming the peer.
   double timeout_seconds = 30.0;
+  // CUDA, tests only: ranks on one GPU may form an NV-group (also
+  // NVGROUP_ONE_GPU_GROUP=1); see cc/device/device_topology.h.
+  bool one_gpu_group = false;
 };
 
 class Communicator {
