@@ -162,7 +162,9 @@ def section_collectives(c, digest):
     g_xla = tf.function(lambda t: grads(t, ".xla"), jit_compile=True)(w).numpy()
     g_tf = tf.function(lambda t: grads(t, ".tf"))(w).numpy()
     same_bytes(c, g_xla, g_tf, "gradient")
-    digest.add(g_xla)
+    # d/dt [sum(allreduce(t*t)) + sum(allgather(t)**2)] = 2t*n + this rank's rows of sum_r 2*allgather(t)
+    want = 4.0 * n * w_np[me].astype(np.float64)
+    c.close(g_xla, want, np.abs(want), tf.float32, "gradient vs 4*n*t")
 
     c.section("the same compiled program run many times (response cache), every result checked")
     step = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="loop"), jit_compile=True)
