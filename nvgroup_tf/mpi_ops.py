@@ -283,10 +283,14 @@ def _allgather_grad(op, grad):
     ops = basics.op_module()
     summed = ops.nvgroup_allreduce(grad, reduce_op="sum", tensor_name=name + "/grad",
                                    name=_node_name(name + "/grad"))
-    first_dim = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
-    sizes = ops.nvgroup_allgather(first_dim, tensor_name=name + "/grad_sizes",
+    shape = tf.shape(op.inputs[0], out_type=tf.int64)
+    sizes = ops.nvgroup_allgather(shape[:1], tensor_name=name + "/grad_sizes",
                                   name=_node_name(name + "/grad_sizes"))
-    return tf.split(summed, sizes, num=basics.size(), axis=0)[basics.rank()]
+    # A slice at this rank's offset (not tf.split by `sizes`): its size is this
+    # rank's input shape, a compile-time constant under XLA, where split sizes
+    # computed by a collective are not.
+    begin = tf.concat([tf.reduce_sum(sizes[:basics.rank()], keepdims=True), tf.zeros_like(shape)[1:]], 0)
+    return tf.slice(summed, begin, shape)
 
 
 @tf.RegisterGradient("NvgroupBroadcast")

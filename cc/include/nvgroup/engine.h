@@ -101,4 +101,13 @@ Status Enqueue(CollectiveRequest request);
 // ready on every rank (Horovod's grouped_allreduce).
 Status EnqueueGroup(std::vector<CollectiveRequest> requests);
 
+// Blocking form, for callers that cannot take a callback (XLA custom calls,
+// ops/xla_*.cc): submits `requests` (one: Enqueue; several: EnqueueGroup) with
+// done callbacks of its own (any `done` set by the caller is replaced) and
+// returns once every request has completed, with the first error. The wait is
+// bounded by the engine's own bounds (NVGROUP_TIMEOUT, dead-rank detection,
+// shutdown): every accepted request's done runs in bounded time. Must not be
+// called from an engine thread (a done callback or allocate_output).
+Status EnqueueAndWait(std::vector<CollectiveRequest> requests);
+
 }  // namespace nvgroup
