@@ -43,6 +43,9 @@ struct Knobs {
   std::string timeline_path;
   // trace, debug, info, warning, error (default warning).
   int log_level = 3;
+  // CUDA, tests only: ranks on one GPU may form an NV-group (under MPS), so the
+  // group kernels can be checked on a one-GPU machine (cc/device/device_topology.h).
+  bool one_gpu_group = false;
 };
 
 // Parses the environment. Fails with kInvalidArgument naming the variable, the

@@ -67,7 +67,10 @@ class Engine {
  public:
   // Starts the background thread. `comm` (the engine's duplicate of the user's
   // communicator) and `cpu` are owned from here on.
-  Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu);
+  // `watch_liveness`: run the dead-rank monitor (set 0's engine; the engines
+  // of process sets rely on it: AbortEngine aborts them all).
+  Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
+         bool watch_liveness = true);
   ~Engine();
 
   const Topology& topology() const { return topology_; }
@@ -115,6 +118,16 @@ class Engine {
   Status RunAllreduceAlone(Work* w);
   Status RunAllgather(Work* w);
   Status RunBroadcast(Work* w);
+  // Added collectives and join (collectives_extra.cc).
+  Status RunReducescatter(Work* w);
+  Status RunAlltoall(Work* w);
+  Status RunJoin(Work* w);
+  // Join: on a rank that has joined, the stand-in request for a collective it
+  // never submitted (zeros in, output discarded); null if `r` cannot take one.
+  std::unique_ptr<Pending> MakeJoinStandIn(const ResponseMessage& r);
+  // Join: cache bits a joined rank sets for every cached response it can
+  // stand in for.
+  void SetJoinedCacheBits(std::vector<uint64_t>* bits);
   StatusOr<Communicator*> GetCommunicator(const Device& device);
   void Complete(Pending* p, const Status& status);
   // CPU: completes at once. CUDA: after the communicator's stream drains.
@@ -189,6 +202,7 @@ class Engine {
   Status timeline_answer_;
   bool timeline_loop_gone_ = false;  // the loop exited: nobody will apply a command
   uint64_t cycle_ = 0;
+  bool joined_ = false;       // this rank's join is pending (collectives_extra.cc)
 
   // Dead-rank detection (transport/liveness.h): calls Abort() when a peer
   // dies. Null when its setup failed (the job runs without it).

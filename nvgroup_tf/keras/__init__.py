@@ -42,8 +42,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     if getattr(model, "optimizer", None) is not None:
         model.optimizer = DistributedOptimizer(model.optimizer, compression=compression, **kwargs)
         # load_model compiled the model before its optimizer became distributed:
-        # redo the XLA decision (see nvgroup_tf/optimizer.py, "XLA").
-        model.jit_compile = False
+        # drop the train function built for the old optimizer, if any.
         model.train_function = None
     return model
 
