@@ -53,6 +53,8 @@ struct Topology {
   int group_size = 1;
 };
 
+struct Knobs;  // cc/common/env.h
+
 struct CommunicatorOptions {
   // Group size override; 0 = detect (NVGROUP_GROUP_SIZE when set).
   int group_size = 0;
@@ -63,6 +65,11 @@ struct CommunicatorOptions {
   size_t pipeline_chunk_bytes = 0;
   // Spin waits (cross-rank barriers) give up after this long with kUnavailable.
   double timeout_seconds = 30.0;
+  // Settings already parsed (and agreed across ranks) by the engine's Init,
+  // used instead of reading the NVGROUP_* environment again; must outlive
+  // creation. nullptr: parse the environment here (tools, benchmarks and the
+  // pybind Communicator create communicators directly).
+  const Knobs* knobs = nullptr;
 };
 
 class Communicator {
