@@ -141,7 +141,8 @@ class CudaCommunicator final : public Communicator {
 
 Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const CommunicatorOptions& options,
                               const Topology& host_topology) {
-  auto knobs = ParseKnobsFromEnvironment();
+  // The engine passes its parsed, cross-rank agreed knobs (CommunicatorOptions::knobs).
+  auto knobs = options.knobs != nullptr ? StatusOr<Knobs>(*options.knobs) : ParseKnobsFromEnvironment();
   if (!knobs.ok()) return knobs.status();
   const Knobs& k = knobs.value();
   NVG_MPI_CHECK(MPI_Comm_dup(comm, &comm_));

@@ -55,6 +55,7 @@
 #include "engine/tensor_queue.h"
 #include "engine/timeline.h"
 #include "nvgroup/communicator.h"
+#include "nvgroup/engine.h"
 #include "transport/liveness.h"
 
 namespace nvgroup {
@@ -90,6 +91,7 @@ class Engine {
   // background thread, which alone touches timeline_, and waits (bounded by
   // NVGROUP_TIMEOUT) until the loop applied it; other ranks return OK.
   Status ControlTimeline(bool start, const std::string& path, bool mark_cycles);
+  EngineStats Stats() const;
 
  private:
   struct Pending {
@@ -132,8 +134,9 @@ class Engine {
   void Complete(Pending* p, const Status& status);
   // CPU: completes at once. CUDA: after the communicator's stream drains.
   void CompleteAfterStream(Communicator* comm, std::vector<Pending*> done);
-  Status Wait(MPI_Request* request, const std::string& what) {
-    return WaitMpi(request, what, knobs_.peer_timeout_s, abort_);
+  // `what` names the operation in a timeout or abort message (of this cycle).
+  Status Wait(MPI_Request* request, const char* what) {
+    return WaitMpi(request, what, knobs_.peer_timeout_s, abort_, static_cast<int64_t>(cycle_));
   }
 
   const Knobs knobs_;
@@ -203,6 +206,20 @@ class Engine {
   bool timeline_loop_gone_ = false;  // the loop exited: nobody will apply a command
   uint64_t cycle_ = 0;
   bool joined_ = false;       // this rank's join is pending (collectives_extra.cc)
+
+  // Counters behind GetEngineStats (written by the background thread, read by
+  // any thread; relaxed: they order nothing).
+  struct Counters {
+    std::atomic<uint64_t> cycles{0}, negotiation_rounds{0}, cached_responses{0},
+        negotiated_responses{0}, plan_launches{0}, buckets{0}, bucket_tensors{0},
+        ready_event_waits{0};
+    std::atomic<uint64_t> idle_ns{0}, agree_ns{0}, negotiate_ns{0}, execute_ns{0};
+  };
+  Counters counters_;
+  static void Add(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
+  static void AddSeconds(std::atomic<uint64_t>& c, double s) {
+    c.fetch_add(static_cast<uint64_t>(s * 1e9), std::memory_order_relaxed);
+  }
 
   // Dead-rank detection (transport/liveness.h): calls Abort() when a peer
   // dies. Null when its setup failed (the job runs without it).
