@@ -194,22 +194,15 @@ def mpi_threads_supported():
 # built before init() reports the engine it runs against. Before init() the op
 # fails with tf.errors.FailedPreconditionError when it runs.
 
-def _process_set_id_check(process_set_id):
-    if process_set_id != 0:
-        raise NotImplementedError(
-            "size_op(process_set_id=%r): only the global process set (id 0) is supported "
-            "here" % (process_set_id,))
-
-
 def rank_op(name=None):
     """An int32 scalar op: this process's rank, read at execution time."""
     return op_module().nvgroup_rank(name=name)
 
 
 def size_op(process_set_id=0, name=None):
-    """An int32 scalar op: the number of ranks, read at execution time."""
-    _process_set_id_check(process_set_id)
-    return op_module().nvgroup_size(name=name)
+    """An int32 scalar op: the number of ranks of the process set (0 = all ranks),
+    read at execution time; an unknown set fails with InvalidArgumentError then."""
+    return op_module().nvgroup_size(process_set_id=int(process_set_id), name=name)
 
 
 def local_rank_op(name=None):
