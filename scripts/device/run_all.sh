@@ -131,24 +131,24 @@ for stage in "$@"; do
       step "launch bounds: default build vs build/variant (two-shot at (512, 2))"
       for i in $(seq 1 300); do [[ -x build/variant/allreduce_check ]] && break; sleep 1; done
       [[ -x build/variant/allreduce_check ]] || scripts/device/bounds_variant.sh > "$OUT/ptxas_variant.txt" 2>&1
-      for bytes in 16777216 268435456; do
+      for bytes in ${BOUNDS_BYTES:-268435456}; do
         for bin in $CHECK build/variant/allreduce_check $CHECK build/variant/allreduce_check; do
           echo "$bin"; run timeout 60 mpirun -np $NP --bind-to none $bin --time $bytes
         done
       done ;;
     sanitize)
       mps_stop
-      step "compute-sanitizer memcheck"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 4097
+      step "compute-sanitizer memcheck (one-shot and two-shot, auto)"
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
       step "compute-sanitizer racecheck"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
-      step "compute-sanitizer memcheck + racecheck: pipelined two-shot, 1 block, smallest chunk"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
       step "compute-sanitizer synccheck"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool synccheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 4097
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool synccheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
+      step "compute-sanitizer memcheck + racecheck: pipelined two-shot, 1 block, smallest chunk"
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
       step "compute-sanitizer memcheck: graphs + two streams"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --only_streams --no_timeout_test
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --only_streams --no_timeout_test
       mps_start ;;
     sweep)
       step "sweep"
