@@ -23,15 +23,12 @@ them. So the reduction always happens in the OUTERMOST optimizer:
     add another one around ours. A model whose policy is set per model, not
     globally, must be given DistributedOptimizer(LossScaleOptimizer(opt)).
 
-XLA. Our collectives have no XLA kernel, and a tf.function(jit_compile=False)
-nested in an XLA-compiled function is still compiled (checked on TF 2.21). So
-the model's train step itself must not be compiled: the first
-DistributedOptimizer installs a small guard on Keras' `model_supports_jit` that
-answers False for a model whose optimizer is distributed. `compile()` with the
-default jit_compile="auto" then resolves to False, and jit_compile=True is
-turned off with Keras' own warning ("Model doesn't support jit_compile=True").
-Custom training loops must not wrap the optimizer step in
-tf.function(jit_compile=True).
+XLA. The collectives have XLA lowerings (ops/xla_ops.cc: custom calls into
+the engine), so a train step with DistributedOptimizer compiles like any other:
+`compile(jit_compile=True)` and custom loops under tf.function(jit_compile=True)
+run the reduction inside the XLA program, and the default jit_compile="auto"
+resolves exactly as Keras decides without nvgroup_tf (on where a GPU is
+visible, off on CPU-only machines).
 """
 import tensorflow as tf
 
@@ -91,26 +88,6 @@ def is_distributed(optimizer) -> bool:
         getattr(getattr(optimizer, "inner_optimizer", None), _DISTRIBUTED_MARK, False))
 
 
-_jit_guard_installed = False
-
-
-def _install_jit_guard():
-    """See "XLA" in the module docstring."""
-    global _jit_guard_installed
-    if _jit_guard_installed:
-        return
-    from keras.src.trainers import trainer as keras_trainer
-    original = keras_trainer.model_supports_jit
-
-    def model_supports_jit(model):
-        if is_distributed(getattr(model, "optimizer", None)):
-            return False
-        return original(model)
-
-    keras_trainer.model_supports_jit = model_supports_jit
-    _jit_guard_installed = True
-
-
 def _is_keras3_optimizer(optimizer) -> bool:
     import keras
     return isinstance(optimizer, keras.optimizers.Optimizer)
@@ -159,5 +136,4 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise TypeError("DistributedOptimizer: cannot rebuild %s from its get_config() (%s); make "
                         "get_config/from_config round-trip" % (cls.__name__, e)) from e
     wrapped._nvg_sync = _SyncState(reducer, aggregator)
-    _install_jit_guard()
     return wrapped

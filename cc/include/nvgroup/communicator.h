@@ -96,6 +96,24 @@ class Collectives {
   // buf on every rank = buf on `root`.
   virtual Status Broadcast(void* buf, size_t bytes, int root, void* stream) = 0;
 
+  // Reduce-scatter: the reduction over ranks (op as Allreduce; Average divides
+  // by size, integers truncating) of the sum(counts) elements of `in`, of which
+  // this rank receives elements [sum(counts[:rank]), sum(counts[:rank+1])) into
+  // `out`. Every element gets the bits Allreduce would give it (same fold
+  // order). CPU: with one group of several ranks this is the skeleton's group
+  // reduce-scatter step itself (each rank folds only its own rows, reading the
+  // members' registered buffers); otherwise the allreduce's fold, then the
+  // rank's rows. `out` must not overlap the registered buffer.
+  virtual Status ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
+                               DataType dtype, ReduceOp op, void* stream) = 0;
+
+  // All-to-all on bytes: send_bytes[r] bytes (consecutive in `in`, rank order)
+  // go to rank r; recv_bytes[r] bytes from rank r land consecutively in `out`.
+  // The ranks' counts are cross-checked first: a disagreement is the same
+  // kInvalidArgument on every rank.
+  virtual Status Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
+                           const std::vector<size_t>& recv_bytes, void* stream) = 0;
+
   // Registered buffer of this rank (see header comment). Stable for the
   // communicator's lifetime.
   virtual void* registered_buffer() = 0;
