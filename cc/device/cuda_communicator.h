@@ -42,7 +42,8 @@ StatusOr<std::unique_ptr<Communicator>> CreateCudaCommunicator(MPI_Comm comm, in
 
 // Overrides the measured kernel launch choices of a CUDA communicator (for the
 // benchmark's tuning sweep): one-shot up to `oneshot_max_bytes` (at most the
-// 16 MiB staging half), grid caps 1..128. Must be called with the same values
+// 16 MiB staging half), grid caps 1..256 (the communicator further caps every grid
+// at what is resident at once on its GPU). Must be called with the same values
 // on every rank, between collectives.
 Status SetCudaKernelTuning(Communicator* comm, size_t oneshot_max_bytes, int oneshot_blocks,
                            int twoshot_blocks);

@@ -23,7 +23,6 @@
 #include "device/cuda_communicator.h"
 
 #include <cuda_runtime.h>
-#include <sched.h>
 #include <signal.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -65,7 +64,8 @@ constexpr size_t kMinRegisteredBytes = 64u << 20;
 // up to 8 MiB (its remote traffic, (G-1) S, equals two-shot's 2 (G-1)/G S
 // when G = 2, and it has one barrier instead of three); a grid cap of 128
 // blocks was the fastest for both kernels from 1 MiB up (two-shot with its
-// 4-unit batches: 192 and 256 blocks were 5-20% slower at 64-256 MiB). For larger
+// 4-unit batches: 192 and 256 blocks were 5-20% slower at 64-256 MiB; since the
+// two-shot kernel runs one block per SM, 132 is the most that is resident). For larger
 // groups one-shot moves (G-1) S against 2 (G-1)/G S, so it pays only where
 // latency dominates: 512 KiB, between PyTorch's 256 KB and vLLM's 512 KB-1 MB
 // one-shot limits (ANCHORS.md §2) -- not measured here (2 GPUs only).
@@ -96,6 +96,19 @@ bool ProcessAlive(pid_t pid) {
   const int got = std::fscanf(f, "%*d (%*[^)]) %c", &state);
   std::fclose(f);
   return got != 1 || (state != 'Z' && state != 'X');
+}
+
+// The dtypes the NV-group kernels are compiled for (cc/kernels/p2p_allreduce.cu).
+bool HasDeviceKernel(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat16:
+    case DataType::kBFloat16:
+    case DataType::kFloat32:
+    case DataType::kFloat64:
+    case DataType::kInt32:
+    case DataType::kInt64: return true;
+    default: return false;
+  }
 }
 
 bool MpiIsCudaAware() {
@@ -215,7 +228,6 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
                             options.one_gpu_group || k.one_gpu_group, &group_.topo, &group_.comms,
                             &group_.device, &members_on_device),
       "resolving the GPU topology");
-
   if (group_.topo.rank != host_topology.rank || group_.topo.size != host_topology.size ||
       group_.topo.local_rank != host_topology.local_rank)
     return Status::Internal("CUDA topology disagrees with the host topology passed in (rank " +
@@ -431,8 +443,11 @@ Status CudaCommunicator::Allreduce(const void* in, void* out, size_t count, Data
   NVG_RETURN_IF_ERROR(CheckHealthy());
   if (!SupportsReduction(dtype))
     return Status::InvalidArgument(std::string("allreduce: dtype ") + DataTypeName(dtype) +
-                                   " cannot be reduced (float16/bfloat16/float32/float64/int32/"
-                                   "int64 only)");
+                                   " cannot be reduced");
+  if (!HasDeviceKernel(dtype))
+    return Status::Unimplemented(std::string("allreduce on CUDA: no kernel for dtype ") +
+                                 DataTypeName(dtype) +
+                                 " (float16/bfloat16/float32/float64/int32/int64 only)");
   if (static_cast<int>(op) < 0 || static_cast<int>(op) > static_cast<int>(ReduceOp::kProduct))
     return Status::InvalidArgument("allreduce: unknown reduce op " +
                                    std::to_string(static_cast<int>(op)));

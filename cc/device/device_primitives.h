@@ -2,15 +2,15 @@
 // hierarchical allreduce skeleton (cc/algorithms/hierarchical_allreduce.h).
 //
 //   GroupAllreduce      one group only: one-shot NVLink kernel up to
-//                       oneshot_max_bytes, else the two-shot kernel (copy-in,
-//                       reduce-scatter, allgather in one launch);
-//   GroupReduceScatter  two-shot kernel, reduce-scatter phase, on one chunk;
+//                       oneshot_max_bytes, else the two-shot kernel (push,
+//                       fold, gather in one launch, pipelined in chunks);
+//   GroupReduceScatter  two-shot kernel, fold stage only, on one chunk;
 //   CrossAllreduce      slice group_rank of the chunk with the peers of the
 //                       other groups: MPI_Allgather of the slices (device
 //                       buffers when MPI is CUDA-aware, else D2H into pinned
 //                       memory, MPI, H2D), then a local fold in group_index
 //                       order (so every rank gets the same bits);
-//   GroupAllgather      two-shot kernel, allgather phase, chunk -> out.
+//   GroupAllgather      two-shot kernel, gather stage only, chunk -> out.
 // The kernels run on the communicator's own stream (Note [Internal stream] in
 // cuda_communicator_cuda.cc); the cross step runs its copies on a second stream and blocks the calling thread only for its own chunk, so the
 // skeleton's next reduce-scatter kernel overlaps this chunk's MPI exchange.
