@@ -25,8 +25,8 @@ _EXPORTS = {
     "nvgroup_tf.compression": ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"],
     "nvgroup_tf.exceptions": ["NvgroupInternalError", "HorovodInternalError"],
     # Written by the Keras/optimizer side (nvgroup_tf/gradient_tape.py, optimizer.py).
-    "nvgroup_tf.gradient_tape": ["DistributedGradientTape"],
-    "nvgroup_tf.optimizer": ["DistributedOptimizer"],
+    "nvgroup_tf.gradient_tape": ["DistributedGradientTape", "PartialDistributedGradientTape"],
+    "nvgroup_tf.optimizer": ["DistributedOptimizer", "PartialDistributedOptimizer"],
 }
 # Issue 10, small Python-level API (topology ops, build flags, timeline, object
 # helpers, Horovod's util helpers, SyncBatchNormalization).

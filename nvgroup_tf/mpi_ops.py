@@ -22,8 +22,25 @@ so names must be identical on all ranks and unique among collectives in flight.
     an unnamed op inside a graph after the graph's tensor names. Nothing here
     depends on how often a function was traced, so a retrace on one rank only
     (an uneven last batch, a function traced only on rank 0) shifts no name.
+  * ignore_name_scope (Horovod's argument) is accepted and changes nothing:
+    a given name never includes the name scope (Horovod's ignore_name_scope=True
+    behaviour), and an unnamed graph op keeps its scope, which makes it unique.
   * gradients: "<forward name>/grad" (allgather's sizes: "/grad_sizes").
   * grouped_allreduce: tensor i is "<name>[i]" (ops/adapter.h).
+
+Note [Stateful ops]. The ops are registered stateful (ops/nvgroup_ops.cc):
+TF then never prunes a collective whose result this rank does not use (the
+other ranks would wait for it forever), never constant-folds one whose input
+is a constant (it would run once, at graph optimisation time, on one rank's
+schedule), and never merges two by CSE. Inside a tf.function, TF's automatic
+control dependencies would chain every stateful op in program order, which
+serialises independent collectives (no overlap of gradient buckets with
+backprop, no fusion of what is in flight together). Each collective op is
+therefore marked to run independently (`_checked` below calls the graph's
+AutomaticControlDependencies.run_independently, which adds it to the
+function's control outputs, so it always runs, and gives it no control edges,
+so it starts as soon as its inputs exist) -- the treatment TF gives its own
+collectives (CollectiveReduce & co. in auto_control_deps.ASYNC_STATEFUL_OPS).
 """
 import collections
 import re
@@ -103,13 +120,19 @@ def _names(op_type, name):
     return "%s.graph:%s/%s" % (op_type, _graph_path(graph), node), op_type, node
 
 
-def _checked(result, expected_node):
-    """The graph op got the node name its engine name was derived from."""
-    if expected_node is not None:
-        op = (result[0] if isinstance(result, (list, tuple)) else result).op
-        if op.name != expected_node:
-            raise RuntimeError("nvgroup_tf: internal naming error: op named %r, expected %r"
-                               % (op.name, expected_node))
+def _checked(result, expected_node=None):
+    """Every new collective op passes through here: in a graph, checks that it
+    got the node name its engine name was derived from, and lets it run
+    independently of automatic control dependencies (Note [Stateful ops])."""
+    if tf.executing_eagerly():
+        return result
+    op = (result[0] if isinstance(result, (list, tuple)) else result).op
+    if expected_node is not None and op.name != expected_node:
+        raise RuntimeError("nvgroup_tf: internal naming error: op named %r, expected %r"
+                           % (op.name, expected_node))
+    acd = getattr(op.graph, "experimental_acd_manager", None)
+    if acd is not None:
+        acd.run_independently(op)
     return result
 
 
@@ -181,7 +204,7 @@ def _sparse_allreduce(slices, op, prescale_factor, postscale_factor, name):
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
               compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, name=None):
+              postscale_factor=1.0, name=None, ignore_name_scope=False):
     """Reduces `tensor` over all ranks (default op: Average).
 
     prescale_factor multiplies the input before the reduction, postscale_factor
@@ -201,7 +224,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
 
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
-                      postscale_factor=1.0, name=None):
+                      postscale_factor=1.0, name=None, ignore_name_scope=False):
     """allreduce of a list of tensors, negotiated and fused as one unit."""
     check_arguments("grouped_allreduce", name=name, op=op, prescale_factor=prescale_factor,
                     postscale_factor=postscale_factor)
@@ -224,14 +247,14 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     return results
 
 
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, ignore_name_scope=False):
     """Concatenates every rank's `tensor` along dimension 0, in rank order.
     First dimensions may differ across ranks."""
     check_arguments("allgather", name=name)
     return _allgather(tensor, name)
 
 
-def broadcast(tensor, root_rank, name=None):
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
     """`tensor` of rank `root_rank`, on every rank."""
     _check_initialized()
     check_arguments("broadcast", name=name, root_rank=root_rank, size=basics.size())
@@ -261,10 +284,10 @@ def _grad_allreduce_args(op):
 @tf.RegisterGradient("NvgroupAllreduce")
 def _allreduce_grad(op, grad):
     """d/dx_r of sum_r' L_r'(post * sum(pre * x)) = pre * post * sum_r' g_r':
-    the same allreduce applied to the incoming gradients."""
+    the same allreduce applied to the incoming gradients (as Horovod)."""
     name = _attr_text(op, "tensor_name") + "/grad"
-    return basics.op_module().nvgroup_allreduce(grad, tensor_name=name, name=_node_name(name),
-                                                **_grad_allreduce_args(op))
+    return _checked(basics.op_module().nvgroup_allreduce(grad, tensor_name=name, name=_node_name(name),
+                                                         **_grad_allreduce_args(op)))
 
 
 @tf.RegisterGradient("NvgroupGroupedAllreduce")
@@ -272,39 +295,37 @@ def _grouped_allreduce_grad(op, *grads):
     name = _attr_text(op, "tensor_name") + "/grad"
     # An output nobody used has no gradient; every rank must still contribute.
     grads = [tf.zeros_like(op.inputs[i]) if g is None else g for i, g in enumerate(grads)]
-    return basics.op_module().nvgroup_grouped_allreduce(
-        grads, tensor_name=name, name=_node_name(name), **_grad_allreduce_args(op))
+    return _checked(basics.op_module().nvgroup_grouped_allreduce(
+        grads, tensor_name=name, name=_node_name(name), **_grad_allreduce_args(op)))
 
 
 @tf.RegisterGradient("NvgroupAllgather")
 def _allgather_grad(op, grad):
-    """This rank's rows of the gradient summed over ranks."""
+    """Horovod's gradient: the incoming gradients AVERAGED over ranks, then this
+    rank's rows (Horovod averages here; the exact derivative of a sum of
+    per-rank losses would be the sum, size() times larger)."""
     name = _attr_text(op, "tensor_name")
     ops = basics.op_module()
-    summed = ops.nvgroup_allreduce(grad, reduce_op="sum", tensor_name=name + "/grad",
-                                   name=_node_name(name + "/grad"))
+    averaged = _checked(ops.nvgroup_allreduce(grad, reduce_op="average", tensor_name=name + "/grad",
+                                              name=_node_name(name + "/grad")))
     shape = tf.shape(op.inputs[0], out_type=tf.int64)
-    sizes = ops.nvgroup_allgather(shape[:1], tensor_name=name + "/grad_sizes",
-                                  name=_node_name(name + "/grad_sizes"))
-    # A slice at this rank's offset (not tf.split by `sizes`): its size is this
-    # rank's input shape, a compile-time constant under XLA, where split sizes
-    # computed by a collective are not.
+    sizes = _checked(ops.nvgroup_allgather(shape[:1], tensor_name=name + "/grad_sizes",
+                                           name=_node_name(name + "/grad_sizes")))
+    # Horovod's gradient (the average of the gradient over ranks, this rank's
+    # rows), taken as a slice at this rank's offset rather than tf.split by
+    # `sizes`: its size is this rank's input shape, a compile-time constant
+    # under XLA, where split sizes computed by a collective are not.
     begin = tf.concat([tf.reduce_sum(sizes[:basics.rank()], keepdims=True), tf.zeros_like(shape)[1:]], 0)
-    return tf.slice(summed, begin, shape)
+    return tf.slice(averaged, begin, shape)
 
 
 @tf.RegisterGradient("NvgroupBroadcast")
 def _broadcast_grad(op, grad):
-    """Only the root's input reaches the outputs: it gets the sum of all ranks'
-    gradients, the other ranks zero."""
+    """Horovod's gradient: only the root's input reaches the outputs; it gets
+    the incoming gradients AVERAGED over ranks, the other ranks zero."""
     name = _attr_text(op, "tensor_name") + "/grad"
-    summed = basics.op_module().nvgroup_allreduce(grad, reduce_op="sum", tensor_name=name,
-                                                  name=_node_name(name))
+    averaged = _checked(basics.op_module().nvgroup_allreduce(grad, reduce_op="average", tensor_name=name,
+                                                             name=_node_name(name)))
     if basics.rank() != op.get_attr("root_rank"):
-        # Zero, but computed from the allreduce's output: in a graph, an op
-        # nobody consumes is pruned (ops/nvgroup_ops.cc), and the other ranks
-        # would wait for it forever. multiply_no_nan keeps inf/NaN out.
-        if summed.dtype in (tf.float32, tf.float64, tf.float16):
-            return tf.math.multiply_no_nan(summed, tf.zeros([], summed.dtype))
-        return summed * tf.zeros([], summed.dtype)
-    return summed
+        return averaged * tf.zeros([], averaged.dtype)  # as Horovod: grad * 0 (inf/NaN stay NaN)
+    return averaged

@@ -162,9 +162,11 @@ def section_collectives(c, digest):
     g_xla = tf.function(lambda t: grads(t, ".xla"), jit_compile=True)(w).numpy()
     g_tf = tf.function(lambda t: grads(t, ".tf"))(w).numpy()
     same_bytes(c, g_xla, g_tf, "gradient")
-    # d/dt [sum(allreduce(t*t)) + sum(allgather(t)**2)] = 2t*n + this rank's rows of sum_r 2*allgather(t)
-    want = 4.0 * n * w_np[me].astype(np.float64)
-    c.close(g_xla, want, np.abs(want), tf.float32, "gradient vs 4*n*t")
+    # d/dt [sum(allreduce_sum(t*t)) + sum(allgather(t)**2)] = 2t*n (allreduce's gradient is the
+    # same allreduce) + this rank's rows of the average over ranks of 2*allgather(t) (Horovod's
+    # allgather gradient), i.e. 2t.
+    want = 2.0 * (n + 1) * w_np[me].astype(np.float64)
+    c.close(g_xla, want, np.abs(want), tf.float32, "gradient vs 2*(n+1)*t")
 
     c.section("the same compiled program run many times (response cache), every result checked")
     step = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="loop"), jit_compile=True)
