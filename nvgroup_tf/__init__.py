@@ -20,6 +20,9 @@ _EXPORTS = {
     "nvgroup_tf.mpi_ops": [
         "Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "grouped_allreduce",
         "allgather", "broadcast",
+        # Collectives added for Horovod parity (engine: coll).
+        "reducescatter", "grouped_reducescatter", "alltoall", "grouped_allgather", "broadcast_",
+        "join", "process_set_included_op",
     ],
     "nvgroup_tf.functions": ["broadcast_variables", "broadcast_object", "allgather_object"],
     "nvgroup_tf.compression": ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"],
@@ -27,13 +30,16 @@ _EXPORTS = {
     # Written by the Keras/optimizer side (nvgroup_tf/gradient_tape.py, optimizer.py).
     "nvgroup_tf.gradient_tape": ["DistributedGradientTape"],
     "nvgroup_tf.optimizer": ["DistributedOptimizer"],
+    # Process sets (engine: coll).
+    "nvgroup_tf.process_sets": ["ProcessSet", "add_process_set", "remove_process_set",
+                                "global_process_set"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = sorted(_MODULE_OF)
 
 
-_SUBMODULES = ("basics", "mpi_ops", "functions", "compression", "exceptions")
+_SUBMODULES = ("basics", "mpi_ops", "functions", "compression", "exceptions", "process_sets")
 
 
 def __getattr__(name):
