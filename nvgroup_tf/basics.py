@@ -72,7 +72,7 @@ def _call(what, fn, *args):
     raise_for_status(code, message.value.decode(errors="replace"), what)
 
 
-def init(comm=None):
+def init(comm=None, process_sets=None):
     """Initializes nvgroup_tf over `comm` (an mpi4py communicator; None = COMM_WORLD).
 
     Collective: every rank of the communicator must call it. Initializes MPI
@@ -95,6 +95,9 @@ def init(comm=None):
     _call("nvgroup_tf.init", handle.nvgroup_tf_init, comm_fortran)
     global _init_comm
     _init_comm = comm
+    # init(process_sets=[ProcessSet(...), ...]): registered in order (coll).
+    from nvgroup_tf import process_sets as _process_sets
+    _process_sets._register_static(process_sets)
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
@@ -104,6 +107,8 @@ def shutdown():
     """Stops the engine; collectives in flight fail with tf.errors.AbortedError."""
     handle, _ = _load()
     _call("nvgroup_tf.shutdown", handle.nvgroup_tf_shutdown)
+    from nvgroup_tf import process_sets as _process_sets  # every set is gone (coll)
+    _process_sets._reset_after_shutdown()
 
 
 def _shutdown_at_exit():

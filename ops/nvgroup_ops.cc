@@ -50,11 +50,12 @@ absl::Status GroupedShape(InferenceContext* c) {
 }  // namespace
 
 REGISTER_OP("NvgroupAllreduce")
-    .Attr("T: {half, bfloat16, float, double, int32, int64}")
+    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, int8, uint16, int16}")
     .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
     .Attr("prescale_factor: float = 1.0")
     .Attr("postscale_factor: float = 1.0")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("reduced: T")
     .SetIsStateful()
@@ -66,11 +67,12 @@ Ranks are matched by tensor_name.
 )doc");
 
 REGISTER_OP("NvgroupGroupedAllreduce")
-    .Attr("T: list({half, bfloat16, float, double, int32, int64}) >= 1")
+    .Attr("T: list({half, bfloat16, float, double, int32, int64, uint8, int8, uint16, int16}) >= 1")
     .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
     .Attr("prescale_factor: float = 1.0")
     .Attr("postscale_factor: float = 1.0")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensors: T")
     .Output("reduced: T")
     .SetIsStateful()
@@ -81,8 +83,9 @@ tensor i is matched across ranks as "<tensor_name>[i]".
 )doc");
 
 REGISTER_OP("NvgroupAllgather")
-    .Attr("T: {uint8, int8, bool, half, bfloat16, float, double, int32, int64}")
+    .Attr("T: {uint8, int8, bool, half, bfloat16, float, double, int32, int64, uint16, int16}")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("gathered: T")
     .SetIsStateful()
@@ -93,9 +96,10 @@ first dimension may differ across ranks; the others must agree.
 )doc");
 
 REGISTER_OP("NvgroupBroadcast")
-    .Attr("T: {uint8, int8, bool, half, bfloat16, float, double, int32, int64}")
+    .Attr("T: {uint8, int8, bool, half, bfloat16, float, double, int32, int64, uint16, int16}")
     .Attr("root_rank: int")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("broadcasted: T")
     .SetIsStateful()

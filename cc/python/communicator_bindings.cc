@@ -107,6 +107,24 @@ void RegisterCommunicatorBindings(py::module_& m) {
              ThrowIfError(c.Broadcast(Ptr(ptr), nbytes, root, Ptr(stream)));
            },
            py::arg("ptr"), py::arg("nbytes"), py::arg("root"), py::arg("stream") = 0)
+      .def("reduce_scatter",
+           [](Communicator& c, uintptr_t in, uintptr_t out, const std::vector<size_t>& counts,
+              const std::string& dtype, const std::string& op, uintptr_t stream) {
+             DataType t = ParseDataType(dtype);
+             ReduceOp o = ParseReduceOp(op);
+             py::gil_scoped_release release;
+             ThrowIfError(c.ReduceScatter(Ptr(in), Ptr(out), counts, t, o, Ptr(stream)));
+           },
+           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("counts"), py::arg("dtype"), py::arg("op"),
+           py::arg("stream") = 0)
+      .def("alltoallv",
+           [](Communicator& c, uintptr_t in, const std::vector<size_t>& send_bytes, uintptr_t out,
+              const std::vector<size_t>& recv_bytes, uintptr_t stream) {
+             py::gil_scoped_release release;
+             ThrowIfError(c.Alltoallv(Ptr(in), send_bytes, Ptr(out), recv_bytes, Ptr(stream)));
+           },
+           py::arg("in_ptr"), py::arg("send_bytes"), py::arg("out_ptr"), py::arg("recv_bytes"),
+           py::arg("stream") = 0)
       .def("synchronize",
            [](Communicator& c, uintptr_t stream) {
              py::gil_scoped_release release;
