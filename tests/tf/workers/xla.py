@@ -99,6 +99,8 @@ def section_collectives(c, digest):
     c.section("the HLO holds the custom call (XLA compiled it, no fallback)")
     probe = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="hlo.probe"), jit_compile=True)
     text = hlo_of(probe, tf.ones([3]))
+    if tf.config.list_physical_devices("GPU"):  # through the GPU kit: XLA GPU, the CUDA handler
+        c.check("GPU" in probe(tf.ones([3])).device, "the XLA program did not run on the GPU")
     c.check("custom-call" in text and "nvgroup_collective" in text and "hlo.probe" in text,
             "allreduce HLO lacks the nvgroup custom call:\n%s" % text[:2000])
 
@@ -282,6 +284,8 @@ def section_dead(c, victim):
 
 
 def main():
+    # GPU: full fp32 matmuls, so the fit check's tolerance means the same as on CPU.
+    tf.config.experimental.enable_tensor_float_32_execution(False)
     hvd.init()
     args = sys.argv[1:]
     c = Checker("xla")
