@@ -8,7 +8,8 @@ FILE`, then writes the medians to OUT.json and OUT.png. Workloads:
 
   overlap  a chain of K dense layers (compute) where the output of layer k is
            allreduced (a "gradient bucket") while layer k+1 computes; the sum
-           of all reduced buckets is returned. Step time in ms.
+           of all reduced buckets is returned. Step time in ms; "nocomm" is the
+           same chain with `h * 2` in place of each allreduce (the compute alone).
   fit      Keras fit of a small conv net with DistributedOptimizer, img/s per rank.
 
 Modes: "sync" (jit_compile=True, the custom call waits for the engine), "async"
@@ -41,7 +42,7 @@ def timed(fn, warmup, iters):
     return (time.perf_counter() - start) / iters
 
 
-def overlap(jit, k=8, width=512, batch=256, iters=20):
+def overlap(jit, comm=True, k=8, width=512, batch=256, iters=20):
     rng = np.random.default_rng(hvd.rank())
     ws = [tf.constant((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32))
           for _ in range(k)]
@@ -51,7 +52,8 @@ def overlap(jit, k=8, width=512, batch=256, iters=20):
         h, total = x, tf.zeros([], tf.float32)
         for i in range(k):
             h = tf.tanh(tf.matmul(h, ws[i]))
-            total += tf.reduce_sum(hvd.allreduce(h, op=hvd.Sum, name="bench.bucket%d" % i))
+            reduced = hvd.allreduce(h, op=hvd.Sum, name="bench.bucket%d" % i) if comm else h * 2.0
+            total += tf.reduce_sum(reduced)
         return h, total
 
     fn = tf.function(step, jit_compile=jit)
@@ -118,7 +120,7 @@ def drive(argv):
              "repeats": args.repeats, "modes": {}}
     for mode, rs in runs.items():
         med = {}
-        for key in ("overlap_step_ms", "fit_img_per_s_per_rank"):
+        for key in ("overlap_step_ms", "overlap_nocomm_step_ms", "fit_img_per_s_per_rank"):
             vals = [r[key] for r in rs if r[key] is not None]
             med[key] = statistics.median(vals) if vals else None
             med[key + "_all"] = vals
@@ -150,6 +152,7 @@ def main():
     jit = mode in ("sync", "async")
     result = {"mode": mode, "ranks": hvd.size(),
               "overlap_step_ms": None if mode == "autocluster" else 1e3 * overlap(jit),
+              "overlap_nocomm_step_ms": None if mode == "autocluster" else 1e3 * overlap(jit, comm=False),
               "fit_img_per_s_per_rank": fit(jit)}
     if hvd.rank() == 0:
         with open(out, "w") as f:
