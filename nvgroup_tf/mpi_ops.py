@@ -10,15 +10,23 @@ so names must be identical on all ranks and unique among collectives in flight.
     collectives in different orders (threads, independent graph branches) and
     for tensors reduced every step (a stable name lets the engine's response
     cache skip negotiation).
-  * name=None: "<OpType>.auto<k>", where k counts this process's unnamed calls
-    of that op type. In eager mode every call draws a new k; inside tf.function
-    k is drawn when the function is traced and the traced graph reuses it on
-    every run. Deterministic as long as every rank makes the same sequence of
-    unnamed calls and traces -- the normal data-parallel program.
+  * name=None, eager: "<OpType>.auto<k>", where k counts this process's
+    unnamed eager calls of that op type. Deterministic as long as every rank
+    makes the same sequence of unnamed eager calls.
+  * name=None, inside a graph (tf.function): "<OpType>.graph:<graphs>/<node>",
+    where <node> is the name TF gives the op in its graph (name scope plus
+    TF's per-graph "_1", "_2" suffixes: the same on every rank that builds the
+    same program) and <graphs> the names of the enclosing function graphs,
+    outermost first (the tf.function's Python name; a cond/while branch's
+    name without the process-wide uid TF appends). Like Horovod, which names
+    an unnamed op inside a graph after the graph's tensor names. Nothing here
+    depends on how often a function was traced, so a retrace on one rank only
+    (an uneven last batch, a function traced only on rank 0) shifts no name.
   * gradients: "<forward name>/grad" (allgather's sizes: "/grad_sizes").
   * grouped_allreduce: tensor i is "<name>[i]" (ops/adapter.h).
 """
 import collections
+import re
 import threading
 import warnings
 
@@ -49,7 +57,7 @@ def _check_initialized():
 
 
 def _engine_name(op_type, name):
-    """See Note [Collective names]."""
+    """Eager or user-given names; see Note [Collective names]."""
     if name is not None:
         return "%s_%s" % (op_type, name)
     with _name_lock:
@@ -62,6 +70,47 @@ def _node_name(engine_name):
     """A valid TF node name for graphs (eager ignores it)."""
     cleaned = "".join(c if c.isalnum() or c in "_-." else "_" for c in engine_name)
     return cleaned.lstrip("_-.") or "Nvgroup"
+
+
+_UID_SUFFIX = re.compile(r"_\d+$")
+
+
+def _graph_path(graph):
+    """Names of the function graphs enclosing `graph` (itself included),
+    outermost first, without the uid TF appends to control-flow branches."""
+    from tensorflow.python.ops import control_flow_v2_func_graphs as cf_graphs
+    names = []
+    while graph is not None:
+        name = getattr(graph, "name", "") or ""
+        if isinstance(graph, cf_graphs.ControlFlowFuncGraph):
+            name = _UID_SUFFIX.sub("", name)
+        if name:
+            names.append(name)
+        graph = getattr(graph, "outer_graph", None)
+    return "/".join(reversed(names))
+
+
+def _names(op_type, name):
+    """(engine name, TF node name, expected full node name or None) of a new
+    collective op; see Note [Collective names]."""
+    if name is not None or tf.executing_eagerly():
+        engine_name = _engine_name(op_type, name)
+        return engine_name, _node_name(engine_name), None
+    graph = tf.compat.v1.get_default_graph()
+    # The op is created right after this with node name `op_type` in the
+    # current name scope, so TF gives it exactly this unique name.
+    node = graph.unique_name(op_type, mark_as_used=False)
+    return "%s.graph:%s/%s" % (op_type, _graph_path(graph), node), op_type, node
+
+
+def _checked(result, expected_node):
+    """The graph op got the node name its engine name was derived from."""
+    if expected_node is not None:
+        op = (result[0] if isinstance(result, (list, tuple)) else result).op
+        if op.name != expected_node:
+            raise RuntimeError("nvgroup_tf: internal naming error: op named %r, expected %r"
+                               % (op.name, expected_node))
+    return result
 
 
 def _resolve_op(op, average):
@@ -84,49 +133,49 @@ def _resolve_op(op, average):
 def _allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
     """Raw allreduce op (no compression, no IndexedSlices handling)."""
     _check_initialized()
-    engine_name = _engine_name("NvgroupAllreduce", name)
-    return basics.op_module().nvgroup_allreduce(
+    engine_name, node_name, expected_node = _names("NvgroupAllreduce", name)
+    return _checked(basics.op_module().nvgroup_allreduce(
         tensor, reduce_op=_REDUCE_OP_ATTR[op], prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, tensor_name=engine_name,
-        name=_node_name(engine_name))
+        postscale_factor=postscale_factor, tensor_name=engine_name, name=node_name), expected_node)
 
 
 def _grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
     _check_initialized()
-    engine_name = _engine_name("NvgroupGroupedAllreduce", name)
-    return basics.op_module().nvgroup_grouped_allreduce(
+    engine_name, node_name, expected_node = _names("NvgroupGroupedAllreduce", name)
+    return _checked(basics.op_module().nvgroup_grouped_allreduce(
         tensors, reduce_op=_REDUCE_OP_ATTR[op], prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, tensor_name=engine_name,
-        name=_node_name(engine_name))
+        postscale_factor=postscale_factor, tensor_name=engine_name, name=node_name), expected_node)
 
 
 def _allgather(tensor, name=None):
     _check_initialized()
-    engine_name = _engine_name("NvgroupAllgather", name)
-    return basics.op_module().nvgroup_allgather(tensor, tensor_name=engine_name,
-                                                name=_node_name(engine_name))
+    engine_name, node_name, expected_node = _names("NvgroupAllgather", name)
+    return _checked(basics.op_module().nvgroup_allgather(tensor, tensor_name=engine_name,
+                                                         name=node_name), expected_node)
 
 
 def _broadcast(tensor, root_rank, name=None):
     _check_initialized()
-    engine_name = _engine_name("NvgroupBroadcast", name)
-    return basics.op_module().nvgroup_broadcast(tensor, root_rank=root_rank,
-                                                tensor_name=engine_name,
-                                                name=_node_name(engine_name))
+    engine_name, node_name, expected_node = _names("NvgroupBroadcast", name)
+    return _checked(basics.op_module().nvgroup_broadcast(tensor, root_rank=root_rank,
+                                                         tensor_name=engine_name, name=node_name), expected_node)
 
 
 def _sparse_allreduce(slices, op, prescale_factor, postscale_factor, name):
-    """IndexedSlices: gather every rank's values and indices (as Horovod does);
-    duplicate indices are summed by whoever applies the slices."""
+    """IndexedSlices, as Horovod treats them: gather every rank's values and
+    indices (duplicate indices are summed by whoever applies the slices);
+    Average divides the gathered values by the size with TF's `/`, so integer
+    values come back as floats (int32/int64 -> float64), as with Horovod. Only
+    Sum and Average, and no scale factors (NotImplementedError, raised on every
+    rank before any collective)."""
     if op not in (Sum, Average):
-        raise NotImplementedError("allreduce of tf.IndexedSlices supports op=Sum or Average only")
+        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
     values = _allgather(slices.values, name=None if name is None else name + ".values")
     indices = _allgather(slices.indices, name=None if name is None else name + ".indices")
-    scale = prescale_factor * postscale_factor
     if op == Average:
-        scale /= basics.size()
-    if scale != 1.0:
-        values = values * tf.constant(scale, dtype=values.dtype)
+        values = values / tf.cast(basics.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
