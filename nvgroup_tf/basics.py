@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+import warnings
 
 import tensorflow as tf
 
@@ -57,8 +58,19 @@ def _load():
         handle.nvgroup_tf_start_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int,
                                                      ctypes.c_char_p, ctypes.c_int]
         handle.nvgroup_tf_stop_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        _register_xla_kernels(handle)
         _library = (handle, ops)
         return _library
+
+
+@tf.autograph.experimental.do_not_convert
+def _register_xla_kernels(handle):
+    """The collectives' XLA kernels (ops/xla_ops.cc) are registered right after
+    the library loads: TF takes XLA kernels in only once per process, at its
+    first XLA compilation; warns if that has already happened."""
+    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    if handle.nvgroup_tf_register_xla_kernels(message, _MESSAGE_BYTES) != 0:
+        warnings.warn(message.value.decode(errors="replace"), RuntimeWarning)
 
 
 def op_module():
