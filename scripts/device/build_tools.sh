@@ -9,15 +9,16 @@ cd "$(dirname "$0")/../.."
 BUILD=${1:-build/tools}
 JOBS=${2:-$(nproc)}
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-ARCH=${NVGROUP_CUDA_ARCH:-90}
+ARCH=${NVGROUP_CUDA_ARCH:-90}  # a list: "70;80;90"
+GENCODE=$(python3 scripts/cuda_arch.py "$ARCH" | tr '\n' ' ') && [ -n "$GENCODE" ] || exit 2
 mkdir -p "$BUILD"
 MPI_COMPILE=$(mpicxx --showme:compile)
 MPI_LINK=$(mpicxx --showme:link)
 CXXFLAGS="-O3 -std=c++17 -Wall -Wno-unused-function -DOMPI_SKIP_MPICXX=1 -DNVGROUP_WITH_CUDA=1 -Icc/include -Icc -I$CUDA_HOME/include $MPI_COMPILE"
-NVFLAGS="-O3 -std=c++17 -gencode arch=compute_$ARCH,code=sm_$ARCH -DNVGROUP_WITH_CUDA=1 -Icc/include -Icc"
+NVFLAGS="-O3 -std=c++17 $GENCODE -DNVGROUP_WITH_CUDA=1 -Icc/include -Icc"
 
 # The communicator's closure: common, topology, host folds (tools' reference), device, tools.
-HOST_SRCS="cc/common/env.cc cc/common/status.cc cc/common/types.cc cc/topology/topology.cc cc/cpu/host_reduce.cc"
+HOST_SRCS="cc/common/env.cc cc/common/status.cc cc/common/types.cc cc/topology/topology.cc cc/cpu/host_reduce.cc cc/algorithms/cross_exchange.cc"
 CUDA_CC_SRCS=$(ls cc/device/*_cuda.cc)
 CU_SRCS=$(ls cc/kernels/*.cu)
 # engine_perf links the whole engine (as setup.py's engine_sources()).
