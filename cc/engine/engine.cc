@@ -387,6 +387,15 @@ void AbortEngine(const Status& reason) {
   if (engine != nullptr) engine->Abort(reason);
 }
 
+void PerturbStateDigestForTesting() {
+  std::shared_ptr<Engine> engine;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine = g_engine;
+  }
+  if (engine != nullptr) engine->PerturbStateDigest();
+}
+
 Status Enqueue(CollectiveRequest request) {
   std::vector<CollectiveRequest> one;
   one.push_back(std::move(request));
