@@ -516,13 +516,12 @@ Status Engine::RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<
     auto it = plans_.find(group);
     if (it == plans_.end()) continue;
     Plan& plan = it->second;
-    bool valid = true;
+    bool valid = PlanMatchesCache(plan);
     for (size_t k = 0; k < plan.slots.size() && valid; ++k) {
-      const int slot = plan.slots[k];
-      valid = cache_.generation(slot) == plan.generations[k] && cache_.Get(slot).group_id == group;
       // The slot is one of this cycle's hits (the hits hold the group whole);
       // entries of slots not hit this cycle are stale, hence both checks.
-      valid = valid && slot_to_work_[slot] < cache_hits && (*work)[slot_to_work_[slot]].slot == slot;
+      const int slot = plan.slots[k];
+      valid = slot_to_work_[slot] < cache_hits && (*work)[slot_to_work_[slot]].slot == slot;
     }
     if (!valid || plan.slots.size() != (*work)[slot_to_work_[plan.slots[0]]].response.group_size) {
       plans_digest_ ^= plan.id;  // a member changed: the group replans after it runs
@@ -541,13 +540,25 @@ Status Engine::RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<
   return Status::Ok();
 }
 
+bool Engine::PlanMatchesCache(const Plan& plan) const {
+  for (size_t k = 0; k < plan.slots.size(); ++k)
+    if (cache_.generation(plan.slots[k]) != plan.generations[k]) return false;
+  return !plan.slots.empty();
+}
+
 void Engine::MakePlans(const std::vector<Work>& work) {
   if (cache_.capacity() == 0) return;
   std::unordered_map<uint64_t, std::vector<size_t>> members;  // group id -> work indices
   std::vector<uint64_t> order;
   for (size_t i = 0; i < work.size(); ++i) {
     const ResponseMessage& r = work[i].response;
-    if (r.group_id == 0 || plans_.count(r.group_id)) continue;
+    if (r.group_id == 0) continue;
+    auto existing = plans_.find(r.group_id);
+    if (existing != plans_.end()) {
+      if (PlanMatchesCache(existing->second)) continue;
+      plans_digest_ ^= existing->second.id;  // a member was renegotiated: replan below
+      plans_.erase(existing);
+    }
     auto [it, inserted] = members.try_emplace(r.group_id);
     if (inserted) order.push_back(r.group_id);
     it->second.push_back(i);

@@ -131,6 +131,8 @@ class Engine {
   Status RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<bool>* done);
   // Records plans for groups of this cycle that ran whole without one.
   void MakePlans(const std::vector<Work>& work);
+  // Every member slot still holds the response the plan was made from.
+  bool PlanMatchesCache(const Plan& plan) const;
   uint64_t StateDigest() const { return cache_.digest() ^ plans_digest_; }
 
   void Loop();
