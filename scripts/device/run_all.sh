@@ -20,6 +20,9 @@
 #   peerexit  a rank exits with its memory mapped by the others: kUnavailable
 #           naming it on every survivor
 #   groups  (one GPU) quick check as groups of 3, 4 and 8 ranks on the one GPU
+#   bounds  two-shot launch bounds (512, 1) vs the old (512, 2): times both
+#           builds (scripts/device/bounds_variant.sh builds the second one; may
+#           already run in the background)
 # On a one-GPU machine every stage runs in the one-GPU group mode: NP ranks
 # (default 2) share the GPU as one NV-group (NVGROUP_ONE_GPU_GROUP=1) under MPS
 # (pipe/log folders under /tmp/nvgroup_mps; stopped on exit). The sanitizer
@@ -111,7 +114,8 @@ for stage in "$@"; do
       done ;;
     peerexit)
       step "peer exit with mapped memory ($NP ranks)"
-      timeout 120 mpirun -np $NP --bind-to none $CHECK --peer_exit_test > "$OUT/peerexit.txt" 2>&1
+      # the exiting rank must not make mpirun end the job before the others report
+      OMPI_MCA_orte_allowed_exit_without_sync=1 timeout 120 mpirun -np $NP --bind-to none $CHECK --peer_exit_test > "$OUT/peerexit.txt" 2>&1
       grep "peer exit" "$OUT/peerexit.txt"
       if [[ $(grep -c "peer exit: rank .* -> PASSED" "$OUT/peerexit.txt") != $((NP - 1)) ]]; then
         echo "!!! FAILED: peer exit"; tail -20 "$OUT/peerexit.txt"; STATUS=1
@@ -123,19 +127,28 @@ for stage in "$@"; do
           run timeout 300 mpirun -np $g --bind-to none $CHECK --quick --no_timeout_test --max_elems 65539
         done
       fi ;;
+    bounds)
+      step "launch bounds: default build vs build/variant (two-shot at (512, 2))"
+      for i in $(seq 1 300); do [[ -x build/variant/allreduce_check ]] && break; sleep 1; done
+      [[ -x build/variant/allreduce_check ]] || scripts/device/bounds_variant.sh > "$OUT/ptxas_variant.txt" 2>&1
+      for bytes in ${BOUNDS_BYTES:-268435456}; do
+        for bin in $CHECK build/variant/allreduce_check $CHECK build/variant/allreduce_check; do
+          echo "$bin"; run timeout 60 mpirun -np $NP --bind-to none $bin --time $bytes
+        done
+      done ;;
     sanitize)
       mps_stop
-      step "compute-sanitizer memcheck"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 4097
+      step "compute-sanitizer memcheck (one-shot and two-shot, auto)"
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
       step "compute-sanitizer racecheck"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
-      step "compute-sanitizer memcheck + racecheck: pipelined two-shot, 1 block, smallest chunk"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
       step "compute-sanitizer synccheck"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool synccheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 4097
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool synccheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
+      step "compute-sanitizer memcheck + racecheck: pipelined two-shot, 1 block, smallest chunk"
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
       step "compute-sanitizer memcheck: graphs + two streams"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --only_streams --no_timeout_test
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --only_streams --no_timeout_test
       mps_start ;;
     sweep)
       step "sweep"
