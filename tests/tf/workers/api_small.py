@@ -194,8 +194,8 @@ def check_process_set_helpers(c):
             "size_op of a process set (every rank)")
     if me in members:
         obj = ("ps", me, list(range(me + 1)))
-        c.equal(hvd.broadcast_object(obj, root_rank=n - 1, process_set=ps),
-                ("ps", n - 1, list(range(n))), "broadcast_object in a process set")
+        c.equal(str(hvd.broadcast_object(obj, root_rank=n - 1, process_set=ps)),
+                str(("ps", n - 1, list(range(n)))), "broadcast_object in a process set")
         c.equal(str(hvd.allgather_object(obj, process_set=ps)),
                 str([("ps", r, list(range(r + 1))) for r in members]),
                 "allgather_object in a process set")
@@ -249,18 +249,19 @@ def check_timeline(c, out_dir):
         return
     names = lambda events: {e["args"]["name"] for e in events if e.get("ph") == "M"}  # noqa: E731
     ev1 = _events(first)
-    c.check({"NvgroupAllreduce_timeline.a%d" % i for i in range(3)} <= names(ev1),
+    has = lambda events, user_name: any(user_name in row for row in names(events))  # noqa: E731
+    c.check(all(has(ev1, "timeline.a%d" % i) for i in range(3)),
             "first timeline has the three allreduces: %s" % names(ev1))
-    c.check("NvgroupAllreduce_timeline.after_stop" not in names(ev1), "nothing after stop")
+    c.check(not has(ev1, "timeline.after_stop"), "nothing after stop")
     c.check(not any(e.get("name") == "CYCLE_START" for e in ev1), "no cycle marks by default")
     ev2 = _events(second)
-    c.check(names(ev2) == {"NvgroupAllgather_timeline.b"}, "second timeline: %s" % names(ev2))
+    c.check(len(names(ev2)) == 1 and has(ev2, "timeline.b"), "second timeline: %s" % names(ev2))
     c.check(any(e.get("name") == "CYCLE_START" and e.get("ph") == "i" for e in ev2),
             "mark_cycles=True marks cycles")
     phases = {e["name"] for e in ev2 if e.get("ph") in ("B", "E")}
     c.check({"NEGOTIATE", "ALLGATHER"} <= phases, "second timeline phases %s" % phases)
     ev3 = _events(second + ".again")
-    c.check(names(ev3) == {"NvgroupBroadcast_timeline.c"}, "third timeline: %s" % names(ev3))
+    c.check(len(names(ev3)) == 1 and has(ev3, "timeline.c"), "third timeline: %s" % names(ev3))
 
 
 def main():
