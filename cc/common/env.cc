@@ -82,6 +82,11 @@ StatusOr<Knobs> ParseKnobsFromEnvironment() {
     else if (a == "hierarchical") k.algorithm = AllreduceAlgorithm::kHierarchical;
     else return Malformed("NVGROUP_ALLREDUCE_ALGORITHM", a, "one of auto, mpi, hierarchical");
   }
+  if (const char* v = Get("NVGROUP_ONE_GPU_GROUP")) {
+    const std::string b = v;
+    if (b != "0" && b != "1") return Malformed("NVGROUP_ONE_GPU_GROUP", b, "0 or 1");
+    k.one_gpu_group = b == "1";
+  }
   if (const char* v = Get("NVGROUP_LOG_LEVEL")) {
     static const char* kLevels[] = {"trace", "debug", "info", "warning", "error"};
     std::string l = v;

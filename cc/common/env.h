@@ -45,6 +45,9 @@ struct Knobs {
   std::string timeline_path;
   // trace, debug, info, warning, error (default warning).
   int log_level = 3;
+  // CUDA, tests only: ranks on one GPU may form an NV-group (under MPS), so the
+  // group kernels can be checked on a one-GPU machine (cc/device/device_topology.h).
+  bool one_gpu_group = false;
   // NVGROUP_BUCKET_CAP_MB as set ("" = unset). Parsed and used by the Python
   // side (nvgroup_tf/_keras_impl/reduce.py: which gradients form one grouped
   // allreduce); the engine only makes the ranks agree on it (AgreedKnobs).

@@ -11,6 +11,8 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
+#include "engine/collectives_extra.h"
+#include "engine/engine_control.h"
 #include "engine/wire_format.h"
 
 namespace nvgroup {
@@ -69,7 +71,8 @@ constexpr uint64_t kNoShutdown = 1u << 1;       // no rank asked to shut down
 // when every rank holds the same digest.
 constexpr int kStateDigestWords = 2;
 
-Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu)
+Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
+               bool watch_liveness)
     : knobs_(knobs),
       comm_(comm),
       rank_(rank),
@@ -86,13 +89,16 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
   if (knobs.stall_shutdown_s > 0) report_cached_after_s_ = std::min(report_cached_after_s_, knobs.stall_shutdown_s / 2);
   // Collective; Init's collectives just ran, so the ranks are in step and
   // NVGROUP_TIMEOUT bounds the setup.
-  StatusOr<std::unique_ptr<LivenessMonitor>> liveness =
-      LivenessMonitor::Create(comm_, knobs.peer_timeout_s, [this](const Status& lost) { Abort(lost); });
-  if (liveness.ok()) liveness_ = liveness.consume();
-  else NVG_LOG(kWarning) << "dead-rank detection is off: " << liveness.status().message();
+  if (watch_liveness) {
+    // A lost peer aborts every engine of the process (all process sets).
+    StatusOr<std::unique_ptr<LivenessMonitor>> liveness =
+        LivenessMonitor::Create(comm_, knobs.peer_timeout_s, [](const Status& lost) { AbortEngine(lost); });
+    if (liveness.ok()) liveness_ = liveness.consume();
+    else NVG_LOG(kWarning) << "dead-rank detection is off: " << liveness.status().message();
+  }
   if (rank_ == 0 && !knobs.timeline_path.empty()) {
     Status s = timeline_.Open(knobs.timeline_path, MonotonicSeconds());
-    if (!s.ok()) NVG_LOG(kWarning) << s.message() << "; continuing without a timeline";
+    if (!s.ok()) NVG_LOG(kWarning) << "NVGROUP_TIMELINE: " << s.message() << "; continuing without a timeline";
   }
   thread_ = std::thread([this] { Loop(); });
 }
@@ -116,6 +122,7 @@ void Engine::Admit(TensorEntry entry, double now) {
     timeline_.End(entry.request.name, "QUEUE", now);
     timeline_.Begin(entry.request.name, "NEGOTIATE", now);
   }
+  if (entry.request.type == CollectiveType::kJoin) joined_ = true;
   auto p = std::make_unique<Pending>();
   p->since = now;
   std::string name = entry.request.name;
@@ -148,6 +155,7 @@ bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
     if (slots[i] >= 0) (*bits)[1 + slots[i] / 64] |= uint64_t{1} << (slots[i] % 64);
     if (!p->reported && (slots[i] < 0 || now - p->since >= report_cached_after_s_)) must_report = true;
   }
+  if (joined_) SetJoinedCacheBits(bits);
   return must_report;
 }
 
@@ -167,8 +175,12 @@ std::vector<Engine::Work> Engine::TakeCacheHits(const std::vector<uint64_t>& bit
     w.response = r;
     w.slot = slot;
     auto it = pending_.find(r.name);
-    w.pending = std::move(it->second);  // the bit is set only for pending names
-    pending_.erase(it);
+    if (it != pending_.end()) {
+      w.pending = std::move(it->second);  // the bit is set only for pending names...
+      pending_.erase(it);
+    } else {
+      w.pending = MakeJoinStandIn(r);  // ...or, on a joined rank, for stand-ins
+    }
     cache_.Touch(slot);
     if (rank_ == 0) coordinator_.Forget(r.name);
     work.push_back(std::move(w));
@@ -238,12 +250,17 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   if (list.fatal_code != StatusCode::kOk) return Status(list.fatal_code, list.fatal_message);
 
   for (ResponseMessage& r : list.responses) {
-    if (r.ok()) cache_.Put(r);
+    if (r.ok() && r.type != CollectiveType::kJoin) cache_.Put(r);  // a join's answer changes
     Work w;
     auto it = pending_.find(r.name);
     if (it != pending_.end()) {
       w.pending = std::move(it->second);
       pending_.erase(it);
+    } else if (r.ok() && joined_) {
+      w.pending = MakeJoinStandIn(r);  // rank 0 counted this joined rank in
+      if (w.pending == nullptr)
+        return Status::Internal("rank 0 released '" + r.name + "' to joined rank " + std::to_string(rank_) +
+                                ", which cannot stand in for a " + CollectiveTypeName(r.type));
     } else if (r.ok()) {
       return Status::Internal("rank 0 released '" + r.name + "', which this rank never submitted");
     }
@@ -376,10 +393,11 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
   // (on the GPU no pointer checks; no extra scaling pass for a lone tensor).
   const size_t element = DataTypeSize(first.dtype);
   // Average of floats is a sum with the division folded into the copy out;
-  // integers use the communicator's own (truncating) average.
+  // integers use the communicator's own (truncating) average unless scale
+  // factors are given (then Horovod's: sum, then * postscale / size).
   ReduceOp op = first.op;
   double postscale = first.postscale_factor;
-  if (op == ReduceOp::kAverage && IsFloatingPoint(first.dtype)) {
+  if (op == ReduceOp::kAverage && AverageByPostscale(first)) {
     op = ReduceOp::kSum;
     postscale /= size_;
   }
@@ -437,7 +455,7 @@ Status Engine::RunAllreduceAlone(Work* w) {
   const size_t count = static_cast<size_t>(NumElements(r.shape));
   ReduceOp op = r.op;
   double postscale = r.postscale_factor;
-  if (op == ReduceOp::kAverage && IsFloatingPoint(r.dtype)) {
+  if (op == ReduceOp::kAverage && AverageByPostscale(r)) {
     op = ReduceOp::kSum;
     postscale /= size_;
   }
@@ -528,6 +546,9 @@ Status Engine::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
     case CollectiveType::kAllreduce: s = RunAllreduceBucket(bucket, work); break;
     case CollectiveType::kAllgather: s = RunAllgather(&first); break;
     case CollectiveType::kBroadcast: s = RunBroadcast(&first); break;
+    case CollectiveType::kReducescatter: s = RunReducescatter(&first); break;
+    case CollectiveType::kAlltoall: s = RunAlltoall(&first); break;
+    case CollectiveType::kJoin: s = RunJoin(&first); break;
   }
   if (s.ok()) return s;
   s = Cause(s);
@@ -658,6 +679,7 @@ Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
                   << cache_hits << " from the response cache, " << work->size() - cache_hits
                   << " negotiated through rank 0)";
   const double now = MonotonicSeconds();
+  if (mark_cycles_ && timeline_.enabled()) timeline_.MarkCycle(now);
   if (timeline_.enabled())
     for (const Work& w : *work)
       if (w.pending) timeline_.End(w.response.name, "NEGOTIATE", now);
@@ -705,6 +727,7 @@ void Engine::Loop() {
                                                     &fresh, &shutdown_requested));
     Add(counters_.cycles);
     if (liveness_) liveness_->SetProgress(cycle_);
+    if (timeline_command_pending_.load(std::memory_order_acquire)) ApplyTimelineCommand();
     const double now = MonotonicSeconds();
     // Drop names that completed in the last cycle before admitting new ones
     // (a completed name may come back at once).
@@ -809,10 +832,57 @@ void Engine::Loop() {
   }
   timeline_.Close();
   {
+    std::lock_guard<std::mutex> lock(timeline_mu_);
+    timeline_loop_gone_ = true;
+    if (timeline_command_pending_) {
+      timeline_command_pending_ = false;
+      timeline_answer_ = Status::FailedPrecondition("the engine's background loop has stopped");
+      timeline_answered_ = true;
+    }
+  }
+  timeline_cv_.notify_all();
+  {
     std::lock_guard<std::mutex> lock(exit_mu_);
     loop_exited_ = true;
   }
   exit_cv_.notify_all();
+}
+
+// ---- Run-time timeline control ------------------------------------------------
+
+Status Engine::ControlTimeline(bool start, const std::string& path, bool mark_cycles) {
+  if (rank_ != 0) return Status::Ok();  // rank 0 writes the timeline, as with NVGROUP_TIMELINE
+  const char* what = start ? "start_timeline" : "stop_timeline";
+  std::lock_guard<std::mutex> one_at_a_time(timeline_call_mu_);
+  std::unique_lock<std::mutex> lock(timeline_mu_);
+  if (timeline_loop_gone_)
+    return Status::FailedPrecondition(std::string(what) + ": the engine's background loop has stopped");
+  timeline_command_ = TimelineCommand{start, path, mark_cycles};
+  timeline_answered_ = false;
+  timeline_command_pending_.store(true, std::memory_order_release);
+  if (!timeline_cv_.wait_for(lock, std::chrono::duration<double>(knobs_.peer_timeout_s + 1.0),
+                             [this] { return timeline_answered_; })) {
+    timeline_command_pending_ = false;
+    return Status::Unavailable(std::string(what) + ": the background loop did not take the change within " +
+                               std::to_string(knobs_.peer_timeout_s) + " s (NVGROUP_TIMEOUT)");
+  }
+  return timeline_answer_.ok() ? timeline_answer_ : timeline_answer_.WithContext(what);
+}
+
+void Engine::ApplyTimelineCommand() {
+  std::lock_guard<std::mutex> lock(timeline_mu_);
+  if (!timeline_command_pending_) return;  // the caller gave up meanwhile
+  timeline_command_pending_ = false;
+  if (timeline_command_.start) {
+    timeline_answer_ = timeline_.Open(timeline_command_.path, MonotonicSeconds());
+    mark_cycles_ = timeline_answer_.ok() && timeline_command_.mark_cycles;
+  } else {
+    timeline_.Close();
+    mark_cycles_ = false;
+    timeline_answer_ = Status::Ok();
+  }
+  timeline_answered_ = true;
+  timeline_cv_.notify_all();
 }
 
 Status Engine::Stop() {
