@@ -149,6 +149,8 @@ class CudaCommunicator final : public Communicator {
   Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
                            double scale, void* stream) override;
   Status Synchronize(void* stream) override;
+  Status RecordEvent(void* event, void* stream) override;
+  Status WaitRecordedEvent(void* event) override;
   void Abort() override;
 
   Status SetTuning(const KernelTuning& tuning);
@@ -852,6 +854,18 @@ Status CudaCommunicator::Synchronize(void* stream) {
     if (dead_member_ < 0 && DeadMember() >= 0) drain_until = now + kAbortDrain;
     if (dead_member_ >= 0 && now > drain_until) break;  // kernels aborted; do not wait forever
   }
+  return CheckHealthy();
+}
+
+Status CudaCommunicator::RecordEvent(void* event, void* stream) {
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  NVG_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), StreamOf(stream)));
+  return Status::Ok();
+}
+
+Status CudaCommunicator::WaitRecordedEvent(void* event) {
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  NVG_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
   return CheckHealthy();
 }
 
