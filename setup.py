@@ -7,7 +7,7 @@ Two shared objects come out of the same engine sources (cc/):
     so the engine runs and is tested on machines without TensorFlow (the GPU boxes).
 
 CUDA (cc/**/*.cu and cc/**/*_cuda.cc, ops/*_gpu.cc) is compiled when
-NVGROUP_WITH_CUDA=1 (default 0), for NVGROUP_CUDA_ARCH (default 90).
+NVGROUP_WITH_CUDA=1 (default 0), for NVGROUP_CUDA_ARCH (default 90; a list like "70;80;90").
 
 Objects are cached under build/obj/<flavor>/ and rebuilt when the source or any
 header under cc/ or ops/ is newer. Compiles run in parallel (one per core).
@@ -16,6 +16,7 @@ Usage:  python setup.py build_ext --inplace      (or: pip install --no-build-iso
 """
 import concurrent.futures
 import glob
+import importlib.util
 import os
 import shlex
 import shutil
@@ -28,9 +29,22 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 WITH_CUDA = os.environ.get("NVGROUP_WITH_CUDA", "0") == "1"
-CUDA_ARCH = os.environ.get("NVGROUP_CUDA_ARCH", "90")
+CUDA_ARCH = os.environ.get("NVGROUP_CUDA_ARCH", "90")  # a list: "70;80;90" (scripts/cuda_arch.py)
 CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
 JOBS = int(os.environ.get("NVGROUP_BUILD_JOBS", str(os.cpu_count() or 1)))
+
+
+def cuda_gencode_flags():
+    """nvcc -gencode flags for NVGROUP_CUDA_ARCH (one list syntax for setup.py and
+    the scripts: scripts/cuda_arch.py)."""
+    spec = importlib.util.spec_from_file_location("nvgroup_cuda_arch",
+                                                  os.path.join(ROOT, "scripts", "cuda_arch.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        return mod.gencode_flags(CUDA_ARCH)
+    except ValueError as e:
+        raise SystemExit("setup.py: %s" % e)
 
 
 def rel(paths):
@@ -139,9 +153,8 @@ class NativeBuilder:
                 continue
             os.makedirs(objdir, exist_ok=True)
             if src.endswith(".cu"):
-                cmd = ["nvcc", "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
-                       "-gencode", "arch=compute_%s,code=sm_%s" % (CUDA_ARCH, CUDA_ARCH),
-                       "-DNVGROUP_WITH_CUDA=1", "-I" + os.path.join(ROOT, "cc", "include"),
+                cmd = ["nvcc", "-O3", "-std=c++17", "-Xcompiler", "-fPIC"] + cuda_gencode_flags() + \
+                      ["-DNVGROUP_WITH_CUDA=1", "-I" + os.path.join(ROOT, "cc", "include"),
                        "-I" + os.path.join(ROOT, "cc")] + \
                       [f for f in self.mpi_compile if f.startswith("-I")] + \
                       ["-c", src, "-o", obj]

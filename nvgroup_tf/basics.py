@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+import warnings
 
 import tensorflow as tf
 
@@ -57,8 +58,19 @@ def _load():
         handle.nvgroup_tf_start_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int,
                                                      ctypes.c_char_p, ctypes.c_int]
         handle.nvgroup_tf_stop_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        _register_xla_kernels(handle)
         _library = (handle, ops)
         return _library
+
+
+@tf.autograph.experimental.do_not_convert
+def _register_xla_kernels(handle):
+    """The collectives' XLA kernels (ops/xla_ops.cc) are registered right after
+    the library loads: TF takes XLA kernels in only once per process, at its
+    first XLA compilation; warns if that has already happened."""
+    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    if handle.nvgroup_tf_register_xla_kernels(message, _MESSAGE_BYTES) != 0:
+        warnings.warn(message.value.decode(errors="replace"), RuntimeWarning)
 
 
 def op_module():
@@ -72,7 +84,7 @@ def _call(what, fn, *args):
     raise_for_status(code, message.value.decode(errors="replace"), what)
 
 
-def init(comm=None):
+def init(comm=None, process_sets=None):
     """Initializes nvgroup_tf over `comm` (an mpi4py communicator; None = COMM_WORLD).
 
     Collective: every rank of the communicator must call it. Initializes MPI
@@ -95,6 +107,9 @@ def init(comm=None):
     _call("nvgroup_tf.init", handle.nvgroup_tf_init, comm_fortran)
     global _init_comm
     _init_comm = comm
+    # init(process_sets=[ProcessSet(...), ...]): registered in order (coll).
+    from nvgroup_tf import process_sets as _process_sets
+    _process_sets._register_static(process_sets)
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
@@ -104,6 +119,8 @@ def shutdown():
     """Stops the engine; collectives in flight fail with tf.errors.AbortedError."""
     handle, _ = _load()
     _call("nvgroup_tf.shutdown", handle.nvgroup_tf_shutdown)
+    from nvgroup_tf import process_sets as _process_sets  # every set is gone (coll)
+    _process_sets._reset_after_shutdown()
 
 
 def _shutdown_at_exit():
@@ -194,22 +211,15 @@ def mpi_threads_supported():
 # built before init() reports the engine it runs against. Before init() the op
 # fails with tf.errors.FailedPreconditionError when it runs.
 
-def _process_set_id_check(process_set_id):
-    if process_set_id != 0:
-        raise NotImplementedError(
-            "size_op(process_set_id=%r): only the global process set (id 0) is supported "
-            "here" % (process_set_id,))
-
-
 def rank_op(name=None):
     """An int32 scalar op: this process's rank, read at execution time."""
     return op_module().nvgroup_rank(name=name)
 
 
 def size_op(process_set_id=0, name=None):
-    """An int32 scalar op: the number of ranks, read at execution time."""
-    _process_set_id_check(process_set_id)
-    return op_module().nvgroup_size(name=name)
+    """An int32 scalar op: the number of ranks of the process set (0 = all ranks),
+    read at execution time; an unknown set fails with InvalidArgumentError then."""
+    return op_module().nvgroup_size(process_set_id=int(process_set_id), name=name)
 
 
 def local_rank_op(name=None):

@@ -16,9 +16,11 @@ formula, no E[x^2] - E[x]^2 cancellation):
 the same arithmetic on the same gathered values, so the statistics and the
 moving averages are bitwise identical on all ranks. Ranks may hold batches of
 different sizes (weighted by n_r; Horovod weights every rank equally, which
-agrees for equal batches). Gradients flow through the allgather (its gradient
-sums every rank's contribution), so d(sum over ranks of the losses)/d(input)
-is what a single process would get on the concatenated batch.
+agrees for equal batches). Gradients flow through the allgather. Its gradient
+is Horovod's (the average over ranks of every rank's contribution); the
+statistics are scaled by the set's size on the way back (_sum_gradient), so
+d(sum over ranks of the losses)/d(input) is what a single process would get on
+the concatenated batch.
 
 The collective is named "SyncBatchNormalization/<layer name>/<k>", k counting
 the layer's calls within one graph (a layer shared inside one model is called
@@ -37,6 +39,15 @@ _BaseBatchNormalization = tf.keras.layers.BatchNormalization
 # tf_keras: _moments(inputs, reduction_axes, keep_dims, mask=None);
 # Keras 3: _moments(inputs, mask) with self._reduction_axes.
 _LEGACY = "reduction_axes" in inspect.signature(_BaseBatchNormalization._moments).parameters
+
+
+@tf.custom_gradient
+def _sum_gradient(x):
+    """Identity whose gradient is multiplied by the number of ranks: turns the
+    allgather gradient's average over ranks back into their sum."""
+    def grad(dy):
+        return dy * tf.cast(basics.size(), dy.dtype)
+    return tf.identity(x), grad
 
 
 def global_moments(x, reduction_axes, weights=None, name=None):
@@ -58,7 +69,7 @@ def global_moments(x, reduction_axes, weights=None, name=None):
         local_m2 = tf.reduce_sum(weights * tf.math.squared_difference(x, local_mean), reduction_axes,
                                  keepdims=True)
     stats = tf.stack([local_n, local_mean, local_m2])           # [3, ...kept shape]
-    gathered = allgather(stats, name=name)                       # [3 * size, ...]
+    gathered = allgather(_sum_gradient(stats), name=name)        # [3 * size, ...]
     gathered = tf.reshape(gathered, tf.concat([[-1, 3], tf.shape(stats)[1:]], axis=0))
     n, m, m2 = gathered[:, 0], gathered[:, 1], gathered[:, 2]    # [size, ...kept shape]
     total = tf.reduce_sum(n, axis=0)

@@ -33,7 +33,34 @@ class TopologyOp : public tf::OpKernel {
   }
 };
 
+// Size of a process set (0 = all ranks): Horovod's size_op(process_set_id).
+class SizeOp : public tf::OpKernel {
+ public:
+  explicit SizeOp(tf::OpKernelConstruction* context) : tf::OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("process_set_id", &process_set_id_));
+  }
+
+  void Compute(tf::OpKernelContext* context) override {
+    StatusOr<int> value = ProcessSetSize(process_set_id_);
+    OP_REQUIRES_OK(context, ToTfStatus(value.status()));
+    tf::Tensor* output = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, tf::TensorShape({}), &output));
+    output->scalar<int32_t>()() = value.value();
+  }
+
+ private:
+  int process_set_id_ = 0;
+};
+
 }  // namespace
+
+REGISTER_OP("NvgroupSize")
+    .Attr("process_set_id: int = 0")
+    .Output("value: int32")
+    .SetIsStateful()
+    .SetShapeFn(tf::shape_inference::ScalarShape)
+    .Doc("Number of ranks in the process set (0 = all), read when the op runs.");
+REGISTER_KERNEL_BUILDER(Name("NvgroupSize").Device(tf::DEVICE_CPU), SizeOp);
 
 #define NVG_TOPOLOGY_OP(OpName, Query, what)                                             \
   REGISTER_OP(OpName)                                                                    \
@@ -44,7 +71,6 @@ class TopologyOp : public tf::OpKernel {
   REGISTER_KERNEL_BUILDER(Name(OpName).Device(tf::DEVICE_CPU), TopologyOp<Query>)
 
 NVG_TOPOLOGY_OP("NvgroupRank", Rank, "Rank");
-NVG_TOPOLOGY_OP("NvgroupSize", Size, "Number of ranks");
 NVG_TOPOLOGY_OP("NvgroupLocalRank", LocalRank, "Rank on its node");
 NVG_TOPOLOGY_OP("NvgroupLocalSize", LocalSize, "Number of ranks on the node");
 NVG_TOPOLOGY_OP("NvgroupCrossRank", CrossRank, "Index of the node");

@@ -497,3 +497,26 @@ REGISTER_XLA_OP(Name("NvgroupBroadcast"), BroadcastXlaOp);
 }  // namespace
 }  // namespace xla_adapter
 }  // namespace nvgroup
+
+// TF turns the tf2xla registrations above into kernels of the XLA compilation
+// devices (XLA_CPU_JIT, XLA_GPU_JIT) once per process, at its first XLA
+// compilation; registrations that arrive later are never seen. So the Python
+// loader (nvgroup_tf/basics.py) calls this right after tf.load_op_library (the
+// op definitions must be registered first, hence not from a static
+// initializer). Returns 0, or 1 with a message when TF had already done it
+// (something was XLA-compiled before nvgroup_tf's library was loaded).
+extern "C" int nvgroup_tf_register_xla_kernels(char* msg, int msg_len) {
+  ::tensorflow::XlaOpRegistry::RegisterCompilationKernels();  // no-op when TF already did it
+  const std::string kernels = ::tensorflow::KernelsRegisteredForOp("NvgroupAllreduce");
+  if (kernels.find("XLA_CPU_JIT") != std::string::npos) return 0;
+  const std::string text =
+      "nvgroup_tf: TensorFlow compiled a function with XLA before nvgroup_tf's library was loaded, "
+      "so nvgroup_tf's collectives have no XLA kernels in this process: a jit_compile=True function "
+      "that uses them fails with \"No registered 'Nvgroup...' OpKernel for XLA_..._JIT\". Call "
+      "hvd.init() before the first XLA compilation.";
+  if (msg != nullptr && msg_len > 0) {
+    std::strncpy(msg, text.c_str(), static_cast<size_t>(msg_len) - 1);
+    msg[msg_len - 1] = '\0';
+  }
+  return 1;
+}

@@ -16,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
-ARCH="${NVGROUP_CUDA_ARCH:-90}"
+ARCH="${NVGROUP_CUDA_ARCH:-90}"  # a list: "70;80;90"
+mapfile -t GENCODE < <(python3 scripts/cuda_arch.py "$ARCH") && [ "${#GENCODE[@]}" -gt 0 ] || exit 2
 PY=.venv/bin/python
 OUT=build/gpu_check
 mkdir -p "$OUT/obj" "$OUT/include/third_party/gpus/cuda"
@@ -56,7 +57,7 @@ echo "check_gpu_build: engine (NVGROUP_WITH_CUDA=1, sm_$ARCH)"
 while IFS= read -r src; do
   case "$src" in
     *.cu) compile "$src" nvcc -O3 -std=c++17 -Xcompiler -fPIC \
-            -gencode "arch=compute_$ARCH,code=sm_$ARCH" -DNVGROUP_WITH_CUDA=1 \
+            "${GENCODE[@]}" -DNVGROUP_WITH_CUDA=1 \
             -Icc/include -Icc $(printf '%s\n' "${MPI_CFLAGS[@]}" | grep '^-I') ;;
     *) compile "$src" g++ "${COMMON[@]}" ;;
   esac

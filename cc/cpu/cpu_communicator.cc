@@ -36,6 +36,7 @@ class CpuCommunicator final : public Communicator {
  public:
   CpuCommunicator() = default;
   ~CpuCommunicator() override {
+    cross_.reset();  // completes the cross exchanges in flight
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
@@ -90,8 +91,11 @@ class CpuCommunicator final : public Communicator {
   std::unique_ptr<ShmGroup> shm_;
   std::string first_failure_;        // non-empty once a collective failed mid-way
   std::vector<char> flat_scratch_;   // OrderedAllreduce over all ranks
-  std::vector<char> cross_scratch_;  // OrderedAllreduce over the peers
   std::vector<char> scatter_scratch_;  // ReduceScatter through a full allreduce
+  std::vector<char> cross_scratch_[2];  // CrossExchange receive buffers, by chunk parity
+  // The cross-group step (group_count > 1). Declared last: destroyed first, it
+  // completes the exchanges in flight before the buffers above go away.
+  std::unique_ptr<CrossExchange> cross_;
 };
 
 Status CpuCommunicator::Init(MPI_Comm comm, const CommunicatorOptions& options, const Knobs& knobs) {
@@ -119,6 +123,11 @@ Status CpuCommunicator::Init(MPI_Comm comm, const CommunicatorOptions& options, 
       ShmGroup::Create(comms_.group, global_ranks, registered_bytes, options.timeout_seconds, &aborted_);
   if (!shm.ok()) return shm.status().WithContext("setting up the group's shared memory");
   shm_ = shm.consume();
+  if (topo_.group_count > 1) {
+    StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(comms_.cross);
+    if (!cross.ok()) return cross.status().WithContext("setting up the cross-group exchange");
+    cross_ = cross.consume();
+  }
   return Status::Ok();
 }
 
@@ -193,7 +202,7 @@ Status CpuCommunicator::RunPieces(const void* in, void* out, size_t count, DataT
     const size_t n = std::min(piece_elems, count - offset);
     if (!in_registered) std::memcpy(reg, static_cast<const char*>(in) + offset * esize, n * esize);
     NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: inputs in place"));
-    HostPrimitives prims(topo_, shm_.get(), comms_.cross, dtype, op, chunk_bytes_, &cross_scratch_);
+    HostPrimitives prims(topo_, shm_.get(), cross_.get(), dtype, op, cross_scratch_);
     NVG_RETURN_IF_ERROR(RunHierarchicalAllreduce(prims, n, static_cast<char*>(out) + offset * esize,
                                                  chunk_bytes_, force));
     NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: reads done"));

@@ -13,7 +13,9 @@
 // Allreduce runs the one skeleton (cc/algorithms/hierarchical_allreduce.h) with
 // DevicePrimitives (cc/device/device_primitives.h): one group -> the one-shot
 // or two-shot NVLink kernel (cc/kernels/p2p_allreduce.cuh); several groups ->
-// per chunk NVLink reduce-scatter, MPI between groups, NVLink allgather.
+// per chunk NVLink reduce-scatter, a reduce-scatter + allgather between the
+// groups (CrossExchange: pipelined through pinned memory, or on device memory
+// when MPI is CUDA-aware), NVLink allgather.
 // Allgatherv and Broadcast copy through the members' registered buffers
 // (peer copies over NVLink, MPI barriers between the steps) when all ranks
 // form one NV-group, else stage through host memory and MPI (correct, not

@@ -216,7 +216,8 @@ class CudaCommunicator final : public Communicator {
 
 Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const CommunicatorOptions& options,
                               const Topology& host_topology) {
-  auto knobs = ParseKnobsFromEnvironment();
+  // The engine passes its parsed, cross-rank agreed knobs (CommunicatorOptions::knobs).
+  auto knobs = options.knobs != nullptr ? StatusOr<Knobs>(*options.knobs) : ParseKnobsFromEnvironment();
   if (!knobs.ok()) return knobs.status();
   const Knobs& k = knobs.value();
   NVG_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
@@ -269,7 +270,11 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
   group_.tuning.twoshot_blocks = kDefaultTwoShotBlocks;
   group_.tuning.twoshot_chunk_bytes = kDefaultTwoShotChunkBytes;
   group_.timeout_ns = static_cast<uint64_t>(options.timeout_seconds * 1e9);
-  group_.cuda_aware_mpi = MpiIsCudaAware();
+  // Every rank takes the same cross-step path (device or host fold): the
+  // ranks agree, CUDA-aware only if all of them are.
+  int cuda_aware = MpiIsCudaAware() ? 1 : 0, all_cuda_aware = 0;
+  NVG_MPI_CHECK(MPI_Allreduce(&cuda_aware, &all_cuda_aware, 1, MPI_INT, MPI_MIN, comm_));
+  group_.cuda_aware_mpi = all_cuda_aware == 1;
   chunk_bytes_ = options.pipeline_chunk_bytes > 0 ? options.pipeline_chunk_bytes : k.pipeline_chunk;
   force_hierarchy_ = k.algorithm == AllreduceAlgorithm::kHierarchical;
 
@@ -290,21 +295,33 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
   for (cudaEvent_t* e : {&enter_, &leave_, &sync_})
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   NVG_CUDA_CHECK(cudaStreamCreateWithFlags(&group_.cross_stream, cudaStreamNonBlocking));
+  NVG_CUDA_CHECK(cudaStreamCreateWithFlags(&group_.h2d_stream, cudaStreamNonBlocking));
+  NVG_CUDA_CHECK(cudaStreamCreateWithFlags(&group_.fold_stream, cudaStreamNonBlocking));
   for (int k2 = 0; k2 < 2; ++k2) {
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.reduce_scattered[k2], cudaEventDisableTiming));
-    NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.folded[k2], cudaEventDisableTiming));
+    NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.staged[k2], cudaEventDisableTiming));
+    NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.returned[k2], cudaEventDisableTiming));
   }
-  NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.received, cudaEventDisableTiming));
   for (CopySlot& s : slots_)
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
 
   if (topo.group_count > 1) {
-    // A slice is at most ceil(chunk / G) rounded up to 16 bytes.
+    // A slice is at most ceil(chunk / G) rounded up to 16 bytes; the receive
+    // buffer holds group_count parts of it, each rounded up to 16 bytes.
     group_.slice_capacity = (chunk_bytes_ / topo.group_size + 16 + 255) / 256 * 256;
-    const size_t all = group_.slice_capacity * topo.group_count;
-    NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_send), group_.slice_capacity));
-    NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_recv), all));
-    for (char*& d : group_.device_recv) NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), all));
+    const size_t recv = group_.slice_capacity + 16 * static_cast<size_t>(topo.group_count);
+    for (int k2 = 0; k2 < 2; ++k2) {
+      if (group_.cuda_aware_mpi) {
+        NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&group_.device_recv[k2]), recv));
+      } else {
+        NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_send[k2]), group_.slice_capacity));
+        NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_recv[k2]), recv));
+        NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_result[k2]), group_.slice_capacity));
+      }
+    }
+    StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(group_.comms.cross);
+    if (!cross.ok()) return cross.status().WithContext("setting up the cross-group exchange");
+    group_.cross = cross.consume();
   }
   return Status::Ok();
 }
@@ -315,8 +332,10 @@ CudaCommunicator::~CudaCommunicator() {
                        group_.control_host != nullptr && group_.control_host->failure == 0;
   // Unhealthy: make every spin of this rank's kernels give up first.
   if (!healthy && group_.control_host != nullptr) group_.control_host->abort = 1;
+  group_.cross.reset();  // completes the cross exchanges in flight (they use the buffers below)
   if (work_ != nullptr) (void)cudaStreamSynchronize(work_);
   if (group_.cross_stream != nullptr) (void)cudaStreamSynchronize(group_.cross_stream);
+  if (group_.h2d_stream != nullptr) (void)cudaStreamSynchronize(group_.h2d_stream);
   // Every member must be done with every region before any member frees its
   // own: a barrier, unless a peer is known lost (it would never arrive). Then
   // a peer kernel may still store flags into this rank's region: keep it
@@ -330,16 +349,15 @@ CudaCommunicator::~CudaCommunicator() {
     if (s.device != nullptr) (void)cudaFree(s.device);
     if (s.done != nullptr) (void)cudaEventDestroy(s.done);
   }
-  if (group_.host_send != nullptr) (void)cudaFreeHost(group_.host_send);
-  if (group_.host_recv != nullptr) (void)cudaFreeHost(group_.host_recv);
-  for (char* d : group_.device_recv)
-    if (d != nullptr) (void)cudaFree(d);
   for (int k = 0; k < 2; ++k) {
-    if (group_.reduce_scattered[k] != nullptr) (void)cudaEventDestroy(group_.reduce_scattered[k]);
-    if (group_.folded[k] != nullptr) (void)cudaEventDestroy(group_.folded[k]);
+    for (char* h : {group_.host_send[k], group_.host_recv[k], group_.host_result[k]})
+      if (h != nullptr) (void)cudaFreeHost(h);
+    if (group_.device_recv[k] != nullptr) (void)cudaFree(group_.device_recv[k]);
+    for (cudaEvent_t e : {group_.reduce_scattered[k], group_.staged[k], group_.returned[k]})
+      if (e != nullptr) (void)cudaEventDestroy(e);
   }
-  if (group_.received != nullptr) (void)cudaEventDestroy(group_.received);
-  if (group_.cross_stream != nullptr) (void)cudaStreamDestroy(group_.cross_stream);
+  for (cudaStream_t st : {group_.cross_stream, group_.h2d_stream, group_.fold_stream})
+    if (st != nullptr) (void)cudaStreamDestroy(st);
   for (cudaEvent_t e : {enter_, leave_, sync_})
     if (e != nullptr) (void)cudaEventDestroy(e);
   if (work_ != nullptr) (void)cudaStreamDestroy(work_);

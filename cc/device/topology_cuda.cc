@@ -3,11 +3,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "common/cuda_checks.h"
+#include "device/peer_access_advice.h"
 #include "kernels/kernels.h"
 
 namespace nvgroup {
@@ -17,6 +19,7 @@ constexpr int kBusIdChars = 32;  // "0000:00:00.0" plus room, NUL-padded
 
 struct LocalGpu {
   int ordinal;
+  int visible_devices;  // cudaGetDeviceCount() of that rank (for the warning)
   char bus_id[kBusIdChars];
 };
 
@@ -47,6 +50,7 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
   const int n = topo->local_size;
   LocalGpu mine{};
   mine.ordinal = device;
+  mine.visible_devices = device_count;
   NVG_CUDA_CHECK(cudaDeviceGetPCIBusId(mine.bus_id, kBusIdChars, device));
   std::vector<LocalGpu> gpus(n);
   NVG_MPI_CHECK(MPI_Allgather(&mine, sizeof(LocalGpu), MPI_BYTE, gpus.data(), sizeof(LocalGpu),
@@ -81,11 +85,18 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
   } else {
     g = LargestGroupDividing(n);
     if (!blocks_connected(g)) {
-      if (topo->local_rank == 0)
-        std::fprintf(stderr,
-                     "nvgroup WARNING: node %d: the %d local GPUs lack mutual peer access "
-                     "(NVLink); using host-staged MPI between single-GPU groups (slow)\n",
-                     topo->node_index, n);
+      if (topo->local_rank == 0) {
+        std::vector<int> visible(n);
+        std::vector<std::string> bus(n);
+        for (int i = 0; i < n; ++i) {
+          visible[i] = gpus[i].visible_devices;
+          bus[i] = std::string(gpus[i].bus_id, strnlen(gpus[i].bus_id, kBusIdChars));
+        }
+        std::fprintf(stderr, "%s\n",
+                     NoPeerAccessWarning(topo->node_index, visible, bus,
+                                         std::getenv("CUDA_VISIBLE_DEVICES"))
+                         .c_str());
+      }
       g = 1;
     }
   }

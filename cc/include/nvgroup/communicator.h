@@ -53,6 +53,8 @@ struct Topology {
   int group_size = 1;
 };
 
+struct Knobs;  // cc/common/env.h
+
 struct CommunicatorOptions {
   // Group size override; 0 = detect (NVGROUP_GROUP_SIZE when set).
   int group_size = 0;
@@ -68,6 +70,11 @@ struct CommunicatorOptions {
   // CUDA, tests only: ranks on one GPU may form an NV-group (also
   // NVGROUP_ONE_GPU_GROUP=1); see cc/device/device_topology.h.
   bool one_gpu_group = false;
+  // Settings already parsed (and agreed across ranks) by the engine's Init,
+  // used instead of reading the NVGROUP_* environment again; must outlive
+  // creation. nullptr: parse the environment here (tools, benchmarks and the
+  // pybind Communicator create communicators directly).
+  const Knobs* knobs = nullptr;
 };
 
 // The collectives: every rank calls them in the same order. Per-call state

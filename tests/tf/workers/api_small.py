@@ -41,8 +41,9 @@ def check_topology_ops(c, concrete, label):
              hvd.cross_rank_op(), hvd.cross_size_op()]
     c.equal([int(t.numpy()) for t in eager], want, "topology ops eagerly (%s)" % label)
     c.check(all(t.dtype == tf.int32 and t.shape == [] for t in eager), "topology ops: int32 scalars")
-    c.raises(NotImplementedError, lambda: hvd.size_op(process_set_id=1),
-             "size_op of a non-global process set")
+    c.equal(int(hvd.size_op(process_set_id=0).numpy()), hvd.size(), "size_op(process_set_id=0)")
+    c.raises(tf.errors.InvalidArgumentError, lambda: hvd.size_op(process_set_id=977).numpy(),
+             "size_op of an unknown process set", contains="977")
 
 
 def check_flags_and_util(c):

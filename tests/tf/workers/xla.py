@@ -11,10 +11,13 @@ GPU through the kit), in one launch per rank count:
     xla.py errors        cross-rank mismatches inside an XLA program raise
                          FailedPreconditionError naming the tensor on every rank
                          within seconds; the engine keeps working afterwards.
-    xla.py fit           Keras fit with jit_compile=True and a DistributedOptimizer:
-                         the train step is XLA-compiled (Keras keeps jit_compile
-                         True), ranks end bitwise equal and match one process
-                         fitting the concatenated batches.
+    xla.py fit           Keras fit with jit_compile=True and a DistributedOptimizer
+                         (Keras keeps jit_compile True; default buckets and one
+                         collective per gradient) and a DistributedGradientTape step
+                         under tf.function(jit_compile=True): ranks end bitwise
+                         equal and match one process fitting the concatenated
+                         batches; fit with mixed precision and with
+                         backward_passes_per_step=2 under XLA: ranks bitwise equal.
     xla.py dead VICTIM   rank VICTIM is SIGKILLed while the others wait inside an
                          XLA program: they raise UnavailableError naming it.
 
@@ -99,6 +102,8 @@ def section_collectives(c, digest):
     c.section("the HLO holds the custom call (XLA compiled it, no fallback)")
     probe = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="hlo.probe"), jit_compile=True)
     text = hlo_of(probe, tf.ones([3]))
+    if tf.config.list_physical_devices("GPU"):  # through the GPU kit: XLA GPU, the CUDA handler
+        c.check("GPU" in probe(tf.ones([3])).device, "the XLA program did not run on the GPU")
     c.check("custom-call" in text and "nvgroup_collective" in text and "hlo.probe" in text,
             "allreduce HLO lacks the nvgroup custom call:\n%s" % text[:2000])
 
@@ -162,9 +167,11 @@ def section_collectives(c, digest):
     g_xla = tf.function(lambda t: grads(t, ".xla"), jit_compile=True)(w).numpy()
     g_tf = tf.function(lambda t: grads(t, ".tf"))(w).numpy()
     same_bytes(c, g_xla, g_tf, "gradient")
-    # d/dt [sum(allreduce(t*t)) + sum(allgather(t)**2)] = 2t*n + this rank's rows of sum_r 2*allgather(t)
-    want = 4.0 * n * w_np[me].astype(np.float64)
-    c.close(g_xla, want, np.abs(want), tf.float32, "gradient vs 4*n*t")
+    # d/dt [sum(allreduce_sum(t*t)) + sum(allgather(t)**2)] = 2t*n (allreduce's gradient is the
+    # same allreduce) + this rank's rows of the average over ranks of 2*allgather(t) (Horovod's
+    # allgather gradient), i.e. 2t.
+    want = 2.0 * (n + 1) * w_np[me].astype(np.float64)
+    c.close(g_xla, want, np.abs(want), tf.float32, "gradient vs 2*(n+1)*t")
 
     c.section("the same compiled program run many times (response cache), every result checked")
     step = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="loop"), jit_compile=True)
@@ -217,6 +224,7 @@ def section_errors(c, digest):
 
 def section_fit(c, digest):
     import keras
+    import nvgroup_tf.keras as hvdk
     me, n = hvd.rank(), hvd.size()
     B, STEPS, LR = 4, 5, 0.05
     rng = np.random.default_rng(1234)
@@ -234,7 +242,6 @@ def section_fit(c, digest):
     for cap in (None, 0):  # default buckets (one grouped allreduce), one collective per gradient
         model = model_fn()
         init = model.get_weights()
-        import nvgroup_tf.keras as hvdk
         opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(LR), bucket_cap_bytes=cap)
         model.compile(optimizer=opt, loss="mse", jit_compile=True)
         c.check(model.jit_compile is True, "Keras turned jit_compile off for a distributed optimizer")
@@ -253,6 +260,60 @@ def section_fit(c, digest):
         c.check(any(not np.array_equal(a, b) for a, b in zip(got, init)), "cap %s: fit changed nothing" % cap)
         for w in got:
             digest.add(w)
+
+    def reference_weights(init):
+        ref = model_fn()
+        ref.set_weights(init)
+        ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=True)
+        ref.fit(x, y, batch_size=n * B, epochs=1, shuffle=False, verbose=0)
+        return ref.get_weights()
+
+    def agree(weights, init, what):
+        gathered = hvd.allgather_object([w.tobytes() for w in weights])
+        c.check(all(g == gathered[0] for g in gathered), "%s: weights differ across ranks" % what)
+        c.check(any(not np.array_equal(a, b) for a, b in zip(weights, init)), "%s: nothing changed" % what)
+        for w in weights:
+            digest.add(w)
+
+    c.section("DistributedGradientTape step under tf.function(jit_compile=True)")
+    model = model_fn()
+    init = model.get_weights()
+    opt = keras.optimizers.SGD(LR)
+    xr, yr = rank_rows(x), rank_rows(y)
+
+    @tf.function(jit_compile=True)
+    def tape_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+        tape = hvdk.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    for s in range(STEPS):
+        tape_step(xr[s * B:(s + 1) * B], yr[s * B:(s + 1) * B])
+    got = model.get_weights()
+    agree(got, init, "tape")
+    for i, (a, e) in enumerate(zip(got, reference_weights(init))):
+        c.check(np.allclose(a, e, rtol=2e-5, atol=1e-6), "tape weight %d: max |diff| %g vs the single-process fit"
+                % (i, np.max(np.abs(a - e))))
+
+    c.section("fit with jit_compile=True: mixed precision (loss scaling) and backward_passes_per_step=2")
+    for what, policy, passes in (("mixed_float16", "mixed_float16", 1), ("backward_passes_per_step=2", None, 2)):
+        if policy:
+            keras.mixed_precision.set_global_policy(policy)
+        try:
+            model = model_fn()
+            init = model.get_weights()
+            model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(LR),
+                                                              backward_passes_per_step=passes),
+                          loss="mse", jit_compile=True)
+            c.check(model.jit_compile is True, "%s: jit_compile turned off" % what)
+            model.fit(rank_rows(x), rank_rows(y), batch_size=B, epochs=1, shuffle=False, verbose=0)
+            weights = model.get_weights()
+            c.check(all(np.all(np.isfinite(np.asarray(w, np.float64))) for w in weights), what + ": non-finite")
+            agree(weights, init, what)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
 
 
 def section_dead(c, victim):
@@ -282,6 +343,8 @@ def section_dead(c, victim):
 
 
 def main():
+    # GPU: full fp32 matmuls, so the fit check's tolerance means the same as on CPU.
+    tf.config.experimental.enable_tensor_float_32_execution(False)
     hvd.init()
     args = sys.argv[1:]
     c = Checker("xla")
