@@ -28,12 +28,28 @@ _EXPORTS = {
     "nvgroup_tf.gradient_tape": ["DistributedGradientTape", "PartialDistributedGradientTape"],
     "nvgroup_tf.optimizer": ["DistributedOptimizer", "PartialDistributedOptimizer"],
 }
+# Issue 10, small Python-level API (topology ops, build flags, timeline, object
+# helpers, Horovod's util helpers, SyncBatchNormalization).
+_EXPORTS["nvgroup_tf.basics"] += [
+    "is_homogeneous", "mpi_threads_supported", "ddl_built", "ccl_built", "rank_op", "size_op",
+    "local_rank_op", "local_size_op", "cross_rank_op", "cross_size_op", "start_timeline",
+    "stop_timeline",
+]
+_EXPORTS["nvgroup_tf.functions"] += [
+    "broadcast_global_variables", "broadcast_object_fn", "BroadcastGlobalVariablesHook",
+]
+_EXPORTS["nvgroup_tf.util"] = [
+    "_executing_eagerly", "_make_subgraph", "_cache", "vars_to_refs", "refs_to_vars",
+    "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
+]
+_EXPORTS["nvgroup_tf.sync_batch_norm"] = ["SyncBatchNormalization"]
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = sorted(_MODULE_OF)
 
 
 _SUBMODULES = ("basics", "mpi_ops", "functions", "compression", "exceptions")
+_SUBMODULES += ("util", "elastic", "sync_batch_norm")
 
 
 def __getattr__(name):

@@ -185,17 +185,20 @@ def _broadcast(tensor, root_rank, name=None):
 
 
 def _sparse_allreduce(slices, op, prescale_factor, postscale_factor, name):
-    """IndexedSlices: gather every rank's values and indices (as Horovod does);
-    duplicate indices are summed by whoever applies the slices."""
+    """IndexedSlices, as Horovod treats them: gather every rank's values and
+    indices (duplicate indices are summed by whoever applies the slices);
+    Average divides the gathered values by the size with TF's `/`, so integer
+    values come back as floats (int32/int64 -> float64), as with Horovod. Only
+    Sum and Average, and no scale factors (NotImplementedError, raised on every
+    rank before any collective)."""
     if op not in (Sum, Average):
-        raise NotImplementedError("allreduce of tf.IndexedSlices supports op=Sum or Average only")
+        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
     values = _allgather(slices.values, name=None if name is None else name + ".values")
     indices = _allgather(slices.indices, name=None if name is None else name + ".indices")
-    scale = prescale_factor * postscale_factor
     if op == Average:
-        scale /= basics.size()
-    if scale != 1.0:
-        values = values * tf.constant(scale, dtype=values.dtype)
+        values = values / tf.cast(basics.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -305,11 +308,14 @@ def _allgather_grad(op, grad):
     ops = basics.op_module()
     averaged = _checked(ops.nvgroup_allreduce(grad, reduce_op="average", tensor_name=name + "/grad",
                                               name=_node_name(name + "/grad")))
-    with tf.device("/cpu:0"):  # split sizes stay on the host
-        first_dim = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
-        sizes = _checked(ops.nvgroup_allgather(first_dim, tensor_name=name + "/grad_sizes",
-                                               name=_node_name(name + "/grad_sizes")))
-    return tf.split(averaged, sizes, num=basics.size(), axis=0)[basics.rank()]
+    shape = tf.shape(op.inputs[0], out_type=tf.int64)
+    sizes = _checked(ops.nvgroup_allgather(shape[:1], tensor_name=name + "/grad_sizes",
+                                           name=_node_name(name + "/grad_sizes")))
+    # A slice at this rank's offset (not tf.split by `sizes`): its size is this
+    # rank's input shape, a compile-time constant under XLA, where split sizes
+    # computed by a collective are not.
+    begin = tf.concat([tf.reduce_sum(sizes[:basics.rank()], keepdims=True), tf.zeros_like(shape)[1:]], 0)
+    return tf.slice(averaged, begin, shape)
 
 
 @tf.RegisterGradient("NvgroupBroadcast")

@@ -40,15 +40,12 @@ them. So the reduction always happens in the OUTERMOST optimizer:
     same optimizer, which itself stops reducing: the reduction moves outward,
     before the finite check.
 
-XLA. Our collectives have no XLA kernel, and a tf.function(jit_compile=False)
-nested in an XLA-compiled function is still compiled (checked on TF 2.21). So
-the model's train step itself must not be compiled: the first
-DistributedOptimizer installs a small guard on Keras' `model_supports_jit` that
-answers False for a model whose optimizer is distributed. `compile()` with the
-default jit_compile="auto" then resolves to False, and jit_compile=True is
-turned off with Keras' own warning ("Model doesn't support jit_compile=True").
-Custom training loops must not wrap the optimizer step in
-tf.function(jit_compile=True).
+XLA. The collectives have XLA lowerings (ops/xla_ops.cc: custom calls into
+the engine), so a train step with DistributedOptimizer compiles like any other:
+`compile(jit_compile=True)` and custom loops under tf.function(jit_compile=True)
+run the reduction inside the XLA program, and the default jit_compile="auto"
+resolves exactly as Keras decides without nvgroup_tf (on where a GPU is
+visible, off on CPU-only machines).
 """
 import tensorflow as tf
 
@@ -224,20 +221,11 @@ _hooks_installed = False
 
 
 def _install_keras_hooks():
-    """See "XLA" and "Mixed precision" in the module docstring."""
+    """See "Mixed precision" in the module docstring."""
     global _hooks_installed
     if _hooks_installed:
         return
     from keras.src.trainers import trainer as keras_trainer
-    original_supports_jit = keras_trainer.model_supports_jit
-
-    def model_supports_jit(model):
-        if is_distributed(getattr(model, "optimizer", None)):
-            return False
-        return original_supports_jit(model)
-
-    keras_trainer.model_supports_jit = model_supports_jit
-
     from keras.src.utils import tracking
     original_compile = keras_trainer.Trainer.compile
 
@@ -271,10 +259,6 @@ def _move_reduction_outside_loss_scale(model):
     inner._nvg_sync = _SyncState(inner._nvg_sync.reducer, None)
     inner._nvg_sync.reduced_outside = True
     model.optimizer = dist_outer
-
-
-def _install_jit_guard():  # kept for callers of the old name
-    _install_keras_hooks()
 
 
 def _is_keras3_optimizer(optimizer) -> bool:

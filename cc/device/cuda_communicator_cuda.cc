@@ -81,6 +81,10 @@ class CudaCommunicator final : public Communicator {
   Status Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes_per_rank,
                     void* stream) override;
   Status Broadcast(void* buf, size_t bytes, int root, void* stream) override;
+  Status ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts, DataType dtype,
+                       ReduceOp op, void* stream) override;
+  Status Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
+                   const std::vector<size_t>& recv_bytes, void* stream) override;
   void* registered_buffer() override { return group_.region->data(group_.topo.group_rank); }
   size_t registered_capacity() const override { return group_.region->data_bytes(); }
   Status WaitEvent(void* event, void* stream) override;
@@ -137,15 +141,27 @@ class CudaCommunicator final : public Communicator {
 
 Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const CommunicatorOptions& options,
                               const Topology& host_topology) {
-  auto knobs = ParseKnobsFromEnvironment();
+  // The engine passes its parsed, cross-rank agreed knobs (CommunicatorOptions::knobs).
+  auto knobs = options.knobs != nullptr ? StatusOr<Knobs>(*options.knobs) : ParseKnobsFromEnvironment();
   if (!knobs.ok()) return knobs.status();
   const Knobs& k = knobs.value();
   NVG_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
 
   const int requested = options.group_size > 0 ? options.group_size : k.group_size;
-  NVG_RETURN_IF_ERROR_CTX(ResolveDeviceTopology(comm_, device_ordinal, requested, &group_.topo,
-                                                &group_.comms, &group_.device),
-                          "resolving the GPU topology");
+  int members_on_device = 1;
+  NVG_RETURN_IF_ERROR_CTX(
+      ResolveDeviceTopology(comm_, device_ordinal, requested,
+                            options.one_gpu_group || k.one_gpu_group, &group_.topo, &group_.comms,
+                            &group_.device, &members_on_device),
+      "resolving the GPU topology");
+  if (members_on_device > 1) {
+    // One-GPU group mode: the grids of all members must be resident together
+    // (a block spinning on a barrier whose partner block cannot be scheduled
+    // never returns). One block per multiprocessor per member always fits.
+    int sms = 0;
+    NVG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, group_.device));
+    group_.block_cap = std::max(1, std::min(kMaxBlocks, sms / members_on_device));
+  }
   if (group_.topo.rank != host_topology.rank || group_.topo.size != host_topology.size ||
       group_.topo.local_rank != host_topology.local_rank)
     return Status::Internal("CUDA topology disagrees with the host topology passed in (rank " +
@@ -418,6 +434,92 @@ Status CudaCommunicator::Allgatherv(const void* in, void* out,
                                counts.data(), displs.data(), MPI_BYTE, comm_));
   if (total > 0) {
     NVG_CUDA_CHECK(cudaMemcpyAsync(out, recv.data(), total, cudaMemcpyHostToDevice, stream));
+    NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // recv is freed on return
+  }
+  return Status::Ok();
+}
+
+// ReduceScatter on the device: the whole Allreduce into a scratch buffer, then
+// this rank's rows (correct and bitwise equal to Allreduce; it moves the whole
+// message instead of 1/size of it -- the NV-group reduce-scatter kernel step
+// alone is the faster path still to wire in, cc/kernels).
+Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
+                                       DataType dtype, ReduceOp op, void* stream_arg) {
+  NVG_RETURN_IF_ERROR(CheckHealthy());
+  const int size = group_.topo.size;
+  if (static_cast<int>(counts.size()) != size)
+    return Status::InvalidArgument("reducescatter: " + std::to_string(counts.size()) + " counts given for " +
+                                   std::to_string(size) + " ranks");
+  size_t total = 0, my_offset = 0;
+  for (int r = 0; r < size; ++r) {
+    if (r == group_.topo.rank) my_offset = total;
+    total += counts[r];
+  }
+  const size_t mine = counts[group_.topo.rank];
+  if (total == 0) return Status::Ok();
+  const size_t esize = DataTypeSize(dtype);
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  cudaStream_t stream = StreamOf(stream_arg);
+  void* scratch = nullptr;
+  NVG_CUDA_CHECK(cudaMallocAsync(&scratch, total * esize, stream));
+  Status s = Allreduce(in, scratch, total, dtype, op, stream);
+  if (s.ok() && mine > 0) {
+    cudaError_t e = cudaMemcpyAsync(out, static_cast<char*>(scratch) + my_offset * esize, mine * esize,
+                                    cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) s = Status::Internal(std::string("cudaMemcpyAsync (reducescatter rows) failed: ") +
+                                               cudaGetErrorString(e));
+  }
+  // Stream-ordered free: after the copy on `stream` read the scratch.
+  cudaError_t freed = cudaFreeAsync(scratch, stream);
+  if (s.ok() && freed != cudaSuccess)
+    s = Status::Internal(std::string("cudaFreeAsync (reducescatter scratch) failed: ") + cudaGetErrorString(freed));
+  return s;
+}
+
+// Alltoallv on the device: staged through host memory and MPI_Alltoallv
+// (correct, not tuned), after the same count cross-check as the CPU path.
+Status CudaCommunicator::Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
+                                   const std::vector<size_t>& recv_bytes, void* stream_arg) {
+  NVG_RETURN_IF_ERROR(CheckHealthy());
+  const int n = group_.topo.size;
+  if (static_cast<int>(send_bytes.size()) != n || static_cast<int>(recv_bytes.size()) != n)
+    return Status::InvalidArgument("alltoallv: byte counts must have one entry per rank (" + std::to_string(n) + ")");
+  size_t send_total = 0, recv_total = 0;
+  for (int r = 0; r < n; ++r) {
+    send_total += send_bytes[r];
+    recv_total += recv_bytes[r];
+  }
+  std::vector<uint64_t> sent(send_bytes.begin(), send_bytes.end()), incoming(n);
+  NVG_MPI_CHECK(MPI_Alltoall(sent.data(), 1, MPI_UINT64_T, incoming.data(), 1, MPI_UINT64_T, comm_));
+  int64_t verdict[3] = {0, 0, 0};  // counts disagree, null pointer, beyond int
+  for (int r = 0; r < n; ++r)
+    if (incoming[r] != recv_bytes[r]) verdict[0] = 1;
+  if ((send_total > 0 && in == nullptr) || (recv_total > 0 && out == nullptr)) verdict[1] = 1;
+  if (send_total > static_cast<size_t>(INT_MAX) || recv_total > static_cast<size_t>(INT_MAX)) verdict[2] = 1;
+  int64_t any[3];
+  NVG_MPI_CHECK(MPI_Allreduce(verdict, any, 3, MPI_INT64_T, MPI_MAX, comm_));
+  if (any[0]) return Status::InvalidArgument("alltoallv: a rank expects different byte counts than its peers send");
+  if (any[1]) return Status::InvalidArgument("alltoallv: a rank passed a null input or output pointer");
+  if (any[2]) return Status::Unimplemented("alltoallv: more than 2^31-1 bytes sent or received by one rank");
+  std::vector<int> sc(n), sd(n), rc(n), rd(n);
+  size_t so = 0, ro = 0;
+  for (int r = 0; r < n; ++r) {
+    sc[r] = static_cast<int>(send_bytes[r]);
+    sd[r] = static_cast<int>(so);
+    rc[r] = static_cast<int>(recv_bytes[r]);
+    rd[r] = static_cast<int>(ro);
+    so += send_bytes[r];
+    ro += recv_bytes[r];
+  }
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  cudaStream_t stream = StreamOf(stream_arg);
+  std::vector<char> send(std::max<size_t>(send_total, 1)), recv(std::max<size_t>(recv_total, 1));
+  NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: `in` is produced
+  if (send_total > 0) NVG_CUDA_CHECK(cudaMemcpy(send.data(), in, send_total, cudaMemcpyDeviceToHost));
+  NVG_MPI_CHECK(MPI_Alltoallv(send.data(), sc.data(), sd.data(), MPI_BYTE, recv.data(), rc.data(), rd.data(),
+                              MPI_BYTE, comm_));
+  if (recv_total > 0) {
+    NVG_CUDA_CHECK(cudaMemcpyAsync(out, recv.data(), recv_total, cudaMemcpyHostToDevice, stream));
     NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // recv is freed on return
   }
   return Status::Ok();

@@ -53,6 +53,9 @@ struct DeviceGroup {
   DeviceControl* control_device = nullptr;  // the same, as the kernels see them
   uint64_t timeout_ns = 0;
   KernelTuning tuning;
+  // Upper bound on every grid: kMaxBlocks, less in the one-GPU group mode
+  // (members share the GPU's multiprocessors).
+  int block_cap = kMaxBlocks;
   bool cuda_aware_mpi = false;
   // One-shot calls so far: selects the staging half (Note in p2p_allreduce.cuh).
   uint64_t oneshot_calls = 0;

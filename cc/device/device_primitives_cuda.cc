@@ -39,7 +39,8 @@ P2pLaunch DevicePrimitives::BaseLaunch(size_t count, int max_blocks) const {
   // blocks (fewer flags to exchange), large ones the measured cap.
   const size_t units = (count * esize_ + 15) / 16;
   const size_t want = (units + kThreadsPerBlock - 1) / kThreadsPerBlock;
-  a.blocks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(want, max_blocks)));
+  const int cap = std::min(max_blocks, group_->block_cap);
+  a.blocks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(want, cap)));
   a.control = group_->control_device;
   a.timeout_ns = group_->timeout_ns;
   return a;

@@ -1,5 +1,7 @@
 #include "engine/response_cache.h"
 
+#include <algorithm>
+
 namespace nvgroup {
 
 bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage& response,
@@ -11,6 +13,18 @@ bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage
       request.root_rank != response.root_rank || request.group_id != response.group_id ||
       request.group_size != response.group_size)
     return false;
+  if (request.type == CollectiveType::kJoin) return false;  // never cached
+  if (request.type == CollectiveType::kAlltoall) {
+    // Same trailing dimensions and this rank's row of the splits matrix.
+    const size_t n = request.splits.size();
+    if (rank < 0 || n == 0 || response.first_dims.size() != n * n || static_cast<size_t>(rank) >= n) return false;
+    if (!std::equal(request.splits.begin(), request.splits.end(), response.first_dims.begin() + rank * n))
+      return false;
+    if (request.shape.size() != response.shape.size() || request.shape.empty()) return false;
+    for (size_t d = 1; d < request.shape.size(); ++d)
+      if (request.shape[d] != response.shape[d]) return false;
+    return true;
+  }
   if (request.type != CollectiveType::kAllgather) return request.shape == response.shape;
   if (request.shape.size() != response.shape.size() || request.shape.empty()) return false;
   if (rank < 0 || static_cast<size_t>(rank) >= response.first_dims.size()) return false;

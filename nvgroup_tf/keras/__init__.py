@@ -77,8 +77,13 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
         if compression is not None:
             settings["compression"] = compression
         dist.make_distributed_in_place(optimizer, **settings)
-        # load_model may have compiled the model before its optimizer became
-        # distributed: redo the XLA decision (see nvgroup_tf/optimizer.py, "XLA").
-        model.jit_compile = False
+        # drop the train function built for the old optimizer, if any.
         model.train_function = None
     return model
+
+
+# Issue 10 (api): the rest of horovod.tensorflow.keras's small names and hvd.elastic.
+from nvgroup_tf import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,  # noqa: E402,F401
+                        is_homogeneous, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                        rocm_built, start_timeline, stop_timeline)
+from nvgroup_tf.keras import elastic  # noqa: E402,F401

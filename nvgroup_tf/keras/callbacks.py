@@ -254,3 +254,33 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose > 0 and core.rank() == 0:
             print("\nEpoch %d: finished gradual learning rate warmup to %g." % (epoch + 1, _get_lr(self.model.optimizer)))
+
+
+# ---- BestModelCheckpoint (issue 10; the rest of this file is the Keras front end's) ----
+
+class BestModelCheckpoint(tf.keras.callbacks.ModelCheckpoint):
+    """ModelCheckpoint that keeps only the best model (save_best_only=True),
+    Horovod's hvd.callbacks.BestModelCheckpoint. Horovod leaves `filepath` unset
+    for its Spark estimator to fill in; here it may also be given (a keyword
+    Horovod lacks), or assigned to `.filepath` before fit. Every rank that
+    runs it writes: pass it on rank 0 only unless the path differs per rank.
+    """
+
+    def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto",
+                 save_freq="epoch", filepath=None):
+        # Keras 3 checks the file suffix in the constructor; an unset path is
+        # checked when training starts instead.
+        placeholder = "best_model.weights.h5" if save_weights_only else "best_model.keras"
+        super().__init__(filepath=filepath if filepath is not None else placeholder,
+                         monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        if filepath is None:
+            self.filepath = None
+
+    def on_train_begin(self, logs=None):
+        if self.filepath is None:
+            raise ValueError("BestModelCheckpoint: set filepath (BestModelCheckpoint(filepath=...) "
+                             "or callback.filepath = ...) before training")
+        parent = getattr(super(), "on_train_begin", None)
+        if parent is not None:
+            parent(logs)

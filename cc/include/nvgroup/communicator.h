@@ -53,6 +53,8 @@ struct Topology {
   int group_size = 1;
 };
 
+struct Knobs;  // cc/common/env.h
+
 struct CommunicatorOptions {
   // Group size override; 0 = detect (NVGROUP_GROUP_SIZE when set).
   int group_size = 0;
@@ -61,8 +63,18 @@ struct CommunicatorOptions {
   size_t registered_bytes = 0;
   // Pipeline chunk for the hierarchical path; 0 = default (NVGROUP_PIPELINE_CHUNK).
   size_t pipeline_chunk_bytes = 0;
-  // Spin waits (cross-rank barriers) give up after this long with kUnavailable.
+  // A call whose kernels cannot finish because a peer does not arrive gives up
+  // after this long (from the kernel's start, over all its barriers) with
+  // kUnavailable naming the peer.
   double timeout_seconds = 30.0;
+  // CUDA, tests only: ranks on one GPU may form an NV-group (also
+  // NVGROUP_ONE_GPU_GROUP=1); see cc/device/device_topology.h.
+  bool one_gpu_group = false;
+  // Settings already parsed (and agreed across ranks) by the engine's Init,
+  // used instead of reading the NVGROUP_* environment again; must outlive
+  // creation. nullptr: parse the environment here (tools, benchmarks and the
+  // pybind Communicator create communicators directly).
+  const Knobs* knobs = nullptr;
 };
 
 class Communicator {
@@ -86,6 +98,24 @@ class Communicator {
 
   // buf on every rank = buf on `root`.
   virtual Status Broadcast(void* buf, size_t bytes, int root, void* stream) = 0;
+
+  // Reduce-scatter: the reduction over ranks (op as Allreduce; Average divides
+  // by size, integers truncating) of the sum(counts) elements of `in`, of which
+  // this rank receives elements [sum(counts[:rank]), sum(counts[:rank+1])) into
+  // `out`. Every element gets the bits Allreduce would give it (same fold
+  // order). CPU: with one group of several ranks this is the skeleton's group
+  // reduce-scatter step itself (each rank folds only its own rows, reading the
+  // members' registered buffers); otherwise the allreduce's fold, then the
+  // rank's rows. `out` must not overlap the registered buffer.
+  virtual Status ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
+                               DataType dtype, ReduceOp op, void* stream) = 0;
+
+  // All-to-all on bytes: send_bytes[r] bytes (consecutive in `in`, rank order)
+  // go to rank r; recv_bytes[r] bytes from rank r land consecutively in `out`.
+  // The ranks' counts are cross-checked first: a disagreement is the same
+  // kInvalidArgument on every rank.
+  virtual Status Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
+                           const std::vector<size_t>& recv_bytes, void* stream) = 0;
 
   // Registered buffer of this rank (see header comment). Stable for the
   // communicator's lifetime.
