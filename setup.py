@@ -81,6 +81,19 @@ def tf_flags():
     return comp, link
 
 
+def tf_xla_flags():
+    """Extra flags of the XLA lowerings (ops/xla_*.cc): TF's XLA headers include
+    highwayhash and farmhash by their own paths, which the wheel ships under
+    include/external/; their symbols (tf2xla, XlaBuilder, the XLA FFI) live in
+    libtensorflow_cc.so.2, which TF's Python module has loaded already."""
+    import tensorflow as tf
+    inc = tf.sysconfig.get_include()
+    comp = ["-I" + os.path.join(inc, "external", "highwayhash"),
+            "-I" + os.path.join(inc, "external", "farmhash_archive", "src")]
+    link = ["-L" + tf.sysconfig.get_lib(), "-l:libtensorflow_cc.so.2"]
+    return comp, link
+
+
 def newest_header_mtime():
     headers = glob.glob(os.path.join(ROOT, "cc", "**", "*.h"), recursive=True)
     headers += glob.glob(os.path.join(ROOT, "cc", "**", "*.cuh"), recursive=True)
@@ -187,10 +200,12 @@ class BuildNative(build_ext):
             host_ops = [s for s in op_srcs if not s.endswith("_gpu.cc")]
             gpu_ops = [s for s in op_srcs if s.endswith("_gpu.cc")] if WITH_CUDA else []
             gpu_flags = ["-DGOOGLE_CUDA=1"] + tf_cuda_include_tree() if WITH_CUDA else []
+            xla_comp, xla_link = tf_xla_flags()
             objs = builder.compile(host + cuda, "tf", tf_comp + TF_EXTRA)
             objs += builder.compile(host_ops + gpu_ops, "tf_ops",
-                                    ["-I" + ROOT] + tf_comp + TF_EXTRA + gpu_flags)
-            builder.link(objs, os.path.join(ROOT, "nvgroup_tf", "lib", "libnvgroup_tf_ops.so"), tf_link)
+                                    ["-I" + ROOT] + tf_comp + TF_EXTRA + xla_comp + gpu_flags)
+            builder.link(objs, os.path.join(ROOT, "nvgroup_tf", "lib", "libnvgroup_tf_ops.so"),
+                         tf_link + xla_link)
         elif tf is None:
             print("TensorFlow not importable: built the engine's pybind11 module only.")
 

@@ -2,17 +2,17 @@
 // hierarchical allreduce skeleton (cc/algorithms/hierarchical_allreduce.h).
 //
 //   GroupAllreduce      one group only: one-shot NVLink kernel up to
-//                       oneshot_max_bytes, else the two-shot kernel (copy-in,
-//                       reduce-scatter, allgather in one launch);
-//   GroupReduceScatter  two-shot kernel, reduce-scatter phase, on one chunk;
+//                       oneshot_max_bytes, else the two-shot kernel (push,
+//                       fold, gather in one launch, pipelined in chunks);
+//   GroupReduceScatter  two-shot kernel, fold stage only, on one chunk;
 //   CrossAllreduce      slice group_rank of the chunk with the peers of the
 //                       other groups: MPI_Allgather of the slices (device
 //                       buffers when MPI is CUDA-aware, else D2H into pinned
 //                       memory, MPI, H2D), then a local fold in group_index
 //                       order (so every rank gets the same bits);
-//   GroupAllgather      two-shot kernel, allgather phase, chunk -> out.
-// The kernels run on the caller's stream; the cross step runs its copies on a
-// second stream and blocks the calling thread only for its own chunk, so the
+//   GroupAllgather      two-shot kernel, gather stage only, chunk -> out.
+// The kernels run on the communicator's own stream (Note [Internal stream] in
+// cuda_communicator_cuda.cc); the cross step runs its copies on a second stream and blocks the calling thread only for its own chunk, so the
 // skeleton's next reduce-scatter kernel overlaps this chunk's MPI exchange.
 #pragma once
 
@@ -53,9 +53,13 @@ struct DeviceGroup {
   DeviceControl* control_device = nullptr;  // the same, as the kernels see them
   uint64_t timeout_ns = 0;
   KernelTuning tuning;
+  // Upper bound on every grid: kMaxBlocks, less in the one-GPU group mode
+  // (members share the GPU's multiprocessors).
+  int block_cap = kMaxBlocks;
   bool cuda_aware_mpi = false;
-  // One-shot calls so far: selects the staging half (Note in p2p_allreduce.cuh).
-  uint64_t oneshot_calls = 0;
+  // Set once the current communicator call launched its first kernel (that
+  // kernel starts the call's deadline; Note [Dead peers] in p2p_allreduce.cuh).
+  bool call_started = false;
 
   // Cross step: a copy stream, the slice exchange buffers (double-buffered by
   // chunk parity) and the events that order them against the compute stream.
@@ -85,7 +89,7 @@ class DevicePrimitives {
   Status GroupAllgather(const ChunkSlices& chunk, void* out);
 
  private:
-  P2pLaunch BaseLaunch(size_t count, int max_blocks) const;
+  P2pLaunch BaseLaunch(size_t count, int max_blocks);
   char* Registered(int member) const;  // member's registered data + offset
 
   DeviceGroup* group_;

@@ -23,7 +23,7 @@ char* DevicePrimitives::Registered(int member) const {
   return group_->region->data(member) + registered_offset_;
 }
 
-P2pLaunch DevicePrimitives::BaseLaunch(size_t count, int max_blocks) const {
+P2pLaunch DevicePrimitives::BaseLaunch(size_t count, int max_blocks) {
   P2pLaunch a;
   const int g = group_->topo.group_size;
   for (int p = 0; p < g; ++p) {
@@ -39,9 +39,12 @@ P2pLaunch DevicePrimitives::BaseLaunch(size_t count, int max_blocks) const {
   // blocks (fewer flags to exchange), large ones the measured cap.
   const size_t units = (count * esize_ + 15) / 16;
   const size_t want = (units + kThreadsPerBlock - 1) / kThreadsPerBlock;
-  a.blocks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(want, max_blocks)));
+  const int cap = std::min(max_blocks, group_->block_cap);
+  a.blocks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(want, cap)));
   a.control = group_->control_device;
   a.timeout_ns = group_->timeout_ns;
+  a.starts_call = !group_->call_started;
+  group_->call_started = true;
   return a;
 }
 
@@ -49,8 +52,9 @@ Status DevicePrimitives::GroupAllreduce(size_t count, void* out) {
   const int divisor = op_ == ReduceOp::kAverage ? group_->topo.size : 1;
   if (count * esize_ <= group_->tuning.oneshot_max_bytes) {
     P2pLaunch a = BaseLaunch(count, group_->tuning.oneshot_blocks);
-    const int half = static_cast<int>(group_->oneshot_calls++ & 1);
-    for (int p = 0; p < a.group_size; ++p) a.peers.data[p] = group_->region->staging(p, half);
+    // the kernel picks the half (Note [One-shot staging epoch])
+    for (int p = 0; p < a.group_size; ++p) a.peers.data[p] = group_->region->staging(p, 0);
+    a.staging_half_bytes = group_->region->staging_bytes();
     a.in = in_;
     a.out = out;
     a.divisor = divisor;

@@ -30,7 +30,8 @@ int LargestGroupDividing(int n) {
 }  // namespace
 
 Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_group_size,
-                             Topology* topo, TopologyComms* comms, int* device_out) {
+                             bool one_gpu_group, Topology* topo, TopologyComms* comms,
+                             int* device_out, int* group_members_on_device) {
   NVG_RETURN_IF_ERROR_CTX(SplitNodes(comm, topo, comms), "splitting ranks into nodes");
 
   int device_count = 0;
@@ -54,7 +55,9 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
   for (int j = 0; j < n; ++j) {
     if (j == topo->local_rank) {
       row[j] = 1;
-    } else if (std::strncmp(gpus[j].bus_id, mine.bus_id, kBusIdChars) != 0) {
+    } else if (std::strncmp(gpus[j].bus_id, mine.bus_id, kBusIdChars) == 0) {
+      row[j] = one_gpu_group ? 1 : 0;  // one-GPU group mode: the same GPU counts as reachable
+    } else {
       NVG_CUDA_CHECK(cudaDeviceCanAccessPeer(&row[j], device, gpus[j].ordinal));
     }
   }
@@ -102,9 +105,19 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
         ": some group's GPUs lack mutual peer access (cudaDeviceCanAccessPeer); choose a size "
         "whose groups are NVLink-connected, or leave it unset to detect");
   if (requested_group_size <= 0) g = agreed[0];  // the smallest detected G holds everywhere
-  return SplitGroups(comm, requested_group_size > 0 ? requested_group_size : g,
-                     requested_group_size > 0 ? "NVGROUP_GROUP_SIZE" : "detected NV-group size",
-                     topo, comms);
+  NVG_RETURN_IF_ERROR(SplitGroups(comm, requested_group_size > 0 ? requested_group_size : g,
+                                  requested_group_size > 0 ? "NVGROUP_GROUP_SIZE"
+                                                           : "detected NV-group size",
+                                  topo, comms));
+  // Members of this rank's group that drive the same GPU (this rank included):
+  // their kernels share the GPU's multiprocessors.
+  std::vector<LocalGpu> members(topo->group_size);
+  NVG_MPI_CHECK(MPI_Allgather(&mine, sizeof(LocalGpu), MPI_BYTE, members.data(),
+                              sizeof(LocalGpu), MPI_BYTE, comms->group));
+  *group_members_on_device = 0;
+  for (const LocalGpu& m : members)
+    if (std::strncmp(m.bus_id, mine.bus_id, kBusIdChars) == 0) ++*group_members_on_device;
+  return Status::Ok();
 }
 
 }  // namespace nvgroup

@@ -5,6 +5,10 @@
 #include <deque>
 #include <functional>
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 #include "common/checks.h"
 #include "common/logging.h"
 #include "engine/collectives_extra.h"
@@ -88,7 +92,7 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
   }
   if (rank_ == 0 && !knobs.timeline_path.empty()) {
     Status s = timeline_.Open(knobs.timeline_path, MonotonicSeconds());
-    if (!s.ok()) NVG_LOG(kWarning) << s.message() << "; continuing without a timeline";
+    if (!s.ok()) NVG_LOG(kWarning) << "NVGROUP_TIMELINE: " << s.message() << "; continuing without a timeline";
   }
   thread_ = std::thread([this] { Loop(); });
 }
@@ -187,7 +191,6 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   }
   CycleBuffers& b = *mpi_buffers_;
   b.request_bytes = EncodeRequestList(mine);
-  const std::string round = "negotiation round " + std::to_string(cycle_);
 
   // Gather every rank's request list at rank 0: lengths, then bytes. Orders
   // rank 0's decision after every rank's report of this cycle.
@@ -196,7 +199,7 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   b.displs.assign(rank_ == 0 ? size_ : 1, 0);
   MPI_Request req;
   NVG_MPI_CHECK(MPI_Igather(&b.my_length, 1, MPI_INT, b.lengths.data(), 1, MPI_INT, 0, comm_, &req));
-  NVG_RETURN_IF_ERROR(Wait(&req, "the request-length gather of " + round));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the request-length gather of the negotiation round"));
   size_t total = 0;
   if (rank_ == 0) {
     for (int r = 0; r < size_; ++r) {
@@ -207,7 +210,7 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   b.gathered.resize(std::max<size_t>(total, 1));
   NVG_MPI_CHECK(MPI_Igatherv(b.request_bytes.data(), b.my_length, MPI_BYTE, b.gathered.data(),
                              b.lengths.data(), b.displs.data(), MPI_BYTE, 0, comm_, &req));
-  NVG_RETURN_IF_ERROR(Wait(&req, "the request gather of " + round));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the request gather of the negotiation round"));
 
   // Rank 0 decides; everyone receives the same response list. The broadcast
   // orders every rank's execution (and cache update) after rank 0's decision,
@@ -231,10 +234,10 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   }
   b.response_length = b.response_bytes.size();
   NVG_MPI_CHECK(MPI_Ibcast(&b.response_length, 1, MPI_UINT64_T, 0, comm_, &req));
-  NVG_RETURN_IF_ERROR(Wait(&req, "the response-length broadcast of " + round));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the response-length broadcast of the negotiation round"));
   if (rank_ != 0) b.response_bytes.resize(b.response_length);
   NVG_MPI_CHECK(MPI_Ibcast(b.response_bytes.data(), static_cast<int>(b.response_length), MPI_BYTE, 0, comm_, &req));
-  NVG_RETURN_IF_ERROR(Wait(&req, "the response broadcast of " + round));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the response broadcast of the negotiation round"));
   if (rank_ != 0)
     NVG_RETURN_IF_ERROR(DecodeResponseList(b.response_bytes.data(), b.response_bytes.size(), &list));
   if (list.fatal_code != StatusCode::kOk) return Status(list.fatal_code, list.fatal_message);
@@ -268,6 +271,7 @@ StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
     options.group_size = knobs_.group_size;
     options.pipeline_chunk_bytes = knobs_.pipeline_chunk;
     options.timeout_seconds = knobs_.peer_timeout_s;
+    options.knobs = &knobs_;  // agreed across ranks at Init
     StatusOr<std::unique_ptr<Communicator>> c =
         CreateCommunicator(MPI_Comm_c2f(comm_), device, options);
     if (!c.ok()) return c.status().WithContext("creating the communicator for " + device.ToString());
@@ -345,6 +349,8 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
     op = ReduceOp::kSum;
     postscale /= size_;
   }
+  Add(counters_.buckets);
+  Add(counters_.bucket_tensors, bucket.responses.size());
   char* buffer = static_cast<char*>(comm->registered_buffer());
   std::vector<Communicator::CopySpec> in, out;
   std::vector<Pending*> done;
@@ -391,6 +397,8 @@ Status Engine::RunAllreduceAlone(Work* w) {
     op = ReduceOp::kSum;
     postscale /= size_;
   }
+  Add(counters_.buckets);
+  Add(counters_.bucket_tensors);
   NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
   if (timeline_.enabled()) timeline_.Begin(q.name, "ALLREDUCE", MonotonicSeconds());
   const void* source = q.input;
@@ -474,6 +482,7 @@ Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
   for (const Work& w : *work) responses.push_back(w.response);
   const size_t threshold = std::min(knobs_.fusion_threshold, cpu_comm_->registered_capacity());
   const double now = MonotonicSeconds();
+  if (mark_cycles_ && timeline_.enabled()) timeline_.MarkCycle(now);
   if (timeline_.enabled())
     for (const Work& w : *work)
       if (w.pending) timeline_.End(w.response.name, "NEGOTIATE", now);
@@ -505,15 +514,29 @@ Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
   return Status::Ok();
 }
 
+// Quiet time that ends admission batching (Note [Admission batching] in
+// tensor_queue.h): several times the gap between two enqueues of a burst
+// through pybind or TF (3-10 us), a small fraction of one cycle.
+constexpr double kAdmissionGapS = 30e-6;
+
 void Engine::Loop() {
+#ifdef __linux__
+  // Sleeps of this thread (the admission gap, the cycle wait, WaitMpi's
+  // backoff) end when asked, not up to 50 us later (the default timer slack).
+  (void)prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
+#endif
   Status exit_status;
   bool shut_down = false;
+  const double cycle_s = knobs_.cycle_time_ms / 1000.0;
   for (;; ++cycle_) {
     if (abort_) break;  // exit_status is replaced by the abort reason below
     std::vector<TensorEntry> fresh;
     bool shutdown_requested = false;
-    queue_.WaitAndPop(knobs_.cycle_time_ms / 1000.0, &fresh, &shutdown_requested);
+    AddSeconds(counters_.idle_ns, queue_.WaitAndPop(cycle_s, std::min(kAdmissionGapS, cycle_s), cycle_s,
+                                                    &fresh, &shutdown_requested));
+    Add(counters_.cycles);
     if (liveness_) liveness_->SetProgress(cycle_);
+    if (timeline_command_pending_.load(std::memory_order_acquire)) ApplyTimelineCommand();
     const double now = MonotonicSeconds();
     // Drop names that completed in the last cycle before admitting new ones
     // (a completed name may come back at once).
@@ -539,7 +562,9 @@ void Engine::Loop() {
     }
     // Orders this cycle after every rank's decision for it: all ranks read the
     // same bits, so all take the same branches below.
-    exit_status = Wait(&req, "the cache-bit allreduce of cycle " + std::to_string(cycle_));
+    exit_status = Wait(&req, "the agreement allreduce");
+    const double agreed = MonotonicSeconds();
+    AddSeconds(counters_.agree_ns, agreed - now);
     if (!exit_status.ok()) break;
     if (!(bits[0] & kNoShutdown)) {
       shut_down = true;
@@ -547,8 +572,16 @@ void Engine::Loop() {
     }
     std::vector<Work> work = TakeCacheHits(bits);
     const size_t cache_hits = work.size();
-    if (!(bits[0] & kNothingToReport)) exit_status = Negotiate(now, &work);
+    Add(counters_.cached_responses, cache_hits);
+    if (!(bits[0] & kNothingToReport)) {
+      exit_status = Negotiate(now, &work);
+      Add(counters_.negotiation_rounds);
+      Add(counters_.negotiated_responses, work.size() - cache_hits);
+    }
+    const double negotiated = MonotonicSeconds();
+    AddSeconds(counters_.negotiate_ns, negotiated - agreed);
     if (exit_status.ok()) exit_status = Execute(&work, cache_hits);
+    AddSeconds(counters_.execute_ns, MonotonicSeconds() - negotiated);
     if (!exit_status.ok()) {
       exit_status = Cause(exit_status);
       // Requests taken out of pending_ this cycle but not completed yet.
@@ -594,10 +627,57 @@ void Engine::Loop() {
   }
   timeline_.Close();
   {
+    std::lock_guard<std::mutex> lock(timeline_mu_);
+    timeline_loop_gone_ = true;
+    if (timeline_command_pending_) {
+      timeline_command_pending_ = false;
+      timeline_answer_ = Status::FailedPrecondition("the engine's background loop has stopped");
+      timeline_answered_ = true;
+    }
+  }
+  timeline_cv_.notify_all();
+  {
     std::lock_guard<std::mutex> lock(exit_mu_);
     loop_exited_ = true;
   }
   exit_cv_.notify_all();
+}
+
+// ---- Run-time timeline control ------------------------------------------------
+
+Status Engine::ControlTimeline(bool start, const std::string& path, bool mark_cycles) {
+  if (rank_ != 0) return Status::Ok();  // rank 0 writes the timeline, as with NVGROUP_TIMELINE
+  const char* what = start ? "start_timeline" : "stop_timeline";
+  std::lock_guard<std::mutex> one_at_a_time(timeline_call_mu_);
+  std::unique_lock<std::mutex> lock(timeline_mu_);
+  if (timeline_loop_gone_)
+    return Status::FailedPrecondition(std::string(what) + ": the engine's background loop has stopped");
+  timeline_command_ = TimelineCommand{start, path, mark_cycles};
+  timeline_answered_ = false;
+  timeline_command_pending_.store(true, std::memory_order_release);
+  if (!timeline_cv_.wait_for(lock, std::chrono::duration<double>(knobs_.peer_timeout_s + 1.0),
+                             [this] { return timeline_answered_; })) {
+    timeline_command_pending_ = false;
+    return Status::Unavailable(std::string(what) + ": the background loop did not take the change within " +
+                               std::to_string(knobs_.peer_timeout_s) + " s (NVGROUP_TIMEOUT)");
+  }
+  return timeline_answer_.ok() ? timeline_answer_ : timeline_answer_.WithContext(what);
+}
+
+void Engine::ApplyTimelineCommand() {
+  std::lock_guard<std::mutex> lock(timeline_mu_);
+  if (!timeline_command_pending_) return;  // the caller gave up meanwhile
+  timeline_command_pending_ = false;
+  if (timeline_command_.start) {
+    timeline_answer_ = timeline_.Open(timeline_command_.path, MonotonicSeconds());
+    mark_cycles_ = timeline_answer_.ok() && timeline_command_.mark_cycles;
+  } else {
+    timeline_.Close();
+    mark_cycles_ = false;
+    timeline_answer_ = Status::Ok();
+  }
+  timeline_answered_ = true;
+  timeline_cv_.notify_all();
 }
 
 Status Engine::Stop() {
@@ -647,6 +727,25 @@ void Engine::Abort(const Status& reason) {
   abort_ = true;
   cpu_comm_->Abort();
   if (Communicator* c = cuda_comm_for_abort_.load()) c->Abort();
+}
+
+EngineStats Engine::Stats() const {
+  auto get = [](const std::atomic<uint64_t>& c) { return c.load(std::memory_order_relaxed); };
+  auto seconds = [&](const std::atomic<uint64_t>& c) { return static_cast<double>(get(c)) * 1e-9; };
+  EngineStats st;
+  st.cycles = get(counters_.cycles);
+  st.negotiation_rounds = get(counters_.negotiation_rounds);
+  st.cached_responses = get(counters_.cached_responses);
+  st.negotiated_responses = get(counters_.negotiated_responses);
+  st.plan_launches = get(counters_.plan_launches);
+  st.buckets = get(counters_.buckets);
+  st.bucket_tensors = get(counters_.bucket_tensors);
+  st.ready_event_waits = get(counters_.ready_event_waits);
+  st.idle_s = seconds(counters_.idle_ns);
+  st.agree_s = seconds(counters_.agree_ns);
+  st.negotiate_s = seconds(counters_.negotiate_ns);
+  st.execute_s = seconds(counters_.execute_ns);
+  return st;
 }
 
 bool Engine::OnEngineThread() const {

@@ -55,6 +55,7 @@
 #include "engine/tensor_queue.h"
 #include "engine/timeline.h"
 #include "nvgroup/communicator.h"
+#include "nvgroup/engine.h"
 #include "transport/liveness.h"
 
 namespace nvgroup {
@@ -86,6 +87,11 @@ class Engine {
   // True on the engine's own threads (where done callbacks run): Stop() must
   // not be called there, it would join itself.
   bool OnEngineThread() const;
+  // start_timeline/stop_timeline (engine.h). Rank 0 hands the change to the
+  // background thread, which alone touches timeline_, and waits (bounded by
+  // NVGROUP_TIMEOUT) until the loop applied it; other ranks return OK.
+  Status ControlTimeline(bool start, const std::string& path, bool mark_cycles);
+  EngineStats Stats() const;
 
  private:
   struct Pending {
@@ -128,8 +134,9 @@ class Engine {
   void Complete(Pending* p, const Status& status);
   // CPU: completes at once. CUDA: after the communicator's stream drains.
   void CompleteAfterStream(Communicator* comm, std::vector<Pending*> done);
-  Status Wait(MPI_Request* request, const std::string& what) {
-    return WaitMpi(request, what, knobs_.peer_timeout_s, abort_);
+  // `what` names the operation in a timeout or abort message (of this cycle).
+  Status Wait(MPI_Request* request, const char* what) {
+    return WaitMpi(request, what, knobs_.peer_timeout_s, abort_, static_cast<int64_t>(cycle_));
   }
 
   const Knobs knobs_;
@@ -177,8 +184,42 @@ class Engine {
   Coordinator coordinator_;   // rank 0
   std::vector<ResponseMessage> stalled_;  // rank 0: stall errors for the next round
   Timeline timeline_;         // rank 0
+  bool mark_cycles_ = false;  // background thread: CYCLE_START events (start_timeline)
+
+  // Run-time timeline control (ControlTimeline -> ApplyTimelineCommand at the
+  // top of each cycle). One caller at a time (timeline_call_mu_); the command
+  // and its answer are guarded by timeline_mu_; the atomic flag keeps the
+  // per-cycle check to one load.
+  struct TimelineCommand {
+    bool start = false;
+    std::string path;
+    bool mark_cycles = false;
+  };
+  void ApplyTimelineCommand();
+  std::mutex timeline_call_mu_;
+  std::mutex timeline_mu_;
+  std::condition_variable timeline_cv_;
+  std::atomic<bool> timeline_command_pending_{false};
+  TimelineCommand timeline_command_;
+  bool timeline_answered_ = false;
+  Status timeline_answer_;
+  bool timeline_loop_gone_ = false;  // the loop exited: nobody will apply a command
   uint64_t cycle_ = 0;
   bool joined_ = false;       // this rank's join is pending (collectives_extra.cc)
+
+  // Counters behind GetEngineStats (written by the background thread, read by
+  // any thread; relaxed: they order nothing).
+  struct Counters {
+    std::atomic<uint64_t> cycles{0}, negotiation_rounds{0}, cached_responses{0},
+        negotiated_responses{0}, plan_launches{0}, buckets{0}, bucket_tensors{0},
+        ready_event_waits{0};
+    std::atomic<uint64_t> idle_ns{0}, agree_ns{0}, negotiate_ns{0}, execute_ns{0};
+  };
+  Counters counters_;
+  static void Add(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
+  static void AddSeconds(std::atomic<uint64_t>& c, double s) {
+    c.fetch_add(static_cast<uint64_t>(s * 1e9), std::memory_order_relaxed);
+  }
 
   // Dead-rank detection (transport/liveness.h): calls Abort() when a peer
   // dies. Null when its setup failed (the job runs without it).

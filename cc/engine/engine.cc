@@ -30,23 +30,39 @@ namespace {
 constexpr double kMinInitTimeoutS = 120.0;
 
 uint64_t GroupId(const std::vector<CollectiveRequest>& requests) {
-  // FNV-1a 64 (Fowler/Noll/Vo offset basis and prime) over the sorted names,
-  // '\0'-separated: the same on every rank that submits the same set of
-  // names, whatever their order.
-  std::vector<std::string> names;
-  for (const CollectiveRequest& r : requests) names.push_back(r.name);
-  std::sort(names.begin(), names.end());
-  uint64_t h = 1469598103934665603ull;
-  for (const std::string& n : names) {
-    for (unsigned char c : n) h = (h ^ c) * 1099511628211ull;
-    h = (h ^ 0) * 1099511628211ull;
+  // The same on every rank that submits the same set of names, whatever their
+  // order: the sum of a mixed FNV-1a 64 hash of each name (Fowler/Noll/Vo
+  // offset basis and prime; the splitmix64 finalizer spreads each name's hash
+  // over all bits so that the sum does not cancel). No copies, no sort.
+  uint64_t sum = 0;
+  for (const CollectiveRequest& r : requests) {
+    uint64_t h = 1469598103934665603ull;
+    for (unsigned char c : r.name) h = (h ^ c) * 1099511628211ull;
+    h ^= h >> 30;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 27;
+    h *= 0x94d049bb133111ebull;
+    h ^= h >> 31;
+    sum += h;
   }
-  return h == 0 ? 1 : h;  // 0 means "not grouped"
+  return sum == 0 ? 1 : sum;  // 0 means "not grouped"
 }
 
 std::mutex g_mu;                  // guards the globals below
 std::shared_ptr<Engine> g_engine;
 bool g_initialized_mpi = false;   // Init called MPI_Init_thread
+bool g_thread_multiple = false;   // set by Init: MPI_Query_thread == MPI_THREAD_MULTIPLE
+bool g_homogeneous = false;       // set by Init: every node has the same local size
+
+// "collective '<name>'", built only when an error message uses it (`who +
+// "..."`): validation runs for every enqueue and must not allocate when the
+// request is good.
+struct CollectiveWho {
+  const std::string& name;
+};
+std::string operator+(const CollectiveWho& who, const char* text) {
+  return "collective '" + who.name + "'" + text;
+}
 
 // Process sets other than 0 (engine.h). Each member holds its own Engine over
 // a sub-communicator split from g_control; non-members keep the entry (ranks)
@@ -70,7 +86,7 @@ std::string RanksText(const std::vector<int>& ranks) {
   return t + "]";
 }
 
-Status ValidateScales(const CollectiveRequest& q, const std::string& who) {
+Status ValidateScales(const CollectiveRequest& q, const CollectiveWho& who) {
   if (!std::isfinite(q.prescale_factor) || !std::isfinite(q.postscale_factor))
     return Status::InvalidArgument(who + ": scale factors must be finite");
   return Status::Ok();
@@ -78,7 +94,7 @@ Status ValidateScales(const CollectiveRequest& q, const std::string& who) {
 
 // `size`: ranks of the request's process set.
 Status ValidateRequest(const CollectiveRequest& q, int size) {
-  const std::string who = "collective '" + q.name + "'";
+  const CollectiveWho who{q.name};
   if (q.name.empty()) return Status::InvalidArgument("a collective needs a non-empty name");
   if (static_cast<int>(q.dtype) >= kNumDataTypes)
     return Status::InvalidArgument(who + ": unknown dtype " + std::to_string(static_cast<int>(q.dtype)));
@@ -256,27 +272,58 @@ Status Submit(std::vector<CollectiveRequest> requests, bool grouped) {
 // Memory of Init's non-blocking exchanges; leaked when a wait gives up, since
 // the abandoned operation may still write into it.
 struct InitExchange {
-  int64_t summary[3] = {0, 0, 0};
-  std::vector<int64_t> all;
+  int64_t my_length = 0;
+  std::vector<int64_t> all_lengths;
   std::string mine, texts;
   std::vector<int> lengths, displs;
 };
 
-// Parses the knobs on every rank and makes Init fail on every rank if any
-// rank's environment is malformed or the ranks disagree on a knob that shapes
-// the collectives (fusion threshold and cache size decide which collectives
-// run). Gathers each rank's verdict so every rank can name the culprit.
+// "NVGROUP_X differs across ranks: rank 0 has A, ranks [1, 3] have B; ..."
+// (ranks grouped by value, in order of first appearance).
+std::string KnobMismatch(const std::string& name, const std::vector<std::string>& by_rank) {
+  std::vector<std::string> values;
+  std::vector<std::vector<int>> ranks;
+  for (size_t r = 0; r < by_rank.size(); ++r) {
+    size_t i = 0;
+    while (i < values.size() && values[i] != by_rank[r]) ++i;
+    if (i == values.size()) {
+      values.push_back(by_rank[r]);
+      ranks.emplace_back();
+    }
+    ranks[i].push_back(static_cast<int>(r));
+  }
+  std::string msg = name + " differs across ranks: ";
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i) msg += ", ";
+    if (ranks[i].size() == 1) {
+      msg += "rank " + std::to_string(ranks[i][0]) + " has " + values[i];
+    } else {
+      msg += "ranks [";
+      for (size_t j = 0; j < ranks[i].size(); ++j) msg += (j ? ", " : "") + std::to_string(ranks[i][j]);
+      msg += "] have " + values[i];
+    }
+  }
+  return msg + "; it must be the same on every rank";
+}
 
+// Parses the knobs on every rank and makes Init fail on every rank if any
+// rank's environment is malformed or the ranks disagree on a knob of
+// AgreedKnobs (cc/common/env.h). Every rank shares its verdict: its error
+// ("E" + text) or its agreed knobs ("K" + "NAME=value\n" lines), so every
+// rank names the culprit and every differing value.
 Status AgreeOnKnobs(MPI_Comm comm, int size, StatusOr<Knobs>* knobs, double timeout_s) {
   std::atomic<bool> never{false};
   auto x = std::make_unique<InitExchange>();
-  x->mine = knobs->ok() ? std::string() : knobs->status().message();
-  x->summary[0] = static_cast<int64_t>(x->mine.size());
-  x->summary[1] = knobs->ok() ? static_cast<int64_t>(knobs->value().fusion_threshold) : -1;
-  x->summary[2] = knobs->ok() ? knobs->value().cache_capacity : -1;
-  x->all.resize(3 * size);
+  if (knobs->ok()) {
+    x->mine = "K";
+    for (const auto& [name, value] : AgreedKnobs(knobs->value())) x->mine += name + "=" + value + "\n";
+  } else {
+    x->mine = "E" + knobs->status().message();
+  }
+  x->my_length = static_cast<int64_t>(x->mine.size());
+  x->all_lengths.resize(size);
   MPI_Request req;
-  NVG_MPI_CHECK(MPI_Iallgather(x->summary, 3, MPI_INT64_T, x->all.data(), 3, MPI_INT64_T, comm, &req));
+  NVG_MPI_CHECK(MPI_Iallgather(&x->my_length, 1, MPI_INT64_T, x->all_lengths.data(), 1, MPI_INT64_T, comm, &req));
   Status waited = WaitMpi(&req, "Init's environment check", timeout_s, never);
   if (!waited.ok()) {
     (void)x.release();
@@ -286,7 +333,7 @@ Status AgreeOnKnobs(MPI_Comm comm, int size, StatusOr<Knobs>* knobs, double time
   x->displs.resize(size);
   int total = 0;
   for (int r = 0; r < size; ++r) {
-    x->lengths[r] = static_cast<int>(x->all[3 * r]);
+    x->lengths[r] = static_cast<int>(x->all_lengths[r]);
     x->displs[r] = total;
     total += x->lengths[r];
   }
@@ -299,21 +346,36 @@ Status AgreeOnKnobs(MPI_Comm comm, int size, StatusOr<Knobs>* knobs, double time
     return waited;
   }
   if (!knobs->ok()) return knobs->status();
-  const std::vector<int64_t>& all = x->all;
-  for (int r = 0; r < size; ++r)
-    if (x->lengths[r] > 0)
+  std::vector<std::string> texts(size);
+  for (int r = 0; r < size; ++r) {
+    texts[r] = x->texts.substr(x->displs[r], x->lengths[r]);
+    if (texts[r].empty() || texts[r][0] != 'K')
       return Status::InvalidArgument("nvgroup_tf initialization failed on rank " + std::to_string(r) +
-                                     ": " + x->texts.substr(x->displs[r], x->lengths[r]));
-  for (int r = 1; r < size; ++r) {
-    if (all[3 * r + 1] != all[1])
-      return Status::InvalidArgument("NVGROUP_FUSION_THRESHOLD differs across ranks: rank 0 has " +
-                                     std::to_string(all[1]) + ", rank " + std::to_string(r) + " has " +
-                                     std::to_string(all[3 * r + 1]) + "; it must be the same on every rank");
-    if (all[3 * r + 2] != all[2])
-      return Status::InvalidArgument("NVGROUP_CACHE_CAPACITY differs across ranks: rank 0 has " +
-                                     std::to_string(all[2]) + ", rank " + std::to_string(r) + " has " +
-                                     std::to_string(all[3 * r + 2]) + "; it must be the same on every rank");
+                                     ": " + (texts[r].empty() ? std::string("(no reason given)") : texts[r].substr(1)));
   }
+  // Same knob list (same build) on every rank: compare line by line.
+  const auto mine = AgreedKnobs(knobs->value());
+  std::vector<std::vector<std::string>> values(mine.size(), std::vector<std::string>(size));
+  for (int r = 0; r < size; ++r) {
+    size_t pos = 1;
+    for (size_t i = 0; i < mine.size(); ++i) {
+      const size_t eol = texts[r].find('\n', pos);
+      const std::string line = texts[r].substr(pos, eol == std::string::npos ? std::string::npos : eol - pos);
+      const std::string prefix = mine[i].first + "=";
+      if (line.compare(0, prefix.size(), prefix) != 0)
+        return Status::InvalidArgument("rank " + std::to_string(r) + " runs a build of nvgroup_tf that agrees on "
+                                       "different knobs (expected " + mine[i].first + ", got '" + line + "')");
+      values[i][r] = line.substr(prefix.size());
+      pos = eol == std::string::npos ? texts[r].size() : eol + 1;
+    }
+  }
+  std::string differs;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    bool same = true;
+    for (int r = 1; r < size; ++r) same = same && values[i][r] == values[i][0];
+    if (!same) differs += (differs.empty() ? "" : "; and ") + KnobMismatch(mine[i].first, values[i]);
+  }
+  if (!differs.empty()) return Status::InvalidArgument(differs);
   return Status::Ok();
 }
 
@@ -333,6 +395,7 @@ Status Init(const EngineOptions& options) {
   }
   int provided = 0;
   NVG_MPI_CHECK(MPI_Query_thread(&provided));
+  g_thread_multiple = provided >= MPI_THREAD_MULTIPLE;
   if (provided < MPI_THREAD_MULTIPLE)
     NVG_LOG(kWarning) << "MPI provides thread level " << provided << ", not MPI_THREAD_MULTIPLE: "
                       << "do not call MPI from other threads while nvgroup_tf runs";
@@ -372,11 +435,19 @@ Status Init(const EngineOptions& options) {
   copts.group_size = knobs.value().group_size;
   copts.pipeline_chunk_bytes = knobs.value().pipeline_chunk;
   copts.timeout_seconds = knobs.value().peer_timeout_s;
+  copts.knobs = &knobs.value();  // parsed and agreed above: not read from the environment again
   StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cpu(), copts);
   if (!cpu.ok()) {
     MPI_Comm_free(&comm);
     return cpu.status().WithContext("nvgroup_tf.init: creating the CPU communicator");
   }
+  // Homogeneous: the largest and the smallest local size agree (one MAX
+  // allreduce of {local_size, -local_size}), so every rank reports the same.
+  int local_sizes[2] = {cpu.value()->topology().local_size, -cpu.value()->topology().local_size};
+  NVG_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, local_sizes, 2, MPI_INT, MPI_MAX, comm, &req));
+  Status agreed_sizes = WaitMpi(&req, "Init's local-size allreduce", timeout_s, never);
+  if (!agreed_sizes.ok()) return agreed_sizes.WithContext("nvgroup_tf.init");  // comm may still be in use: kept
+  g_homogeneous = local_sizes[0] == -local_sizes[1];
   // The process-set registration communicator: duplicated now, while every
   // rank is inside Init (a blocking dup here cannot hang: the idup above and
   // AgreeOnKnobs proved every rank is here).
@@ -447,6 +518,39 @@ NVG_TOPOLOGY_GETTER(CrossRank, node_index)
 NVG_TOPOLOGY_GETTER(CrossSize, node_count)
 #undef NVG_TOPOLOGY_GETTER
 
+StatusOr<int> MpiThreadsSupported() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_engine == nullptr)
+    return Status::FailedPrecondition("nvgroup_tf has not been initialized; call hvd.init() first");
+  return g_thread_multiple ? 1 : 0;
+}
+
+StatusOr<int> IsHomogeneous() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_engine == nullptr)
+    return Status::FailedPrecondition("nvgroup_tf has not been initialized; call hvd.init() first");
+  return g_homogeneous ? 1 : 0;
+}
+
+Status StartTimeline(const std::string& path, bool mark_cycles) {
+  if (path.empty()) return Status::InvalidArgument("start_timeline: the file path is empty");
+  StatusOr<std::shared_ptr<Engine>> engine = CurrentEngine();
+  if (!engine.ok()) return engine.status();
+  return engine.value()->ControlTimeline(true, path, mark_cycles);
+}
+
+Status StopTimeline() {
+  StatusOr<std::shared_ptr<Engine>> engine = CurrentEngine();
+  if (!engine.ok()) return engine.status();
+  return engine.value()->ControlTimeline(false, "", false);
+}
+
+StatusOr<EngineStats> GetEngineStats() {
+  StatusOr<std::shared_ptr<Engine>> engine = CurrentEngine();
+  if (!engine.ok()) return engine.status();
+  return engine.value()->Stats();
+}
+
 void AbortEngine(const Status& reason) {
   std::vector<std::shared_ptr<Engine>> engines;
   {
@@ -476,7 +580,7 @@ Status AgreeOnRanks(const std::vector<int>& mine, const char* what, double timeo
   x->counts.assign(size, 0);
   MPI_Request req;
   NVG_MPI_CHECK(MPI_Iallgather(&x->count, 1, MPI_INT, x->counts.data(), 1, MPI_INT, g_control, &req));
-  Status waited = WaitMpi(&req, std::string(what) + ": exchanging rank lists", timeout_s, never);
+  Status waited = WaitMpi(&req, (std::string(what) + ": exchanging rank lists").c_str(), timeout_s, never);
   if (!waited.ok()) {
     (void)x.release();
     return waited;
@@ -490,7 +594,7 @@ Status AgreeOnRanks(const std::vector<int>& mine, const char* what, double timeo
   x->all.assign(std::max(total, 1), 0);
   NVG_MPI_CHECK(MPI_Iallgatherv(mine.data(), x->count, MPI_INT, x->all.data(), x->counts.data(),
                                 x->displs.data(), MPI_INT, g_control, &req));
-  waited = WaitMpi(&req, std::string(what) + ": exchanging rank lists", timeout_s, never);
+  waited = WaitMpi(&req, (std::string(what) + ": exchanging rank lists").c_str(), timeout_s, never);
   if (!waited.ok()) {
     (void)x.release();
     return waited;

@@ -62,24 +62,31 @@ std::string Lower(std::string s) {
   return s;
 }
 
+bool EqualsIgnoreCase(const std::string& a, const char* b) {
+  size_t i = 0;
+  for (; i < a.size() && b[i] != '\0'; ++i)
+    if (std::tolower(static_cast<unsigned char>(a[i])) != std::tolower(static_cast<unsigned char>(b[i])))
+      return false;
+  return i == a.size() && b[i] == '\0';
+}
+
+// The parsers run for every enqueue: no allocation unless the name is bad.
 DataType ParseDataType(const std::string& name) {
-  const std::string n = Lower(name);
   for (int i = 0; i < kNumDataTypes; ++i)
-    if (n == DataTypeName(static_cast<DataType>(i))) return static_cast<DataType>(i);
+    if (EqualsIgnoreCase(name, DataTypeName(static_cast<DataType>(i)))) return static_cast<DataType>(i);
   throw EngineError("INVALID_ARGUMENT: unknown dtype '" + name + "'");
 }
 
 ReduceOp ParseReduceOp(const std::string& name) {
-  const std::string n = Lower(name);
   for (int i = 0; i <= static_cast<int>(ReduceOp::kProduct); ++i)
-    if (n == Lower(ReduceOpName(static_cast<ReduceOp>(i)))) return static_cast<ReduceOp>(i);
+    if (EqualsIgnoreCase(name, ReduceOpName(static_cast<ReduceOp>(i)))) return static_cast<ReduceOp>(i);
   throw EngineError("INVALID_ARGUMENT: unknown reduce op '" + name +
                     "' (expected sum, average, min, max or product)");
 }
 
 Device ParseDevice(const std::string& name) {
+  if (EqualsIgnoreCase(name, "cpu")) return Device::Cpu();
   const std::string n = Lower(name);
-  if (n == "cpu") return Device::Cpu();
   if (n == "cuda" || n == "gpu") return Device::Cuda(0);
   for (const char* prefix : {"cuda:", "gpu:"}) {
     const size_t p = std::string(prefix).size();
@@ -279,12 +286,7 @@ CollectiveRequest MakeAllocated(CollectiveType type, const std::string& name, ui
 std::vector<int64_t> SubmitGroup(std::vector<CollectiveRequest> qs, std::vector<std::shared_ptr<Handle>> hs,
                                  py::object keepalive) {
   for (size_t i = 0; i < qs.size(); ++i) qs[i].done = DoneFor(hs[i]);
-  Status s;
-  {
-    py::gil_scoped_release release;
-    s = EnqueueGroup(std::move(qs));
-  }
-  ThrowIfError(s);
+  ThrowIfError(EnqueueGroup(std::move(qs)));  // GIL held: see SubmitOne
   std::vector<int64_t> ids;
   for (auto& h : hs) ids.push_back(Register(h));
   if (!keepalive.is_none())
@@ -294,12 +296,10 @@ std::vector<int64_t> SubmitGroup(std::vector<CollectiveRequest> qs, std::vector<
 
 int64_t SubmitOne(CollectiveRequest q, std::shared_ptr<Handle> h, py::object keepalive) {
   q.done = DoneFor(h);
-  Status s;
-  {
-    py::gil_scoped_release release;
-    s = Enqueue(std::move(q));
-  }
-  ThrowIfError(s);
+  // The GIL stays held: Enqueue only validates and appends under a mutex that
+  // no thread holds for long (releasing and retaking the GIL cost more than
+  // the call), and done callbacks never take the GIL.
+  ThrowIfError(Enqueue(std::move(q)));
   const int64_t id = Register(std::move(h));
   if (!keepalive.is_none()) KeepAlive()[py::int_(id)] = keepalive;
   return id;
@@ -695,6 +695,23 @@ void RegisterEngineBindings(py::module_& m) {
         py::arg("root"), py::arg("device") = "cpu", py::arg("ready_event") = 0,
         py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
 
+  m.def("stats", [] {
+    EngineStats st = ValueOrThrow(GetEngineStats());
+    py::dict d;
+    d["cycles"] = st.cycles;
+    d["negotiation_rounds"] = st.negotiation_rounds;
+    d["cached_responses"] = st.cached_responses;
+    d["negotiated_responses"] = st.negotiated_responses;
+    d["plan_launches"] = st.plan_launches;
+    d["buckets"] = st.buckets;
+    d["bucket_tensors"] = st.bucket_tensors;
+    d["ready_event_waits"] = st.ready_event_waits;
+    d["idle_s"] = st.idle_s;
+    d["agree_s"] = st.agree_s;
+    d["negotiate_s"] = st.negotiate_s;
+    d["execute_s"] = st.execute_s;
+    return d;
+  }, "Engine counters since init (nvgroup/engine.h EngineStats) as a dict.");
   m.def("wait", &Wait, py::arg("handle"), py::arg("timeout") = py::none(),
         "Blocks until the collective is done (GIL released). Returns None, or the allgather output "
         "(numpy array on the CPU; (address, shape) on CUDA). Raises EngineError on failure, "

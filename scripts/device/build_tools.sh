@@ -30,13 +30,12 @@ compile() {  # src -> $BUILD/<flattened>.o, only when stale
 }
 export -f compile
 export BUILD CXXFLAGS NVFLAGS
-printf '%s\n' $CU_SRCS $ENGINE_SRCS $CUDA_CC_SRCS cc/tools/allreduce_check.cc cc/tools/allreduce_perf.cc cc/tools/engine_perf.cc | sort -u |
+printf '%s\n' $CU_SRCS $ENGINE_SRCS $CUDA_CC_SRCS cc/tools/round_kernels.cu cc/tools/allreduce_check.cc cc/tools/allreduce_perf.cc cc/tools/engine_perf.cc | sort -u |
   xargs -P "$JOBS" -I{} bash -c 'compile {}'
 LIB_OBJS=""
 for s in $CU_SRCS $HOST_SRCS $CUDA_CC_SRCS; do LIB_OBJS+=" $BUILD/$(echo "$s" | tr / _).o"; done
-for tool in allreduce_check allreduce_perf; do
-  g++ -o "$BUILD/$tool" "$BUILD/cc_tools_$tool.cc.o" $LIB_OBJS $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt
-done
+g++ -o "$BUILD/allreduce_check" "$BUILD/cc_tools_allreduce_check.cc.o" "$BUILD/cc_tools_round_kernels.cu.o" $LIB_OBJS $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt
+g++ -o "$BUILD/allreduce_perf" "$BUILD/cc_tools_allreduce_perf.cc.o" $LIB_OBJS $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt
 ENGINE_OBJS=""
 for s in $CU_SRCS $ENGINE_SRCS $CUDA_CC_SRCS; do ENGINE_OBJS+=" $BUILD/$(echo "$s" | tr / _).o"; done
 g++ -o "$BUILD/engine_perf" "$BUILD/cc_tools_engine_perf.cc.o" $ENGINE_OBJS $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt

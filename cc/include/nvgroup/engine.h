@@ -93,6 +93,21 @@ StatusOr<int> LocalSize();
 StatusOr<int> CrossRank();
 StatusOr<int> CrossSize();
 
+// MPI provides MPI_THREAD_MULTIPLE (Horovod's mpi_threads_supported): 1 or 0.
+StatusOr<int> MpiThreadsSupported();
+// Every node runs the same number of ranks (Horovod's is_homogeneous): 1 or 0,
+// agreed by all ranks at Init.
+StatusOr<int> IsHomogeneous();
+
+// Run-time timeline control (Horovod's start_timeline/stop_timeline). Rank 0
+// (the one that writes, as with NVGROUP_TIMELINE) opens `path`, replacing any
+// open timeline; the other ranks return OK and write nothing. `mark_cycles`
+// adds a CYCLE_START instant event for every cycle that executes collectives.
+// Both return once the background loop has applied the change (the file is
+// open, or closed and valid JSON), bounded by NVGROUP_TIMEOUT.
+Status StartTimeline(const std::string& path, bool mark_cycles);
+Status StopTimeline();
+
 Status Enqueue(CollectiveRequest request);
 
 // All requests are negotiated and fused as one unit: none runs until all are
@@ -100,6 +115,14 @@ Status Enqueue(CollectiveRequest request);
 // same process set.
 Status EnqueueGroup(std::vector<CollectiveRequest> requests);
 
+// Blocking form, for callers that cannot take a callback (XLA custom calls,
+// ops/xla_*.cc): submits `requests` (one: Enqueue; several: EnqueueGroup) with
+// done callbacks of its own (any `done` set by the caller is replaced) and
+// returns once every request has completed, with the first error. The wait is
+// bounded by the engine's own bounds (NVGROUP_TIMEOUT, dead-rank detection,
+// shutdown): every accepted request's done runs in bounded time. Must not be
+// called from an engine thread (a done callback or allocate_output).
+Status EnqueueAndWait(std::vector<CollectiveRequest> requests);
 // Join (Horovod's hvd.join()): submit a CollectiveRequest of type kJoin. Until
 // every rank of the process set has joined, the allreduces and reducescatters
 // the other ranks submit complete with this rank contributing zeros (Average
@@ -125,5 +148,31 @@ std::vector<int32_t> ProcessSetIds();
 // This rank's rank/size within a set; rank is -1 when this rank is not a member.
 StatusOr<int> ProcessSetRank(int32_t process_set_id);
 StatusOr<int> ProcessSetSize(int32_t process_set_id);
+
+}  // namespace nvgroup
+
+// --- Engine counters (for benchmarks and tests; never needed for correctness) ---
+namespace nvgroup {
+
+// Cumulative since Init, read without stopping the engine (each field is read
+// atomically; fields are not a consistent snapshot of one instant).
+struct EngineStats {
+  uint64_t cycles = 0;                // background-loop cycles (one agreement allreduce each)
+  uint64_t negotiation_rounds = 0;    // cycles that went through rank 0 (gather + broadcast)
+  uint64_t cached_responses = 0;      // requests agreed through the response cache
+  uint64_t negotiated_responses = 0;  // requests (and errors) decided by rank 0
+  uint64_t plan_launches = 0;         // grouped collectives run from a cached plan
+  uint64_t buckets = 0;               // allreduce buckets run (fused or one tensor)
+  uint64_t bucket_tensors = 0;        // tensors in those buckets
+  uint64_t ready_event_waits = 0;     // CUDA: WaitEvent calls (one per distinct event per bucket)
+  // Seconds the background thread spent, per phase.
+  double idle_s = 0;       // waiting for requests (the cycle wait and admission batching)
+  double agree_s = 0;      // the cycle's agreement allreduce (cache bits, plan ids, flags)
+  double negotiate_s = 0;  // negotiation rounds through rank 0
+  double execute_s = 0;    // communicator calls, fusion copies and done callbacks
+};
+
+// Fails with kFailedPrecondition before Init.
+StatusOr<EngineStats> GetEngineStats();
 
 }  // namespace nvgroup

@@ -174,8 +174,8 @@ def main():
     for k in range(3):
         c.equal(gathered[k].numpy(), np.concatenate(parts[k]), "grouped allgather member %d" % k)
     grads = tape.gradient(loss, x3)
-    for k in range(3):  # d/dx of sum over ranks of (k+1) * sum(gathered): n * (k+1)
-        c.equal(grads[k].numpy(), np.full(parts[k][me].shape, float(n * (k + 1)), np.float32),
+    for k in range(3):  # Horovod's: the gradient (k+1) averaged over ranks, this rank's rows
+        c.equal(grads[k].numpy(), np.full(parts[k][me].shape, float(k + 1), np.float32),
                 "grouped allgather gradient %d" % k)
     variables = [tf.Variable(np.random.default_rng([51, k, me]).normal(size=(k + 2,))) for k in range(3)]
     root_values = [np.random.default_rng([51, k, n - 1]).normal(size=(k + 2,)) for k in range(3)]
