@@ -548,7 +548,6 @@ def _grouped_allgather_grad(op, *grads):
         sizes = _checked(ops.nvgroup_allgather(
             shape[:1], tensor_name="%s/grad_sizes[%d]" % (base, i), process_set_id=ps_id,
             name=_node_name("%s/grad_sizes[%d]" % (base, i))))
-        me = _process_sets._process_set_rank_of(ps)
         begin = tf.concat([tf.reduce_sum(sizes[:me], keepdims=True), tf.zeros_like(shape)[1:]], 0)
         out.append(tf.slice(averaged, begin, shape))  # as allgather's gradient
     return out
