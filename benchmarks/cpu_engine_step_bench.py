@@ -8,8 +8,9 @@ module `nvgroup_tf._engine`) against one MPI_Allreduce of the same bytes.
 Per repetition, in the same run and interleaved (so load drifts hit all three
 alike), it times three call styles of one step (float32 Sum):
   per_tensor  one `allreduce_async` per gradient (in reverse order, as backprop
-              produces them), then `wait` on every handle;
-  grouped     one `grouped_allreduce_async` of every gradient, then `wait` on all;
+              produces them), then one `wait_all` of the handles (a build
+              without it: `wait` on each);
+  grouped     one `grouped_allreduce_async` of every gradient, then `wait_all`;
   mpi         one `MPI_Allreduce` (mpi4py, buffers) of a contiguous buffer with
               the same number of bytes.
 Gradient sizes are the table's element counts divided by --scale (at least one
@@ -124,15 +125,23 @@ def main():
     items = [("gr/grad_%d" % t, inputs[t].ctypes.data, outputs[t].ctypes.data, [counts[t]], "float32")
              for t in order]
 
+    in_ptrs = [x.ctypes.data for x in inputs]  # fixed buffers: addresses taken once
+    out_ptrs = [y.ctypes.data for y in outputs]
+    shapes = [[c] for c in counts]
+    wait_all = getattr(engine, "wait_all", None)
+
+    def finish(hs):
+        if wait_all is not None:
+            wait_all(hs)
+        else:  # builds without wait_all (the code before issue 11)
+            for h in hs:
+                engine.wait(h)
+
     def per_tensor():
-        hs = [engine.allreduce_async(names[t], inputs[t].ctypes.data, outputs[t].ctypes.data, [counts[t]],
-                                     "float32") for t in order]
-        for h in hs:
-            engine.wait(h)
+        finish([engine.allreduce_async(names[t], in_ptrs[t], out_ptrs[t], shapes[t], "float32") for t in order])
 
     def grouped():
-        for h in engine.grouped_allreduce_async(items):
-            engine.wait(h)
+        finish(engine.grouped_allreduce_async(items))
 
     def mpi():
         COMM.Allreduce(flat_in, flat_out, op=MPI.SUM)

@@ -64,6 +64,12 @@ class Finalizer {
 // that the bitwise AND tells whether *any* rank cleared it.
 constexpr uint64_t kNothingToReport = 1u << 0;  // no rank needs a negotiation round
 constexpr uint64_t kNoShutdown = 1u << 1;       // no rank asked to shut down
+// After the cache bits: the rank's state digest (ResponseCache::digest() and
+// the cached plans) and its complement. Under the bitwise AND, bit k of the
+// two words comes out 1 and 0 (or 0 and 1) when every rank has the same bit k,
+// and 0 and 0 when they differ, so XOR of the two words is all ones exactly
+// when every rank holds the same digest.
+constexpr int kStateDigestWords = 2;
 
 Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
                bool watch_liveness)
@@ -167,6 +173,7 @@ std::vector<Engine::Work> Engine::TakeCacheHits(const std::vector<uint64_t>& bit
     if (r.group_id != 0 && group_hits[r.group_id] != r.group_size) continue;
     Work w;
     w.response = r;
+    w.slot = slot;
     auto it = pending_.find(r.name);
     if (it != pending_.end()) {
       w.pending = std::move(it->second);  // the bit is set only for pending names...
@@ -278,6 +285,9 @@ StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
     cuda_comm_ = c.consume();
     cuda_comm_for_abort_ = cuda_comm_.get();
     cuda_ordinal_ = device.ordinal;
+#ifdef NVGROUP_WITH_CUDA
+    completion_events_ = std::make_unique<CompletionEvents>(device.ordinal);
+#endif
     finalizer_ = std::make_unique<Finalizer>();
     finalizer_thread_ = finalizer_->thread_id();
   }
@@ -303,23 +313,62 @@ void Engine::CompleteAfterStream(Communicator* comm, std::vector<Pending*> done)
     for (Pending* p : done) Complete(p, Status::Ok());
     return;
   }
-  // The Pending objects are owned by the Work list, which dies at the end of
-  // the cycle: move the callbacks into the job.
-  std::vector<std::pair<std::string, DoneCallback>> callbacks;
-  for (Pending* p : done) {
-    callbacks.emplace_back(p->entry.request.name, std::move(p->entry.request.done));
-    p->entry.request.done = nullptr;
+  // One event per bucket, recorded after its copy out: the finalizer waits for
+  // this bucket's work only, not for the buckets enqueued after it. Without an
+  // event (creation failed) it falls back to draining the whole stream.
+  void* event = nullptr;
+#ifdef NVGROUP_WITH_CUDA
+  if (completion_events_ != nullptr) {
+    StatusOr<void*> e = completion_events_->Acquire();
+    if (e.ok() && comm->RecordEvent(e.value(), nullptr).ok()) {
+      event = e.value();
+    } else if (e.ok()) {
+      completion_events_->Release(e.value());
+    }
   }
-  finalizer_->Add([this, comm, callbacks = std::move(callbacks)]() mutable {
-    // Orders `done` after the device finished the copy out (and everything
-    // enqueued before it on the communicator's stream).
-    Status s = comm->Synchronize(nullptr);
-    for (auto& [name, cb] : callbacks) {
-      queue_.Finish(name);
+#endif
+  // The Pending objects are owned by the Work list, which dies at the end of
+  // the cycle: move the callbacks into the job. A request with
+  // completion_event_ready hears of the event now; its name leaves the
+  // in-flight set first, so the adapter may resubmit it at once (its `done`
+  // below then must not Finish the name again).
+  struct Callback {
+    std::string name;
+    DoneCallback done;
+    bool finished_early = false;
+  };
+  std::vector<Callback> callbacks;
+  bool any_early = false;
+  for (Pending* p : done) {
+    CollectiveRequest& q = p->entry.request;
+    Callback c{q.name, std::move(q.done), false};
+    q.done = nullptr;
+    if (event != nullptr && q.completion_event_ready) {
+      queue_.Finish(q.name);
+      c.finished_early = any_early = true;
       try {
-        cb(s);
+        q.completion_event_ready(event);
       } catch (...) {
-        NVG_LOG(kError) << "the done callback of '" << name << "' threw; ignored";
+        NVG_LOG(kError) << "the completion_event_ready callback of '" << q.name << "' threw; ignored";
+      }
+    }
+    callbacks.push_back(std::move(c));
+  }
+  finalizer_->Add([this, comm, event, any_early, callbacks = std::move(callbacks)]() mutable {
+    // Orders `done` after the device finished the bucket's copy out.
+    Status s = event != nullptr ? comm->WaitRecordedEvent(event) : comm->Synchronize(nullptr);
+#ifdef NVGROUP_WITH_CUDA
+    if (event != nullptr) completion_events_->Release(event);
+#endif
+    // An adapter may already have let its stream run on the event: a
+    // device-side failure must then stop every later collective.
+    if (!s.ok() && any_early) Abort(s);
+    for (Callback& c : callbacks) {
+      if (!c.finished_early) queue_.Finish(c.name);
+      try {
+        c.done(s);
+      } catch (...) {
+        NVG_LOG(kError) << "the done callback of '" << c.name << "' threw; ignored";
       }
     }
   });
@@ -331,14 +380,17 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
   StatusOr<Communicator*> comm_or = GetCommunicator(device);
   if (!comm_or.ok()) return comm_or.status();
   Communicator* comm = comm_or.value();
-  if (bucket.responses.size() == 1 || bucket.bytes > comm->registered_capacity()) {
-    // One tensor gains nothing from the fusion copies (the communicator reads
-    // any input and writes any output itself); a bucket larger than this
-    // device's registered buffer runs one tensor at a time. The arithmetic is
-    // the fused path's (same scaled copies, same fold), so the bits are too.
+  if (bucket.bytes > comm->registered_capacity()) {
+    // Larger than this device's registered buffer: one tensor at a time, the
+    // communicator cutting each into pieces. The arithmetic is the fused
+    // path's (same scaled copies, same fold), so the bits are too.
     for (size_t i : bucket.responses) NVG_RETURN_IF_ERROR(RunAllreduceAlone(&(*work)[i]));
     return Status::Ok();
   }
+  // Every other bucket, one tensor or many, takes this path: the prescale
+  // rides on the copy in, the postscale (and an Average's division) on the
+  // copy out, and the communicator runs on its registered buffer in place
+  // (on the GPU no pointer checks; no extra scaling pass for a lone tensor).
   const size_t element = DataTypeSize(first.dtype);
   // Average of floats is a sum with the division folded into the copy out;
   // integers use the communicator's own (truncating) average unless scale
@@ -354,15 +406,25 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
   char* buffer = static_cast<char*>(comm->registered_buffer());
   std::vector<Communicator::CopySpec> in, out;
   std::vector<Pending*> done;
+  in.reserve(bucket.responses.size());
+  out.reserve(bucket.responses.size());
+  done.reserve(bucket.responses.size());
+  // Distinct ready events of the bucket (a framework records one event for a
+  // whole step's gradients, so usually one).
+  std::vector<void*> events;
   for (size_t k = 0; k < bucket.responses.size(); ++k) {
     Pending* p = (*work)[bucket.responses[k]].pending.get();
     const size_t count = ResponseBytes((*work)[bucket.responses[k]].response) / element;
     in.push_back({p->entry.request.input, buffer + bucket.offsets[k], count});
     out.push_back({buffer + bucket.offsets[k], p->entry.request.output, count});
     done.push_back(p);
-    // Orders the copy-in after the framework produced the input (GPU-side wait).
-    NVG_RETURN_IF_ERROR(comm->WaitEvent(p->entry.request.ready_event, nullptr));
+    void* e = p->entry.request.ready_event;
+    if (e != nullptr && std::find(events.begin(), events.end(), e) == events.end()) events.push_back(e);
   }
+  // Orders the copy-in after the framework produced the inputs (GPU-side
+  // waits, one per distinct event).
+  for (void* e : events) NVG_RETURN_IF_ERROR(comm->WaitEvent(e, nullptr));
+  Add(counters_.ready_event_waits, events.size());
   auto mark = [&](const char* phase, bool begin) {
     if (!timeline_.enabled()) return;
     double t = MonotonicSeconds();
@@ -473,44 +535,173 @@ Status Engine::RunBroadcast(Work* w) {
   return Status::Ok();
 }
 
+Status Engine::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
+  Work& first = (*work)[bucket.responses[0]];
+  if (!first.response.ok()) {  // error responses are buckets of their own
+    if (first.pending) Complete(first.pending.get(), Status(first.response.error_code, first.response.error_message));
+    return Status::Ok();
+  }
+  Status s;
+  switch (first.response.type) {
+    case CollectiveType::kAllreduce: s = RunAllreduceBucket(bucket, work); break;
+    case CollectiveType::kAllgather: s = RunAllgather(&first); break;
+    case CollectiveType::kBroadcast: s = RunBroadcast(&first); break;
+    case CollectiveType::kReducescatter: s = RunReducescatter(&first); break;
+    case CollectiveType::kAlltoall: s = RunAlltoall(&first); break;
+    case CollectiveType::kJoin: s = RunJoin(&first); break;
+  }
+  if (s.ok()) return s;
+  s = Cause(s);
+  // The same call failed on every rank (same arguments, same order); fail the
+  // bucket's requests. A lost or aborted peer ends the loop.
+  for (size_t i : bucket.responses) {
+    Pending* p = (*work)[i].pending.get();
+    if (p != nullptr && p->entry.request.done) Complete(p, s);
+  }
+  if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kAborted) return s;
+  return Status::Ok();
+}
+
+Status Engine::RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<bool>* done) {
+  if (plans_.empty()) return Status::Ok();
+  // The cache hits of whole groups (TakeCacheHits takes groups whole), in
+  // order of their first member.
+  std::vector<uint64_t> groups;
+  for (size_t i = 0; i < cache_hits; ++i) {
+    const ResponseMessage& r = (*work)[i].response;
+    if (r.group_id == 0 || (*done)[i]) continue;
+    if (std::find(groups.begin(), groups.end(), r.group_id) == groups.end()) groups.push_back(r.group_id);
+  }
+  if (slot_to_work_.size() != static_cast<size_t>(cache_.capacity())) slot_to_work_.assign(cache_.capacity(), 0);
+  for (size_t i = 0; i < cache_hits; ++i)
+    if ((*work)[i].slot >= 0) slot_to_work_[(*work)[i].slot] = i;
+  for (uint64_t group : groups) {
+    auto it = plans_.find(group);
+    if (it == plans_.end()) continue;
+    Plan& plan = it->second;
+    bool valid = PlanMatchesCache(plan);
+    for (size_t k = 0; k < plan.slots.size() && valid; ++k) {
+      // The slot is one of this cycle's hits (the hits hold the group whole);
+      // entries of slots not hit this cycle are stale, hence both checks.
+      const int slot = plan.slots[k];
+      valid = slot_to_work_[slot] < cache_hits && (*work)[slot_to_work_[slot]].slot == slot;
+    }
+    if (!valid || plan.slots.size() != (*work)[slot_to_work_[plan.slots[0]]].response.group_size) {
+      plans_digest_ ^= plan.id;  // a member changed: the group replans after it runs
+      plans_.erase(it);
+      continue;
+    }
+    plan.last_use = ++plan_clock_;
+    Add(counters_.plan_launches);
+    for (const FusionBucket& b : plan.buckets) {
+      FusionBucket mapped = b;
+      for (size_t& k : mapped.responses) k = slot_to_work_[plan.slots[k]];
+      for (size_t i : mapped.responses) (*done)[i] = true;
+      NVG_RETURN_IF_ERROR(RunBucket(mapped, work));
+    }
+  }
+  return Status::Ok();
+}
+
+bool Engine::PlanMatchesCache(const Plan& plan) const {
+  for (size_t k = 0; k < plan.slots.size(); ++k)
+    if (cache_.generation(plan.slots[k]) != plan.generations[k]) return false;
+  return !plan.slots.empty();
+}
+
+void Engine::MakePlans(const std::vector<Work>& work) {
+  if (cache_.capacity() == 0) return;
+  std::unordered_map<uint64_t, std::vector<size_t>> members;  // group id -> work indices
+  std::vector<uint64_t> order;
+  for (size_t i = 0; i < work.size(); ++i) {
+    const ResponseMessage& r = work[i].response;
+    if (r.group_id == 0) continue;
+    auto existing = plans_.find(r.group_id);
+    if (existing != plans_.end()) {
+      if (PlanMatchesCache(existing->second)) continue;
+      plans_digest_ ^= existing->second.id;  // a member was renegotiated: replan below
+      plans_.erase(existing);
+    }
+    auto [it, inserted] = members.try_emplace(r.group_id);
+    if (inserted) order.push_back(r.group_id);
+    it->second.push_back(i);
+  }
+  const size_t threshold = std::min(knobs_.fusion_threshold, cpu_comm_->registered_capacity());
+  for (uint64_t group : order) {
+    const std::vector<size_t>& idx = members[group];
+    Plan plan;
+    std::vector<ResponseMessage> responses;
+    bool ok = idx.size() == work[idx[0]].response.group_size;
+    for (size_t i : idx) {
+      const ResponseMessage& r = work[i].response;
+      const int slot = work[i].slot >= 0 ? work[i].slot : cache_.Find(r.name);
+      ok = ok && r.ok() && r.type == CollectiveType::kAllreduce && slot >= 0 &&
+           ResponseDigest(cache_.Get(slot)) == ResponseDigest(r);
+      if (!ok) break;
+      plan.slots.push_back(slot);
+      plan.generations.push_back(cache_.generation(slot));
+      responses.push_back(r);
+    }
+    if (!ok) continue;
+    plan.buckets = PlanFusion(responses, threshold);
+    uint64_t h = group;
+    auto mix = [&h](uint64_t v) {
+      h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);  // boost::hash_combine's constant
+    };
+    for (size_t k = 0; k < plan.slots.size(); ++k) {
+      mix(static_cast<uint64_t>(plan.slots[k]));
+      mix(plan.generations[k]);
+    }
+    for (const FusionBucket& b : plan.buckets) {
+      mix(b.responses.size());
+      for (size_t k = 0; k < b.responses.size(); ++k) {
+        mix(b.responses[k]);
+        mix(b.offsets[k]);
+      }
+    }
+    plan.id = h;
+    if (plans_.size() >= kMaxPlans) {  // evict the least recently used (unique clock values)
+      auto lru = plans_.begin();
+      for (auto p = plans_.begin(); p != plans_.end(); ++p)
+        if (p->second.last_use < lru->second.last_use) lru = p;
+      plans_digest_ ^= lru->second.id;
+      plans_.erase(lru);
+    }
+    plan.last_use = ++plan_clock_;
+    plans_digest_ ^= plan.id;
+    plans_.emplace(group, std::move(plan));
+  }
+}
+
 Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
   if (work->empty()) return Status::Ok();
   NVG_LOG(kDebug) << "cycle " << cycle_ << ": executing " << work->size() << " responses ("
                   << cache_hits << " from the response cache, " << work->size() - cache_hits
                   << " negotiated through rank 0)";
-  std::vector<ResponseMessage> responses;
-  for (const Work& w : *work) responses.push_back(w.response);
-  const size_t threshold = std::min(knobs_.fusion_threshold, cpu_comm_->registered_capacity());
   const double now = MonotonicSeconds();
   if (mark_cycles_ && timeline_.enabled()) timeline_.MarkCycle(now);
   if (timeline_.enabled())
     for (const Work& w : *work)
       if (w.pending) timeline_.End(w.response.name, "NEGOTIATE", now);
-  for (const FusionBucket& bucket : PlanFusion(responses, threshold)) {
-    Work& first = (*work)[bucket.responses[0]];
-    if (!first.response.ok()) {  // error responses are buckets of their own
-      if (first.pending) Complete(first.pending.get(), Status(first.response.error_code, first.response.error_message));
-      continue;
-    }
-    Status s;
-    switch (first.response.type) {
-      case CollectiveType::kAllreduce: s = RunAllreduceBucket(bucket, work); break;
-      case CollectiveType::kAllgather: s = RunAllgather(&first); break;
-      case CollectiveType::kBroadcast: s = RunBroadcast(&first); break;
-      case CollectiveType::kReducescatter: s = RunReducescatter(&first); break;
-      case CollectiveType::kAlltoall: s = RunAlltoall(&first); break;
-      case CollectiveType::kJoin: s = RunJoin(&first); break;
-    }
-    if (s.ok()) continue;
-    s = Cause(s);
-    // The same call failed on every rank (same arguments, same order); fail the
-    // bucket's requests. A lost or aborted peer ends the loop.
-    for (size_t i : bucket.responses) {
-      Pending* p = (*work)[i].pending.get();
-      if (p != nullptr && p->entry.request.done) Complete(p, s);
-    }
-    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kAborted) return s;
+  // Whole cached groups with a plan first (Note [Cached plans]), then the rest
+  // through the fusion planner, in response order.
+  std::vector<bool> done(work->size(), false);
+  NVG_RETURN_IF_ERROR(RunPlans(work, cache_hits, &done));
+  std::vector<size_t> rest;
+  std::vector<ResponseMessage> responses;
+  for (size_t i = 0; i < work->size(); ++i) {
+    if (done[i]) continue;
+    rest.push_back(i);
+    responses.push_back((*work)[i].response);
   }
+  if (!rest.empty()) {
+    const size_t threshold = std::min(knobs_.fusion_threshold, cpu_comm_->registered_capacity());
+    for (FusionBucket bucket : PlanFusion(responses, threshold)) {
+      for (size_t& k : bucket.responses) k = rest[k];
+      NVG_RETURN_IF_ERROR(RunBucket(bucket, work));
+    }
+  }
+  MakePlans(*work);
   return Status::Ok();
 }
 
@@ -546,7 +737,12 @@ void Engine::Loop() {
     for (TensorEntry& e : fresh) Admit(std::move(e), now);
 
     std::vector<uint64_t>& bits = mpi_buffers_->bits;
-    bits.assign(1 + cache_words_, 0);
+    // Flag word, cache bits, then the state digest and its complement (see
+    // kStateDigestWords).
+    bits.assign(1 + cache_words_ + kStateDigestWords, 0);
+    const uint64_t digest = StateDigest() ^ perturb_digest_.load(std::memory_order_relaxed);
+    bits[1 + cache_words_] = digest;
+    bits[2 + cache_words_] = ~digest;
     bool must_report = FillCacheBits(now, &bits);
     if (rank_ == 0) {
       for (ResponseMessage& r : coordinator_.TakeStalledResponses(now)) stalled_.push_back(std::move(r));
@@ -566,6 +762,15 @@ void Engine::Loop() {
     const double agreed = MonotonicSeconds();
     AddSeconds(counters_.agree_ns, agreed - now);
     if (!exit_status.ok()) break;
+    if ((bits[1 + cache_words_] ^ bits[2 + cache_words_]) != ~uint64_t{0}) {
+      // Some bit of the digest is 1 on one rank and 0 on another: the ranks'
+      // caches or plans differ, so cache hits would run different collectives.
+      exit_status = Status::Internal(
+          "the ranks' response caches or cached plans differ (a bug in nvgroup_tf, detected by the "
+          "state digest of cycle " + std::to_string(cycle_) + "); the engine has stopped rather than "
+          "run mismatched collectives");
+      break;
+    }
     if (!(bits[0] & kNoShutdown)) {
       shut_down = true;
       break;
@@ -698,6 +903,9 @@ Status Engine::Stop() {
   thread_.join();
   if (liveness_) liveness_->Close();  // BYE: this rank leaves on purpose, not a death
   finalizer_.reset();  // runs the remaining CUDA completions
+#ifdef NVGROUP_WITH_CUDA
+  completion_events_.reset();  // after the finalizer: no event is pending any more
+#endif
   {
     std::lock_guard<std::mutex> lock(abort_mu_);  // no Abort() inside a communicator being freed
     comms_freed_ = true;

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "common/env.h"
+#include "engine/completion_events.h"
 #include "engine/controller.h"
 #include "engine/fusion.h"
 #include "engine/mpi_wait.h"
@@ -92,6 +93,9 @@ class Engine {
   // NVGROUP_TIMEOUT) until the loop applied it; other ranks return OK.
   Status ControlTimeline(bool start, const std::string& path, bool mark_cycles);
   EngineStats Stats() const;
+  // Testing (engine_control.h): makes this rank's state digest differ from
+  // the other ranks' from the next cycle on.
+  void PerturbStateDigest() { perturb_digest_.store(1, std::memory_order_relaxed); }
 
  private:
   struct Pending {
@@ -104,7 +108,40 @@ class Engine {
   struct Work {
     ResponseMessage response;
     std::unique_ptr<Pending> pending;
+    int slot = -1;  // the response cache slot it came from (cache hits only)
   };
+
+  // Note [Cached plans]
+  // The buckets of a grouped collective (EnqueueGroup: the framework's
+  // deterministic gradient buckets) are planned once and reused. After a group
+  // has run whole (negotiated or from the cache), its plan records the
+  // members' cache slots in execution order, the slots' generations and the
+  // fusion buckets over them (PlanFusion of the group alone). When a later
+  // cycle's cache hits hold the whole group and every slot still has the
+  // recorded generation (no member was evicted or renegotiated), the group
+  // runs from the plan: no fusion planning, its buckets in the plan's fixed
+  // order. A new or changed group still negotiates (its members miss the
+  // cache) and gets a new plan. Plans change only while every rank processes
+  // the same ordered responses, so every rank holds the same plans; the
+  // cycle's agreement allreduce carries a digest of every rank's cache and
+  // plans, so ranks whose state diverged (a bug) fail on every rank instead
+  // of running different collectives.
+  struct Plan {
+    std::vector<int> slots;             // members' cache slots, execution order
+    std::vector<uint64_t> generations;  // the slots' generations at planning time
+    std::vector<FusionBucket> buckets;  // indices into `slots`
+    uint64_t id = 0;                    // hash of the three above (and the group id)
+    uint64_t last_use = 0;
+  };
+  static constexpr size_t kMaxPlans = 256;
+  // Runs the cycle's whole cached groups that have a valid plan; marks their
+  // work entries in `done`.
+  Status RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<bool>* done);
+  // Records plans for groups of this cycle that ran whole without one.
+  void MakePlans(const std::vector<Work>& work);
+  // Every member slot still holds the response the plan was made from.
+  bool PlanMatchesCache(const Plan& plan) const;
+  uint64_t StateDigest() const { return cache_.digest() ^ plans_digest_; }
 
   void Loop();
   // `s`, or the reason given to Abort() when there is one: after an abort
@@ -117,6 +154,9 @@ class Engine {
   // The first `cache_hits` entries of `work` came from the response cache.
   Status Execute(std::vector<Work>* work, size_t cache_hits);
   Status RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>* work);
+  // Runs `bucket` (PlanFusion's, indices into *work) and fails its requests
+  // with the cause if it fails; returns the error that ends the loop, if any.
+  Status RunBucket(const FusionBucket& bucket, std::vector<Work>* work);
   Status RunAllreduceAlone(Work* w);
   Status RunAllgather(Work* w);
   Status RunBroadcast(Work* w);
@@ -148,6 +188,7 @@ class Engine {
   std::unique_ptr<Communicator> cuda_comm_;  // created by the first CUDA response
   int cuda_ordinal_ = -1;
   std::unique_ptr<Finalizer> finalizer_;  // with cuda_comm_
+  std::unique_ptr<CompletionEvents> completion_events_;  // with cuda_comm_ (CUDA builds)
   std::atomic<std::thread::id> finalizer_thread_{};
 
   TensorQueue queue_;
@@ -179,6 +220,11 @@ class Engine {
   std::vector<std::string> order_;  // pending_ names, oldest first
   ResponseCache cache_;
   const int cache_words_;
+  std::unordered_map<uint64_t, Plan> plans_;  // by group id; the same on every rank
+  uint64_t plans_digest_ = 0;                 // XOR of the plans' ids
+  uint64_t plan_clock_ = 0;
+  std::atomic<uint64_t> perturb_digest_{0};   // PerturbStateDigest
+  std::vector<size_t> slot_to_work_;          // scratch of RunPlans, one per cache slot
   double report_cached_after_s_;
   StallInspector stall_;      // rank 0
   Coordinator coordinator_;   // rank 0

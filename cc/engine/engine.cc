@@ -744,6 +744,15 @@ StatusOr<int> ProcessSetSize(int32_t process_set_id) {
   return static_cast<int>(ranks.value().size());
 }
 
+void PerturbStateDigestForTesting() {
+  std::shared_ptr<Engine> engine;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine = g_engine;
+  }
+  if (engine != nullptr) engine->PerturbStateDigest();
+}
+
 Status Enqueue(CollectiveRequest request) {
   std::vector<CollectiveRequest> one;
   one.push_back(std::move(request));

@@ -67,6 +67,14 @@ def test_malformed_environment_fails_init_on_every_rank(mode, env):
 
 
 @pytest.mark.parametrize("np", [2, 3])
+def test_fast_path_plans_events_and_state_digest(np):
+    """Cached plans of grouped collectives (and their invalidation), lone tensors on
+    the fused path, one wait per distinct ready event, bursts + wait_all, and a
+    diverged cache failing on every rank (engine_fast_path.py)."""
+    assert_all_ranks_ok(run_mpi(worker("engine_fast_path.py"), np, timeout=120), np)
+
+
+@pytest.mark.parametrize("np", [2, 3])
 def test_every_algorithm_knob_must_agree_across_ranks(np):
     """One rank with a different NVGROUP_ONESHOT_MAX_BYTES, _PIPELINE_CHUNK,
     _ALLREDUCE_ALGORITHM, _FUSION_THRESHOLD, _CACHE_CAPACITY or _BUCKET_CAP_MB

@@ -184,6 +184,38 @@ def check_indexed_slices(c):
     c.equal(got.numpy(), [n * (n - 1) / 2.0], "allreduce after the slice errors")
 
 
+def check_process_set_helpers(c):
+    """Object and variable helpers, and size_op, over a process set of ranks
+    {0, n-1} (rank 1 stays out when n = 3)."""
+    n, me = hvd.size(), hvd.rank()
+    members = sorted({0, n - 1})
+    ps = hvd.add_process_set(members)
+    c.equal(int(hvd.size_op(process_set_id=ps.process_set_id).numpy()), len(members),
+            "size_op of a process set (every rank)")
+    if me in members:
+        obj = ("ps", me, list(range(me + 1)))
+        c.equal(hvd.broadcast_object(obj, root_rank=n - 1, process_set=ps),
+                ("ps", n - 1, list(range(n))), "broadcast_object in a process set")
+        c.equal(str(hvd.allgather_object(obj, process_set=ps)),
+                str([("ps", r, list(range(r + 1))) for r in members]),
+                "allgather_object in a process set")
+        for inplace in (False, True):
+            v = tf.Variable(np.random.default_rng([33, me, inplace]).normal(size=(2, 3)))
+            hvd.broadcast_variables([v], root_rank=n - 1, process_set=ps, inplace=inplace)
+            c.equal(v.numpy(), np.random.default_rng([33, n - 1, inplace]).normal(size=(2, 3)),
+                    "broadcast_variables in a process set (inplace=%s)" % inplace)
+    hvd.remove_process_set(ps)
+    import nvgroup_tf.keras as hvdk
+    c.check(hvdk.ProcessSet is hvd.ProcessSet and hvdk.global_process_set is hvd.global_process_set,
+            "process sets in the Keras namespace")
+    table = np.arange(2 * n * 3, dtype=np.float32).reshape(2 * n, 3)
+    got = hvdk.reducescatter(table * (me + 1), name="keras_reducescatter_value")
+    c.equal(got.numpy(), table[2 * me:2 * me + 2] * (n + 1) / 2.0, "keras reducescatter(value)")
+    v = tf.Variable(np.full([3], float(me)))
+    hvd.broadcast_variables([v], 0, inplace=True)
+    c.equal(v.numpy(), np.zeros(3), "broadcast_variables(inplace=True)")
+
+
 def _events(path):
     with open(path) as f:
         return json.load(f)
@@ -240,6 +272,7 @@ def main():
     check_broadcast_global_variables(c)
     check_objects_in_graphs(c)
     check_indexed_slices(c)
+    check_process_set_helpers(c)
     check_timeline(c, sys.argv[1])
     # Re-init over a sub-communicator: the same traced graph reads the new values.
     from mpi4py import MPI
