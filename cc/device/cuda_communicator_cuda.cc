@@ -149,6 +149,8 @@ class CudaCommunicator final : public Communicator {
   Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
                            double scale, void* stream) override;
   Status Synchronize(void* stream) override;
+  Status RecordEvent(void* event, void* stream) override;
+  Status WaitRecordedEvent(void* event) override;
   void Abort() override;
 
   Status SetTuning(const KernelTuning& tuning);
@@ -638,7 +640,9 @@ Status CudaCommunicator::Allgatherv(const void* in, void* out,
 // ReduceScatter on the device: the whole Allreduce into a scratch buffer, then
 // this rank's rows (correct and bitwise equal to Allreduce; it moves the whole
 // message instead of 1/size of it -- the NV-group reduce-scatter kernel step
-// alone is the faster path still to wire in, cc/kernels).
+// alone is the faster path still to wire in, cc/kernels). Ordering: the
+// scratch is allocated, copied from and freed on the caller's stream, and
+// Allreduce joins work_ to that stream on entry and exit (Note [Internal stream]).
 Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
                                        DataType dtype, ReduceOp op, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
@@ -673,7 +677,9 @@ Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vec
 }
 
 // Alltoallv on the device: staged through host memory and MPI_Alltoallv
-// (correct, not tuned), after the same count cross-check as the CPU path.
+// (correct, not tuned), after the same count cross-check as the CPU path. It
+// touches no per-communicator device state (Note [Internal stream]): only the
+// caller's stream, which it drains, and MPI on comm_.
 Status CudaCommunicator::Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
                                    const std::vector<size_t>& recv_bytes, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
@@ -709,6 +715,12 @@ Status CudaCommunicator::Alltoallv(const void* in, const std::vector<size_t>& se
   }
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
   cudaStream_t stream = StreamOf(stream_arg);
+  // Host staging waits on the host: not capturable (checked before any MPI
+  // call, so this rank fails alone only if the caller captured on one rank).
+  auto capturing = Capturing(stream);
+  if (!capturing.ok()) return capturing.status();
+  if (capturing.value())
+    return Status::InvalidArgument("alltoallv waits on the host and cannot be captured in a CUDA graph");
   std::vector<char> send(std::max<size_t>(send_total, 1)), recv(std::max<size_t>(recv_total, 1));
   NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: `in` is produced
   if (send_total > 0) NVG_CUDA_CHECK(cudaMemcpy(send.data(), in, send_total, cudaMemcpyDeviceToHost));
@@ -852,6 +864,18 @@ Status CudaCommunicator::Synchronize(void* stream) {
     if (dead_member_ < 0 && DeadMember() >= 0) drain_until = now + kAbortDrain;
     if (dead_member_ >= 0 && now > drain_until) break;  // kernels aborted; do not wait forever
   }
+  return CheckHealthy();
+}
+
+Status CudaCommunicator::RecordEvent(void* event, void* stream) {
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  NVG_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), StreamOf(stream)));
+  return Status::Ok();
+}
+
+Status CudaCommunicator::WaitRecordedEvent(void* event) {
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  NVG_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
   return CheckHealthy();
 }
 

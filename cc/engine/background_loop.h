@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "common/env.h"
+#include "engine/completion_events.h"
 #include "engine/controller.h"
 #include "engine/fusion.h"
 #include "engine/mpi_wait.h"
@@ -187,6 +188,7 @@ class Engine {
   std::unique_ptr<Communicator> cuda_comm_;  // created by the first CUDA response
   int cuda_ordinal_ = -1;
   std::unique_ptr<Finalizer> finalizer_;  // with cuda_comm_
+  std::unique_ptr<CompletionEvents> completion_events_;  // with cuda_comm_ (CUDA builds)
   std::atomic<std::thread::id> finalizer_thread_{};
 
   TensorQueue queue_;

@@ -165,6 +165,16 @@ class Communicator : public Collectives, public StreamHelpers {
   virtual const Topology& topology() const = 0;
   virtual Device device() const = 0;
 
+  // Per-bucket completion (the engine's fast path, issue 11). RecordEvent
+  // records `event` (a cudaEvent_t of device()) on `stream` after the work
+  // enqueued there so far; WaitRecordedEvent blocks the host until that point
+  // is reached, then reports a device-side failure (abort, barrier timeout)
+  // as Synchronize does. Unlike Synchronize it does not wait for work enqueued
+  // after the event (the next bucket). CPU: work is complete on return, both
+  // are no-ops.
+  virtual Status RecordEvent(void* /*event*/, void* /*stream*/) { return Status::Ok(); }
+  virtual Status WaitRecordedEvent(void* /*event*/) { return Status::Ok(); }
+
   // Makes every spin wait in flight or started later return kAborted promptly.
   // Safe to call from any thread (used on shutdown and when a peer is lost).
   virtual void Abort() = 0;

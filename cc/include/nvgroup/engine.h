@@ -52,6 +52,16 @@ struct CollectiveRequest {
   int root_rank = 0;                // broadcast only (a rank of the process set)
   void* ready_event = nullptr;      // CUDA only: cudaEvent_t, may be nullptr
   DoneCallback done;
+  // CUDA only, optional (issue 11): called on an engine thread as soon as the
+  // request's work is enqueued on the engine's stream, before `done`, with a
+  // cudaEvent_t recorded after the request's output is written (one event per
+  // bucket). It is valid only during the call: make the consumer's stream wait
+  // on it there (cudaStreamWaitEvent captures the event at call time). An
+  // adapter that lets its stream continue on this event need not block on
+  // `done`, which still follows exactly once, after the host saw the bucket
+  // complete, with OK or the device-side error (a peer lost mid-kernel); such
+  // an error also aborts the engine, so every later collective fails.
+  std::function<void(void* completion_event)> completion_event_ready;
 
   // --- Added collectives (see types.h for their semantics). ---
   // reducescatter: allocate_output is called with this rank's share of
