@@ -14,10 +14,10 @@
 // calls by the caller (same stream, or events), as NCCL requires.
 //
 // Note [Peer processes]. Members of a group share a node, so each rank knows
-// its members' pids. Synchronize polls its event and, every kLivenessCheck,
-// whether the members' processes still exist; a CUDA error (a fault from a
-// mapping whose owner exited) or a timeout is reported as kUnavailable
-// naming the member whose process is gone. A communicator that saw a failure
+// its members' pids. Synchronize and WaitRecordedEvent poll their event and
+// look, every kLivenessCheck, whether the members' processes still exist; a
+// CUDA error (a fault from a mapping whose owner exited) or a timeout is
+// reported as kUnavailable naming the member whose process is gone. A communicator that saw a failure
 // never frees its own region: a peer kernel that timed out or is still
 // spinning may yet store flags into it; the process exit frees it.
 #include "device/cuda_communicator.h"
@@ -149,6 +149,9 @@ class CudaCommunicator final : public Communicator {
   Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
                            double scale, void* stream) override;
   Status Synchronize(void* stream) override;
+  // Synchronize and WaitRecordedEvent: polls `event`, watching the members'
+  // processes (Note [Peer processes]).
+  Status WaitForEvent(cudaEvent_t event);
   Status RecordEvent(void* event, void* stream) override;
   Status WaitRecordedEvent(void* event) override;
   void Abort() override;
@@ -843,13 +846,17 @@ Status CudaCommunicator::BatchedScaledCopy(const CopySpec* copies, size_t num_co
 Status CudaCommunicator::Synchronize(void* stream) {
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
   NVG_CUDA_CHECK(cudaEventRecord(sync_, StreamOf(stream)));
+  return WaitForEvent(sync_);
+}
+
+Status CudaCommunicator::WaitForEvent(cudaEvent_t event) {
   // Polls instead of blocking, so that a member's exit is noticed while the
   // kernels wait for it (Note [Peer processes]).
   using Clock = std::chrono::steady_clock;
   auto next_look = Clock::now() + kLivenessCheck;
   Clock::time_point drain_until{};
   for (long polls = 0;; ++polls) {
-    const cudaError_t q = cudaEventQuery(sync_);
+    const cudaError_t q = cudaEventQuery(event);
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) {
       (void)cudaGetLastError();
@@ -875,8 +882,7 @@ Status CudaCommunicator::RecordEvent(void* event, void* stream) {
 
 Status CudaCommunicator::WaitRecordedEvent(void* event) {
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
-  NVG_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
-  return CheckHealthy();
+  return WaitForEvent(static_cast<cudaEvent_t>(event));  // as Synchronize: a member's exit is noticed
 }
 
 void CudaCommunicator::Abort() {
