@@ -83,13 +83,17 @@ def test_hierarchical_equals_flat_on_dyadic_data():
     run("comm_algorithms.py", 4, ["dyadic"], env={"NVGROUP_GROUP_SIZE": 2})
 
 
-def test_cross_step_groups_of_one_and_two_match_flat_and_send_rs_ag_bytes():
+@pytest.mark.parametrize("threads", ["multiple", "serialized"])
+def test_cross_step_groups_of_one_and_two_match_flat_and_send_rs_ag_bytes(threads):
     """4 ranks as 4 groups of 1 and as 2 groups of 2: the cross-group step
     (reduce-scatter + allgather among peers) gives the flat result bit for bit on
     dyadic data, float64-close on random data, and posts exactly the
-    reduce-scatter + allgather byte count (workers/comm_cross_step.py)."""
-    res = run("comm_cross_step.py", 4, timeout=400)
+    reduce-scatter + allgather byte count (workers/comm_cross_step.py); with
+    MPI_THREAD_MULTIPLE (progress thread) and without (progress in Wait)."""
+    res = run("comm_cross_step.py", 4, args=["--serialized"] if threads == "serialized" else [],
+              timeout=400)
     assert "g1: " in res.output and "g2: " in res.output, res.output
+    assert "MPI thread level: %s" % threads in res.output, res.output
 
 
 @pytest.mark.parametrize("np_", [2, 3, 4])

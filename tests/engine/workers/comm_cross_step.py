@@ -5,6 +5,8 @@ against the flat path, on 4 ranks in one launch:
   g1    4 groups of 1 (group_size=1, forced hierarchy): the whole reduction is cross steps
   g2    2 groups of 2 (group_size=2): group step + cross step between 2 groups
 
+With --serialized, MPI is initialized without MPI_THREAD_MULTIPLE, so the
+exchange has no progress thread and Wait() progresses the jobs itself.
 Small registered buffer and pipeline chunk so every large call runs in several
 pieces of many pipelined chunks (two chunks in the cross step at a time).
 Checks: dyadic data (sums exact in any order) give the flat result bit for bit
@@ -19,6 +21,9 @@ import sys
 
 import numpy as np
 
+if "--serialized" in sys.argv:  # MPI without THREAD_MULTIPLE: CrossExchange progresses in Wait()
+    import mpi4py
+    mpi4py.rc.thread_level = "serialized"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import comm_common as cc  # noqa: E402
 
@@ -111,6 +116,9 @@ def main():
         if cc.RANK == 0:
             print("%s: %d cross bytes posted by rank 0 (ideal 2(P-1)/P of the slices: %.0f)"
                   % (name, got, ideal), flush=True)
+    if cc.RANK == 0:
+        levels = {cc.MPI.THREAD_MULTIPLE: "multiple", cc.MPI.THREAD_SERIALIZED: "serialized"}
+        print("MPI thread level: %s" % levels.get(cc.MPI.Query_thread(), "other"), flush=True)
     check.finish()
 
 
