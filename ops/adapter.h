@@ -17,7 +17,35 @@
 // The kernels are templates on a DeviceTraits type, so CPU and GPU share one
 // body; the traits provide
 //   static absl::Status Prepare(OpKernelContext*, nvgroup::Device*, void** event);
-//   static void Release(void* event);   // after the engine is done with it
+//     the engine Device and the readiness event (GPU: one from a pool, recorded
+//     on TF's compute stream; CPU: none)
+//   static absl::Status RecordReady(OpKernelContext*, void* event);
+//     records `event` again, on the engine thread, right after allgather's
+//     output was allocated (below)
+//   static constexpr bool kDeviceCompletion;
+//   static absl::Status WaitOnCompletion(OpKernelContext*, void* completion_event);
+//     GPU: TF's compute stream waits on the engine's completion event
+//   static void Release(const nvgroup::Device&, void* event);  // after done
+//
+// GPU ordering (what each step rests on):
+//   * readiness: the engine's stream waits on `event`, recorded on TF's compute
+//     stream after everything TF enqueued before the op, so the engine reads
+//     the inputs only once they are produced.
+//   * allgather's output is allocated on the engine thread after negotiation.
+//     TF's GPU allocator hands out memory as soon as its previous owner's host
+//     reference is gone, relying on that owner's kernels being queued earlier
+//     *on the compute stream*; kernels TF enqueued after `event` may still use
+//     that memory. So the callback records `event` again after the allocation
+//     (Horovod records its ready event after allocating for the same reason),
+//     and the engine's wait, which follows it, covers them.
+//   * completion (kDeviceCompletion): the engine records a completion event
+//     after the op's last device work and TF's compute stream waits on it
+//     before done() (engine.h, device completion), so TF runs ahead without a
+//     host sync; every later use of the outputs, and every later reuse of the
+//     inputs' memory, is ordered behind that wait because TF orders all of them
+//     after the compute stream (its copy streams wait on it). One wait per op
+//     suffices: the engine runs an op's requests in order on one stream, so the
+//     event recorded for the op's last request covers the earlier ones.
 #pragma once
 
 #include <atomic>
@@ -59,24 +87,42 @@ std::string CollectiveName(const tf::OpKernel& kernel, const std::string& tensor
 
 // Shared by the requests of one op invocation; finishes the op when the last
 // request completes.
+template <typename Traits>
 class Completion {
  public:
   Completion(tf::OpKernelContext* context, tf::AsyncOpKernel::DoneCallback done, int pending,
-             void* event, void (*release)(void*))
-      : context_(context), done_(std::move(done)), pending_(pending), event_(event),
-        release_(release) {}
+             const Device& device, void* event)
+      : context_(context), done_(std::move(done)), pending_(pending), device_pending_(pending),
+        device_(device), event_(event) {}
+
+  // Device completion of one request (engine thread, before its Finish): TF's
+  // stream waits once, at the op's last request (see the header comment).
+  Status WaitOnDevice(void* completion_event) {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_completion_ = completion_event;
+    if (--device_pending_ != 0) return Status::Ok();
+    waited_ = true;
+    return FromTfStatus(Traits::WaitOnCompletion(context_, completion_event));
+  }
 
   // Called once per request (engine callback) or once with the whole count
   // (synchronous rejection). The first non-OK status wins.
   void Finish(const Status& status, int count = 1) {
-    if (!status.ok()) {
+    {
       std::lock_guard<std::mutex> lock(mu_);
-      if (first_error_.ok()) first_error_ = status;
+      if (!status.ok() && first_error_.ok()) first_error_ = status;
     }
     if (pending_.fetch_sub(count) != count) return;
     // Last request: no other thread touches this object any more.
-    if (!first_error_.ok()) context_->SetStatus(ToTfStatus(first_error_));
-    release_(event_);
+    if (!first_error_.ok()) {
+      // Some requests failed after others were completed on the device: TF
+      // may free their memory at done(), so its stream still waits for the
+      // engine's work on them (a later record of the event covers more work).
+      if (last_completion_ != nullptr && !waited_)
+        (void)Traits::WaitOnCompletion(context_, last_completion_);
+      context_->SetStatus(ToTfStatus(first_error_));
+    }
+    Traits::Release(device_, event_);
     done_();
   }
 
@@ -84,11 +130,36 @@ class Completion {
   tf::OpKernelContext* context_;
   tf::AsyncOpKernel::DoneCallback done_;
   std::atomic<int> pending_;
-  void* event_;
-  void (*release_)(void*);
-  std::mutex mu_;
+  std::mutex mu_;  // guards the four below
+  int device_pending_;
+  void* last_completion_ = nullptr;
+  bool waited_ = false;
   Status first_error_;
+  const Device device_;
+  void* event_;
 };
+
+// CPU tensors are complete when the kernel runs and when done() is called: no
+// readiness or completion signal.
+struct CpuTraits {
+  static constexpr bool kDeviceCompletion = false;
+  static absl::Status Prepare(tf::OpKernelContext*, Device* device, void** event) {
+    *device = Device::Cpu();
+    *event = nullptr;
+    return absl::OkStatus();
+  }
+  static absl::Status RecordReady(tf::OpKernelContext*, void*) { return absl::OkStatus(); }
+  static absl::Status WaitOnCompletion(tf::OpKernelContext*, void*) { return absl::OkStatus(); }
+  static void Release(const Device&, void*) {}
+};
+
+// Event-pool counters of the GPU kernels (c_api.cc exports them for tests);
+// zeros without GOOGLE_CUDA.
+struct GpuEventStats {
+  int64_t created = 0;   // cudaEventCreate calls, ever
+  int64_t recorded = 0;  // readiness records, ever
+};
+GpuEventStats GetGpuEventStats();
 
 // Fills device/ready_event/done of every request and enqueues them (one request:
 // Enqueue; several: EnqueueGroup, so they are negotiated and fused as a unit).
@@ -103,13 +174,22 @@ void Submit(tf::OpKernelContext* context, std::vector<CollectiveRequest> request
     done();
     return;
   }
-  auto completion = std::make_shared<Completion>(context, std::move(done),
-                                                 static_cast<int>(requests.size()), event,
-                                                 &Traits::Release);
+  auto completion = std::make_shared<Completion<Traits>>(
+      context, std::move(done), static_cast<int>(requests.size()), device, event);
   for (CollectiveRequest& request : requests) {
     request.device = device;
     request.ready_event = event;
     request.done = [completion](const Status& status) { completion->Finish(status); };
+    if (Traits::kDeviceCompletion)
+      request.wait_on_completion = [completion](void* e) { return completion->WaitOnDevice(e); };
+    if (request.allocate_output) {  // readiness after the allocation (header comment)
+      request.allocate_output = [allocate = std::move(request.allocate_output), context, event](
+                                    const std::vector<int64_t>& shape, void** out) -> Status {
+        Status allocated = allocate(shape, out);
+        if (!allocated.ok()) return allocated;
+        return FromTfStatus(Traits::RecordReady(context, event));
+      };
+    }
   }
   const int count = static_cast<int>(requests.size());
   Status status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));

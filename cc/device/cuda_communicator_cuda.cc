@@ -87,6 +87,7 @@ class CudaCommunicator final : public Communicator {
   Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
                            double scale, void* stream) override;
   Status Synchronize(void* stream) override;
+  StatusOr<void*> RecordCompletion(void* stream) override;
   void Abort() override;
 
   Status SetTuning(const KernelTuning& tuning);
@@ -113,6 +114,7 @@ class CudaCommunicator final : public Communicator {
   DeviceGroup group_;
   std::vector<int> member_ranks_;  // global rank of each group_rank, for messages
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t completion_ = nullptr;  // RecordCompletion's event
   size_t chunk_bytes_ = 0;
   bool force_hierarchy_ = false;
   std::atomic<bool> aborted_{false};
@@ -195,6 +197,7 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.folded[k2], cudaEventDisableTiming));
   }
   NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.received, cudaEventDisableTiming));
+  NVG_CUDA_CHECK(cudaEventCreateWithFlags(&completion_, cudaEventDisableTiming));
   for (CopySlot& s : slots_)
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
 
@@ -233,6 +236,7 @@ CudaCommunicator::~CudaCommunicator() {
     if (group_.folded[k] != nullptr) (void)cudaEventDestroy(group_.folded[k]);
   }
   if (group_.received != nullptr) (void)cudaEventDestroy(group_.received);
+  if (completion_ != nullptr) (void)cudaEventDestroy(completion_);
   if (group_.cross_stream != nullptr) (void)cudaStreamDestroy(group_.cross_stream);
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
   if (group_.control_host != nullptr) (void)cudaFreeHost(const_cast<DeviceControl*>(group_.control_host));
@@ -526,6 +530,11 @@ Status CudaCommunicator::Synchronize(void* stream) {
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
   NVG_CUDA_CHECK(cudaStreamSynchronize(StreamOf(stream)));
   return CheckHealthy();
+}
+
+StatusOr<void*> CudaCommunicator::RecordCompletion(void* stream) {
+  NVG_CUDA_CHECK(cudaEventRecord(completion_, StreamOf(stream)));
+  return static_cast<void*>(completion_);
 }
 
 void CudaCommunicator::Abort() {

@@ -59,7 +59,8 @@ class Finalizer {
 constexpr uint64_t kNothingToReport = 1u << 0;  // no rank needs a negotiation round
 constexpr uint64_t kNoShutdown = 1u << 1;       // no rank asked to shut down
 
-Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu)
+Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
+               std::unique_ptr<Communicator> cuda)
     : knobs_(knobs),
       comm_(comm),
       rank_(rank),
@@ -83,6 +84,13 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
   if (rank_ == 0 && !knobs.timeline_path.empty()) {
     Status s = timeline_.Open(knobs.timeline_path, MonotonicSeconds());
     if (!s.ok()) NVG_LOG(kWarning) << s.message() << "; continuing without a timeline";
+  }
+  if (cuda != nullptr) {
+    cuda_comm_ = std::move(cuda);
+    cuda_comm_for_abort_ = cuda_comm_.get();
+    cuda_ordinal_ = cuda_comm_->device().ordinal;
+    finalizer_ = std::make_unique<Finalizer>();
+    finalizer_thread_ = finalizer_->thread_id();
   }
   thread_ = std::thread([this] { Loop(); });
 }
@@ -282,6 +290,27 @@ void Engine::CompleteAfterStream(Communicator* comm, std::vector<Pending*> done)
     for (Pending* p : done) Complete(p, Status::Ok());
     return;
   }
+  // Device completion (engine.h): one completion event for these requests,
+  // recorded after their last device work; each caller's stream waits on it
+  // before its `done` runs, here, with no host sync.
+  std::vector<Pending*> on_host;
+  StatusOr<void*> event = static_cast<void*>(nullptr);
+  bool recorded = false;
+  for (Pending* p : done) {
+    if (!p->entry.request.wait_on_completion) {
+      on_host.push_back(p);
+      continue;
+    }
+    if (!recorded) {
+      event = comm->RecordCompletion(nullptr);
+      recorded = true;
+    }
+    Status s = event.ok() ? p->entry.request.wait_on_completion(event.value()) : event.status();
+    Complete(p, s);
+  }
+  if (recorded) CheckDeviceHealthLater(comm);
+  if (on_host.empty()) return;
+  done = std::move(on_host);
   // The Pending objects are owned by the Work list, which dies at the end of
   // the cycle: move the callbacks into the job.
   std::vector<std::pair<std::string, DoneCallback>> callbacks;
@@ -301,6 +330,18 @@ void Engine::CompleteAfterStream(Communicator* comm, std::vector<Pending*> done)
         NVG_LOG(kError) << "the done callback of '" << name << "' threw; ignored";
       }
     }
+  });
+}
+
+void Engine::CheckDeviceHealthLater(Communicator* comm) {
+  if (health_check_queued_.exchange(true)) return;  // the queued job sees this work too
+  finalizer_->Add([this, comm]() {
+    health_check_queued_ = false;  // work enqueued from here on gets a job of its own
+    Status s = comm->Synchronize(nullptr);
+    // The outputs of the work just synchronized were handed to the framework
+    // as complete: a device-side failure (a barrier that timed out because a
+    // peer died) must stop every later collective on every rank.
+    if (!s.ok()) Abort(s.WithContext("a CUDA collective failed on the device after its completion was signalled"));
   });
 }
 

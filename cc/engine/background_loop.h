@@ -67,7 +67,10 @@ class Engine {
  public:
   // Starts the background thread. `comm` (the engine's duplicate of the user's
   // communicator) and `cpu` are owned from here on.
-  Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu);
+  // `cuda`, when given, is the CUDA communicator Init created already
+  // (EngineOptions::cuda_at_init); otherwise the first CUDA response creates it.
+  Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
+         std::unique_ptr<Communicator> cuda = nullptr);
   ~Engine();
 
   const Topology& topology() const { return topology_; }
@@ -113,8 +116,14 @@ class Engine {
   Status RunBroadcast(Work* w);
   StatusOr<Communicator*> GetCommunicator(const Device& device);
   void Complete(Pending* p, const Status& status);
-  // CPU: completes at once. CUDA: after the communicator's stream drains.
+  // CPU: completes at once. CUDA: requests with wait_on_completion complete
+  // at once after their stream wait is enqueued (device completion, engine.h);
+  // the others after the communicator's stream drains.
   void CompleteAfterStream(Communicator* comm, std::vector<Pending*> done);
+  // Device completion: a finalizer job syncs the stream off the loop and aborts
+  // the engine if the device reported a failure (at most one job queued).
+  void CheckDeviceHealthLater(Communicator* comm);
+  std::atomic<bool> health_check_queued_{false};
   Status Wait(MPI_Request* request, const std::string& what) {
     return WaitMpi(request, what, knobs_.peer_timeout_s, abort_);
   }

@@ -114,6 +114,14 @@ class Communicator {
   // Blocks the calling host thread until all work on `stream` is done.
   virtual Status Synchronize(void* stream) = 0;
 
+  // CUDA: records the communicator's completion event on `stream` (nullptr =
+  // its own) and returns it (a cudaEvent_t): a stream that waits on it is
+  // ordered after all work enqueued on `stream` so far. The same event is
+  // re-recorded by the next call, so wait on it before calling again
+  // (cudaStreamWaitEvent captures the record current at the call). CPU: work is
+  // complete on return; returns nullptr.
+  virtual StatusOr<void*> RecordCompletion(void* /*stream*/) { return static_cast<void*>(nullptr); }
+
   // Makes every spin wait in flight or started later return kAborted promptly.
   // Safe to call from any thread (used on shutdown and when a peer is lost).
   virtual void Abort() = 0;

@@ -16,7 +16,17 @@
 //  * Pointers stay valid until `done` runs.
 //  * CUDA requests: `ready_event` (a cudaEvent_t recorded by the framework on
 //    its stream after the input was produced) is waited on *by the GPU* (no host
-//    block); `done` runs after the output is complete on the device.
+//    block); `done` runs after the output is complete on the device, unless
+//    the request sets `wait_on_completion` (below).
+//  * Device completion (CUDA, `wait_on_completion` set): once the request's
+//    device work is enqueued, the engine records a completion event on its
+//    stream and calls wait_on_completion(event) on an engine thread; the
+//    framework makes its own stream wait on the event inside that call (the
+//    event is re-recorded after the call returns), and `done(OK)` follows at
+//    once, with no host sync: the output is complete when the framework's
+//    stream passes the wait. A failure the device reports later (a peer lost
+//    inside a kernel's barrier) aborts the engine: every later collective on
+//    every rank fails naming it.
 #pragma once
 
 #include <cstdint>
@@ -52,10 +62,18 @@ struct CollectiveRequest {
   int root_rank = 0;                // broadcast only
   void* ready_event = nullptr;      // CUDA only: cudaEvent_t, may be nullptr
   DoneCallback done;
+  // CUDA only, optional (see the contract above). A non-OK return becomes the
+  // status passed to `done`.
+  std::function<Status(void* completion_event)> wait_on_completion;
 };
 
 struct EngineOptions {
   int64_t mpi_comm_fortran = -1;  // MPI_Comm_c2f of the communicator; -1 = COMM_WORLD
+  // CUDA builds: create the CUDA communicator (its registered GPU memory) in
+  // Init, on device local_rank % visible devices, before a framework reserves
+  // the GPU's memory; else at the first CUDA collective. Init then fails on
+  // every rank, naming the rank and the bytes, when the memory cannot be had.
+  bool cuda_at_init = false;
   // Everything else comes from NVGROUP_* environment variables, parsed once in
   // cc/common/env.h; a malformed value makes Init fail naming the variable.
 };
