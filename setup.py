@@ -7,7 +7,7 @@ Two shared objects come out of the same engine sources (cc/):
     so the engine runs and is tested on machines without TensorFlow (the GPU boxes).
 
 CUDA (cc/**/*.cu and cc/**/*_cuda.cc, ops/*_gpu.cc) is compiled when
-NVGROUP_WITH_CUDA=1 (default 0), for NVGROUP_CUDA_ARCH (default 90).
+NVGROUP_WITH_CUDA=1 (default 0), for NVGROUP_CUDA_ARCH (default 90; a list like "70;80;90").
 
 Objects are cached under build/obj/<flavor>/ and rebuilt when the source or any
 header under cc/ or ops/ is newer. Compiles run in parallel (one per core).
@@ -16,6 +16,7 @@ Usage:  python setup.py build_ext --inplace      (or: pip install --no-build-iso
 """
 import concurrent.futures
 import glob
+import importlib.util
 import os
 import shlex
 import shutil
@@ -28,9 +29,22 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 WITH_CUDA = os.environ.get("NVGROUP_WITH_CUDA", "0") == "1"
-CUDA_ARCH = os.environ.get("NVGROUP_CUDA_ARCH", "90")
+CUDA_ARCH = os.environ.get("NVGROUP_CUDA_ARCH", "90")  # a list: "70;80;90" (scripts/cuda_arch.py)
 CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
 JOBS = int(os.environ.get("NVGROUP_BUILD_JOBS", str(os.cpu_count() or 1)))
+
+
+def cuda_gencode_flags():
+    """nvcc -gencode flags for NVGROUP_CUDA_ARCH (one list syntax for setup.py and
+    the scripts: scripts/cuda_arch.py)."""
+    spec = importlib.util.spec_from_file_location("nvgroup_cuda_arch",
+                                                  os.path.join(ROOT, "scripts", "cuda_arch.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        return mod.gencode_flags(CUDA_ARCH)
+    except ValueError as e:
+        raise SystemExit("setup.py: %s" % e)
 
 
 def rel(paths):
@@ -81,6 +95,19 @@ def tf_flags():
     return comp, link
 
 
+def tf_xla_flags():
+    """Extra flags of the XLA lowerings (ops/xla_*.cc): TF's XLA headers include
+    highwayhash and farmhash by their own paths, which the wheel ships under
+    include/external/; their symbols (tf2xla, XlaBuilder, the XLA FFI) live in
+    libtensorflow_cc.so.2, which TF's Python module has loaded already."""
+    import tensorflow as tf
+    inc = tf.sysconfig.get_include()
+    comp = ["-I" + os.path.join(inc, "external", "highwayhash"),
+            "-I" + os.path.join(inc, "external", "farmhash_archive", "src")]
+    link = ["-L" + tf.sysconfig.get_lib(), "-l:libtensorflow_cc.so.2"]
+    return comp, link
+
+
 def newest_header_mtime():
     headers = glob.glob(os.path.join(ROOT, "cc", "**", "*.h"), recursive=True)
     headers += glob.glob(os.path.join(ROOT, "cc", "**", "*.cuh"), recursive=True)
@@ -126,9 +153,8 @@ class NativeBuilder:
                 continue
             os.makedirs(objdir, exist_ok=True)
             if src.endswith(".cu"):
-                cmd = ["nvcc", "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
-                       "-gencode", "arch=compute_%s,code=sm_%s" % (CUDA_ARCH, CUDA_ARCH),
-                       "-DNVGROUP_WITH_CUDA=1", "-I" + os.path.join(ROOT, "cc", "include"),
+                cmd = ["nvcc", "-O3", "-std=c++17", "-Xcompiler", "-fPIC"] + cuda_gencode_flags() + \
+                      ["-DNVGROUP_WITH_CUDA=1", "-I" + os.path.join(ROOT, "cc", "include"),
                        "-I" + os.path.join(ROOT, "cc")] + \
                       [f for f in self.mpi_compile if f.startswith("-I")] + \
                       ["-c", src, "-o", obj]
@@ -187,10 +213,12 @@ class BuildNative(build_ext):
             host_ops = [s for s in op_srcs if not s.endswith("_gpu.cc")]
             gpu_ops = [s for s in op_srcs if s.endswith("_gpu.cc")] if WITH_CUDA else []
             gpu_flags = ["-DGOOGLE_CUDA=1"] + tf_cuda_include_tree() if WITH_CUDA else []
+            xla_comp, xla_link = tf_xla_flags()
             objs = builder.compile(host + cuda, "tf", tf_comp + TF_EXTRA)
             objs += builder.compile(host_ops + gpu_ops, "tf_ops",
-                                    ["-I" + ROOT] + tf_comp + TF_EXTRA + gpu_flags)
-            builder.link(objs, os.path.join(ROOT, "nvgroup_tf", "lib", "libnvgroup_tf_ops.so"), tf_link)
+                                    ["-I" + ROOT] + tf_comp + TF_EXTRA + xla_comp + gpu_flags)
+            builder.link(objs, os.path.join(ROOT, "nvgroup_tf", "lib", "libnvgroup_tf_ops.so"),
+                         tf_link + xla_link)
         elif tf is None:
             print("TensorFlow not importable: built the engine's pybind11 module only.")
 

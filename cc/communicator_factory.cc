@@ -37,15 +37,17 @@ StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(int64_t mpi_comm_fort
   if (options.timeout_seconds <= 0)
     return Status::InvalidArgument("CommunicatorOptions.timeout_seconds must be positive, got " +
                                    std::to_string(options.timeout_seconds));
-  StatusOr<Knobs> knobs = ParseKnobsFromEnvironment();
-  if (!knobs.ok()) return knobs.status();
+  StatusOr<Knobs> parsed = options.knobs != nullptr ? StatusOr<Knobs>(*options.knobs) : ParseKnobsFromEnvironment();
+  if (!parsed.ok()) return parsed.status();
+  CommunicatorOptions with_knobs = options;
+  with_knobs.knobs = &parsed.value();
 
-  if (device.kind == DeviceKind::kCpu) return CreateCpuCommunicator(comm, options, knobs.value());
+  if (device.kind == DeviceKind::kCpu) return CreateCpuCommunicator(comm, with_knobs, parsed.value());
 #ifdef NVGROUP_WITH_CUDA
   Topology host_topology;
   TopologyComms comms;
   NVG_RETURN_IF_ERROR_CTX(SplitNodes(comm, &host_topology, &comms), "splitting ranks into nodes");
-  return CreateCudaCommunicator(comm, device.ordinal, options, host_topology);
+  return CreateCudaCommunicator(comm, device.ordinal, with_knobs, host_topology);
 #else
   return Status::Unimplemented("device " + device.ToString() +
                                " needs a CUDA build: rebuild with NVGROUP_WITH_CUDA=1");

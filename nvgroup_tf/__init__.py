@@ -20,20 +20,42 @@ _EXPORTS = {
     "nvgroup_tf.mpi_ops": [
         "Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "grouped_allreduce",
         "allgather", "broadcast",
+        # Collectives added for Horovod parity (engine: coll).
+        "reducescatter", "grouped_reducescatter", "alltoall", "grouped_allgather", "broadcast_",
+        "join", "process_set_included_op",
     ],
     "nvgroup_tf.functions": ["broadcast_variables", "broadcast_object", "allgather_object"],
     "nvgroup_tf.compression": ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"],
     "nvgroup_tf.exceptions": ["NvgroupInternalError", "HorovodInternalError"],
     # Written by the Keras/optimizer side (nvgroup_tf/gradient_tape.py, optimizer.py).
-    "nvgroup_tf.gradient_tape": ["DistributedGradientTape"],
-    "nvgroup_tf.optimizer": ["DistributedOptimizer"],
+    "nvgroup_tf.gradient_tape": ["DistributedGradientTape", "PartialDistributedGradientTape"],
+    "nvgroup_tf.optimizer": ["DistributedOptimizer", "PartialDistributedOptimizer"],
+    # Process sets (engine: coll).
+    "nvgroup_tf.process_sets": ["ProcessSet", "add_process_set", "remove_process_set",
+                                "global_process_set"],
 }
+# Issue 10, small Python-level API (topology ops, build flags, timeline, object
+# helpers, Horovod's util helpers, SyncBatchNormalization).
+_EXPORTS["nvgroup_tf.basics"] += [
+    "is_homogeneous", "mpi_threads_supported", "ddl_built", "ccl_built", "rank_op", "size_op",
+    "local_rank_op", "local_size_op", "cross_rank_op", "cross_size_op", "start_timeline",
+    "stop_timeline",
+]
+_EXPORTS["nvgroup_tf.functions"] += [
+    "broadcast_global_variables", "broadcast_object_fn", "BroadcastGlobalVariablesHook",
+]
+_EXPORTS["nvgroup_tf.util"] = [
+    "_executing_eagerly", "_make_subgraph", "_cache", "vars_to_refs", "refs_to_vars",
+    "handle_average_backwards_compatibility", "check_num_rank_power_of_2",
+]
+_EXPORTS["nvgroup_tf.sync_batch_norm"] = ["SyncBatchNormalization"]
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = sorted(_MODULE_OF)
 
 
-_SUBMODULES = ("basics", "mpi_ops", "functions", "compression", "exceptions")
+_SUBMODULES = ("basics", "mpi_ops", "functions", "compression", "exceptions", "process_sets")
+_SUBMODULES += ("util", "elastic", "sync_batch_norm")
 
 
 def __getattr__(name):

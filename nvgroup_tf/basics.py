@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+import warnings
 
 import tensorflow as tf
 
@@ -21,6 +22,7 @@ LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib",
                             "libnvgroup_tf_ops.so")
 _MESSAGE_BYTES = 4096
 
+_init_comm = None  # what the last init() got; nvgroup_tf.elastic re-initializes over it
 _load_lock = threading.Lock()
 _library = None  # (ctypes.CDLL, op module) once loaded
 _atexit_registered = False
@@ -50,11 +52,25 @@ def _load():
             getattr(handle, fn).argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int]
         for fn in ("nvgroup_tf_shutdown", "nvgroup_tf_finalize_mpi"):
             getattr(handle, fn).argtypes = [ctypes.c_char_p, ctypes.c_int]
-        for fn in _TOPOLOGY_FUNCTIONS.values():
+        for fn in list(_TOPOLOGY_FUNCTIONS.values()) + list(_ENGINE_FLAGS.values()):
             getattr(handle, fn).argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
                                             ctypes.c_int]
+        handle.nvgroup_tf_start_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int,
+                                                     ctypes.c_char_p, ctypes.c_int]
+        handle.nvgroup_tf_stop_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        _register_xla_kernels(handle)
         _library = (handle, ops)
         return _library
+
+
+@tf.autograph.experimental.do_not_convert
+def _register_xla_kernels(handle):
+    """The collectives' XLA kernels (ops/xla_ops.cc) are registered right after
+    the library loads: TF takes XLA kernels in only once per process, at its
+    first XLA compilation; warns if that has already happened."""
+    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    if handle.nvgroup_tf_register_xla_kernels(message, _MESSAGE_BYTES) != 0:
+        warnings.warn(message.value.decode(errors="replace"), RuntimeWarning)
 
 
 def op_module():
@@ -68,7 +84,7 @@ def _call(what, fn, *args):
     raise_for_status(code, message.value.decode(errors="replace"), what)
 
 
-def init(comm=None):
+def init(comm=None, process_sets=None):
     """Initializes nvgroup_tf over `comm` (an mpi4py communicator; None = COMM_WORLD).
 
     Collective: every rank of the communicator must call it. Initializes MPI
@@ -89,6 +105,11 @@ def init(comm=None):
                         "got %s" % type(comm).__name__)
     handle, _ = _load()
     _call("nvgroup_tf.init", handle.nvgroup_tf_init, comm_fortran)
+    global _init_comm
+    _init_comm = comm
+    # init(process_sets=[ProcessSet(...), ...]): registered in order (coll).
+    from nvgroup_tf import process_sets as _process_sets
+    _process_sets._register_static(process_sets)
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
@@ -98,6 +119,8 @@ def shutdown():
     """Stops the engine; collectives in flight fail with tf.errors.AbortedError."""
     handle, _ = _load()
     _call("nvgroup_tf.shutdown", handle.nvgroup_tf_shutdown)
+    from nvgroup_tf import process_sets as _process_sets  # every set is gone (coll)
+    _process_sets._reset_after_shutdown()
 
 
 def _shutdown_at_exit():
@@ -127,13 +150,20 @@ _TOPOLOGY_FUNCTIONS = {
 }
 
 
+# Flags the engine settles at init (ops/c_api.cc), queried like the topology.
+_ENGINE_FLAGS = {
+    "mpi_threads_supported": "nvgroup_tf_mpi_threads_supported",
+    "is_homogeneous": "nvgroup_tf_is_homogeneous",
+}
+
+
 def _topology(query):
     handle, _ = _load()
     if not handle.nvgroup_tf_is_initialized():
         raise ValueError(NOT_INITIALIZED_MESSAGE)
     value = ctypes.c_int(-1)
-    _call("nvgroup_tf.%s()" % query, getattr(handle, _TOPOLOGY_FUNCTIONS[query]),
-          ctypes.byref(value))
+    function = _TOPOLOGY_FUNCTIONS.get(query) or _ENGINE_FLAGS[query]
+    _call("nvgroup_tf.%s()" % query, getattr(handle, function), ctypes.byref(value))
     return value.value
 
 
@@ -165,6 +195,83 @@ def cross_size():
     return _topology("cross_size")
 
 
+def is_homogeneous():
+    """True when every node runs the same number of ranks (agreed by all ranks at init)."""
+    return bool(_topology("is_homogeneous"))
+
+
+def mpi_threads_supported():
+    """True when MPI provides MPI_THREAD_MULTIPLE (init() asks for it unless MPI was
+    initialized before, e.g. by mpi4py)."""
+    return bool(_topology("mpi_threads_supported"))
+
+
+# ---- Topology as TF ops (Horovod's rank_op, size_op, ...) -------------------
+# The value is read when the op runs (ops/nvgroup_topology_ops.cc), so a graph
+# built before init() reports the engine it runs against. Before init() the op
+# fails with tf.errors.FailedPreconditionError when it runs.
+
+def rank_op(name=None):
+    """An int32 scalar op: this process's rank, read at execution time."""
+    return op_module().nvgroup_rank(name=name)
+
+
+def size_op(process_set_id=0, name=None):
+    """An int32 scalar op: the number of ranks of the process set (0 = all ranks),
+    read at execution time; an unknown set fails with InvalidArgumentError then."""
+    return op_module().nvgroup_size(process_set_id=int(process_set_id), name=name)
+
+
+def local_rank_op(name=None):
+    """An int32 scalar op: the rank on this node, read at execution time."""
+    return op_module().nvgroup_local_rank(name=name)
+
+
+def local_size_op(name=None):
+    """An int32 scalar op: the number of ranks on this node, read at execution time."""
+    return op_module().nvgroup_local_size(name=name)
+
+
+def cross_rank_op(name=None):
+    """An int32 scalar op: the index of this node, read at execution time."""
+    return op_module().nvgroup_cross_rank(name=name)
+
+
+def cross_size_op(name=None):
+    """An int32 scalar op: the number of nodes, read at execution time."""
+    return op_module().nvgroup_cross_size(name=name)
+
+
+for _op_name in ("NvgroupRank", "NvgroupSize", "NvgroupLocalRank", "NvgroupLocalSize",
+                 "NvgroupCrossRank", "NvgroupCrossSize"):
+    tf.no_gradient(_op_name)
+
+
+# ---- Timeline at run time ----------------------------------------------------
+
+def start_timeline(file_path, mark_cycles=False):
+    """Starts writing the Chrome-trace timeline to `file_path` (rank 0 writes, as with
+    NVGROUP_TIMELINE; an open timeline is closed first). mark_cycles=True adds a
+    CYCLE_START instant event for every engine cycle that runs collectives.
+    Returns once the engine has opened the file. Raises ValueError before init()."""
+    handle, _ = _load()
+    if not handle.nvgroup_tf_is_initialized():
+        raise ValueError(NOT_INITIALIZED_MESSAGE)
+    if not file_path:
+        raise ValueError("start_timeline: file_path must be a non-empty path")
+    _call("nvgroup_tf.start_timeline", handle.nvgroup_tf_start_timeline,
+          os.fsencode(file_path), 1 if mark_cycles else 0)
+
+
+def stop_timeline():
+    """Stops the timeline and closes its file (valid JSON once this returns).
+    Raises ValueError before init()."""
+    handle, _ = _load()
+    if not handle.nvgroup_tf_is_initialized():
+        raise ValueError(NOT_INITIALIZED_MESSAGE)
+    _call("nvgroup_tf.stop_timeline", handle.nvgroup_tf_stop_timeline)
+
+
 # Build information, under the names Horovod users query.
 def mpi_built():
     return True
@@ -187,6 +294,14 @@ def nccl_built():
 
 
 def rocm_built():
+    return False
+
+
+def ddl_built():
+    return False
+
+
+def ccl_built():
     return False
 
 

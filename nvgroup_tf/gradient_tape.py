@@ -9,9 +9,12 @@ reduced over all ranks (custom training loops; Horovod's API).
 How it works: the returned object is a tf.GradientTape of the same class that
 takes over the recorded tape (the tape's internal state, as Horovod does), so
 `gradient()` first computes the local gradients, then reduces them with the
-same bucketed path as DistributedOptimizer (_keras_impl/reduce.py). Sources
-are identified by their `.path` (Keras 3 variables) or `.name`; nested source
-structures come back in the same structure.
+same bucketed path as DistributedOptimizer (_keras_impl/reduce.py: unique
+names per tape and per gradient() call inside a graph; one traced function
+when called eagerly). Sources are identified by their `.path` (Keras 3
+variables) or `.name`; nested source structures come back in the same
+structure. `register_local_source(var)` / PartialDistributedGradientTape's
+`local_layers` keep some gradients local (Horovod).
 """
 import tensorflow as tf
 
@@ -19,17 +22,23 @@ from nvgroup_tf._keras_impl.reduce import GradientReducer
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
-                            sparse_as_dense=False, op=None, num_groups=0, groups=None,
+                            sparse_as_dense=False, op=None, gradient_predivide_factor=1.0, num_groups=0,
+                            groups=None, process_set=None, scale_local_gradients=True,
                             bucket_cap_bytes=None, persistent=None, watch_accessed_variables=None):
-    """Wraps `gradtape`. Arguments as DistributedOptimizer's (compression defaults
-    to Compression.none, op to Average)."""
+    """Wraps `gradtape`. Arguments as Horovod's (compression defaults to
+    Compression.none, op to Average; op must be Average or Sum; process_set:
+    the global set only), plus bucket_cap_bytes as DistributedOptimizer's."""
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError("DistributedGradientTape expects a tf.GradientTape, got %s" % type(gradtape).__name__)
     reducer = GradientReducer(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
                               device_dense=device_dense, device_sparse=device_sparse,
                               num_groups=num_groups, groups=groups, bucket_cap_bytes=bucket_cap_bytes,
-                              name_prefix="DistributedGradientTape")
+                              name_prefix="DistributedGradientTape",
+                              gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
+                              scale_local_gradients=scale_local_gradients)
     cls = type(gradtape)
+    if issubclass(cls, _DistributedTapeMixin):
+        raise ValueError("DistributedGradientTape: this tape is already distributed")
     dist_cls = type("Distributed" + cls.__name__, (_DistributedTapeMixin, cls), {})
     tape = dist_cls(persistent=gradtape._persistent if persistent is None else persistent,
                     watch_accessed_variables=(gradtape._watch_accessed_variables
@@ -42,7 +51,31 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     return tape
 
 
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
+                                   sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
+                                   num_groups=0, groups=None, process_set=None, local_layers=None,
+                                   scale_local_gradients=True, bucket_cap_bytes=None):
+    """Horovod's PartialDistributedGradientTape: the trainable weights of
+    `local_layers` (a Keras layer or a list of them) keep local gradients."""
+    from nvgroup_tf.optimizer import _local_layers
+    layers = _local_layers(local_layers)
+    tape = DistributedGradientTape(gradtape, device_dense=device_dense, device_sparse=device_sparse,
+                                   compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                                   gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+                                   groups=groups, process_set=process_set,
+                                   scale_local_gradients=scale_local_gradients, bucket_cap_bytes=bucket_cap_bytes)
+    for layer in layers:
+        for var in layer.trainable_weights:
+            tape.register_local_source(var)
+    return tape
+
+
 class _DistributedTapeMixin:
+    def register_local_source(self, source):
+        """Horovod: the gradient for `source` is this rank's own (not reduced;
+        divided by size() when scale_local_gradients)."""
+        self._nvg_reducer.register_local_var(source)
+
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         grads = super().gradient(target, sources, output_gradients=output_gradients, **kwargs)
         flat_sources = tf.nest.flatten(sources)

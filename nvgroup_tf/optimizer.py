@@ -11,6 +11,18 @@ method overridden:
     fusion buckets in backprop order, variables identified by `.path`) and the
     original `apply` runs on the result.
   * tf_keras (TF_USE_LEGACY_KERAS=1): `apply_gradients`, see _keras_impl/legacy.py.
+Horovod's `_compute_gradients(loss, var_list, grad_loss, tape)` /
+`compute_gradients` return reduced gradients too; an `apply` of exactly those
+gradients does not reduce them a second time.
+
+Saving. There is one Distributed<X> class per optimizer class X, registered
+with Keras as "nvgroup_tf>Distributed<X>" (the built-in Keras optimizers'
+ones when this module is imported, which `import nvgroup_tf.keras` does), so
+`model.save()` writes it and `keras.models.load_model` rebuilds it -- as a
+distributed optimizer with default reduction settings (from_config) -- and
+restores its variables (iterations, moments). `nvgroup_tf.keras.load_model`
+(Horovod's hvd.load_model) also makes a plainly saved optimizer distributed,
+in place, keeping its state.
 
 Mixed precision. Keras' LossScaleOptimizer checks the gradients for inf/NaN
 before calling its inner optimizer; if that check ran on per-rank gradients,
@@ -20,18 +32,20 @@ them. So the reduction always happens in the OUTERMOST optimizer:
     LossScaleOptimizer: reduce, then check: every rank sees the same sums.
   * DistributedOptimizer(opt) under the global policy "mixed_float16" wraps opt
     in a LossScaleOptimizer first (what `compile` would do), so compile does not
-    add another one around ours. A model whose policy is set per model, not
-    globally, must be given DistributedOptimizer(LossScaleOptimizer(opt)).
+    add another one around ours.
+  * A model whose policy is set per model (Model(dtype="mixed_float16")) makes
+    `compile` wrap our optimizer in a plain LossScaleOptimizer. The first
+    DistributedOptimizer installs a small wrapper around Keras' `compile` that
+    then replaces that wrapper by a distributed LossScaleOptimizer around the
+    same optimizer, which itself stops reducing: the reduction moves outward,
+    before the finite check.
 
-XLA. Our collectives have no XLA kernel, and a tf.function(jit_compile=False)
-nested in an XLA-compiled function is still compiled (checked on TF 2.21). So
-the model's train step itself must not be compiled: the first
-DistributedOptimizer installs a small guard on Keras' `model_supports_jit` that
-answers False for a model whose optimizer is distributed. `compile()` with the
-default jit_compile="auto" then resolves to False, and jit_compile=True is
-turned off with Keras' own warning ("Model doesn't support jit_compile=True").
-Custom training loops must not wrap the optimizer step in
-tf.function(jit_compile=True).
+XLA. The collectives have XLA lowerings (ops/xla_ops.cc: custom calls into
+the engine), so a train step with DistributedOptimizer compiles like any other:
+`compile(jit_compile=True)` and custom loops under tf.function(jit_compile=True)
+run the reduction inside the XLA program, and the default jit_compile="auto"
+resolves exactly as Keras decides without nvgroup_tf (on where a GPU is
+visible, off on CPU-only machines).
 """
 import tensorflow as tf
 
@@ -47,12 +61,79 @@ class _SyncState:
     def __init__(self, reducer, aggregator):
         self.reducer = reducer
         self.aggregator = aggregator
+        self.prereduced = []   # gradients compute_gradients returned already reduced
+        self.reduced_outside = False  # an outer (distributed) LossScaleOptimizer reduces for us
+
+
+def _make_sync(name_prefix, op=None, compression=None, sparse_as_dense=False, device_dense="",
+               device_sparse="", backward_passes_per_step=1, average_aggregated_gradients=False,
+               num_groups=0, groups=None, bucket_cap_bytes=None, gradient_predivide_factor=1.0,
+               process_set=None, scale_local_gradients=True):
+    reducer = GradientReducer(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                              device_dense=device_dense, device_sparse=device_sparse,
+                              num_groups=num_groups, groups=groups, bucket_cap_bytes=bucket_cap_bytes,
+                              name_prefix=name_prefix, gradient_predivide_factor=gradient_predivide_factor,
+                              process_set=process_set, scale_local_gradients=scale_local_gradients)
+    aggregator = (LocalAggregator(backward_passes_per_step, average_aggregated_gradients)
+                  if backward_passes_per_step != 1 else None)
+    return _SyncState(reducer, aggregator)
 
 
 class _DistributedKerasMixin:
     """Overrides Keras 3 `apply`; combined with the wrapped optimizer's class."""
 
     _nvg_is_distributed = True
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Keras deserialization (load_model): distributed, default reduction settings."""
+        optimizer = super().from_config(config, custom_objects=custom_objects)
+        if getattr(optimizer, "_nvg_sync", None) is None:
+            optimizer._nvg_sync = _make_sync(cls.__name__)
+        inner = getattr(optimizer, "inner_optimizer", None)
+        if getattr(inner, _DISTRIBUTED_MARK, False):  # a saved distributed LossScaleOptimizer of
+            inner._nvg_sync.reduced_outside = True      # a distributed one: the outer reduces
+        _install_keras_hooks()
+        return optimizer
+
+    @property
+    def _nvg_local_vars(self):
+        return list(self._nvg_sync.reducer.local_vars)
+
+    def register_local_var(self, var):
+        """Horovod: the gradient of `var` stays this rank's own (not reduced;
+        divided by size() when scale_local_gradients, Horovod's default)."""
+        self._nvg_sync.reducer.register_local_var(var)
+
+    def _nvg_reduce(self, grads, variables):
+        sync = self._nvg_sync
+        if sync.reduced_outside:
+            return list(grads)
+        if sync.prereduced and len(sync.prereduced) == len(grads) and all(
+                a is b for a, b in zip(sync.prereduced, grads)):
+            sync.prereduced = []
+            return list(grads)
+        sync.prereduced = []
+        return sync.reducer.reduce(grads, variables)
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        """Horovod's (tf.keras OptimizerV2) path: gradients of `loss` (a tensor
+        recorded on `tape`, or a callable) for `var_list`, reduced over ranks.
+        Returns a list of (gradient, variable)."""
+        tape = tf.GradientTape() if tape is None else tape
+        if callable(loss):
+            with tape:   # trainable variables the loss reads are watched automatically
+                loss = loss()
+        if callable(var_list):
+            var_list = var_list()
+        var_list = list(var_list)
+        grads = tape.gradient(loss, var_list, grad_loss)
+        reduced = self._nvg_reduce(grads, var_list)
+        self._nvg_sync.prereduced = [g for g in reduced]
+        return list(zip(reduced, var_list))
+
+    def compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        return self._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
 
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is None:
@@ -70,11 +151,11 @@ class _DistributedKerasMixin:
                 self.build(variables)
             self.built = True
         sync = self._nvg_sync
-        if sync.aggregator is None:
-            return super().apply(sync.reducer.reduce(grads, variables), variables)
+        if sync.aggregator is None or sync.reduced_outside:
+            return super().apply(self._nvg_reduce(grads, variables), variables)
 
         def apply_fn(aggregated):
-            super(_DistributedKerasMixin, self).apply(sync.reducer.reduce(aggregated, variables), variables)
+            super(_DistributedKerasMixin, self).apply(self._nvg_reduce(aggregated, variables), variables)
 
         def skip_fn():
             self._nvg_iterations().assign_add(1)
@@ -91,24 +172,94 @@ def is_distributed(optimizer) -> bool:
         getattr(getattr(optimizer, "inner_optimizer", None), _DISTRIBUTED_MARK, False))
 
 
-_jit_guard_installed = False
+_DIST_CLASSES = {}   # optimizer class -> its Distributed<X> class
 
 
-def _install_jit_guard():
-    """See "XLA" in the module docstring."""
-    global _jit_guard_installed
-    if _jit_guard_installed:
+def distributed_class(cls):
+    """The one Distributed<X> class of Keras 3 optimizer class X, registered
+    for serialization as "nvgroup_tf>Distributed<X>"."""
+    if getattr(cls, _DISTRIBUTED_MARK, False):
+        return cls
+    dist = _DIST_CLASSES.get(cls)
+    if dist is not None:
+        return dist
+    import keras
+    from keras.src.saving import object_registration
+    name = "Distributed" + cls.__name__
+    taken = object_registration.get_registered_object("nvgroup_tf>" + name)
+    if taken is not None and taken.__mro__[2] is not cls:  # another class of the same name
+        name = "Distributed%s_%s" % (cls.__module__.replace(".", "_"), cls.__name__)
+    dist = type(name, (_DistributedKerasMixin, cls), {"__module__": __name__})
+    keras.saving.register_keras_serializable(package="nvgroup_tf", name=name)(dist)
+    _DIST_CLASSES[cls] = dist
+    return dist
+
+
+def _register_builtin_optimizers():
+    import keras
+    for attr in dir(keras.optimizers):
+        cls = getattr(keras.optimizers, attr)
+        if (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)
+                and cls is not keras.optimizers.Optimizer and attr != "MultiOptimizer"):
+            distributed_class(cls)
+
+
+def make_distributed_in_place(optimizer, **kwargs):
+    """Turns a built Keras 3 optimizer into a distributed one without
+    rebuilding it: its variables (iterations, moments) are kept. Used by
+    load_model; kwargs as DistributedOptimizer's."""
+    if not is_distributed(optimizer):
+        optimizer.__class__ = distributed_class(type(optimizer))
+        optimizer._nvg_sync = None
+    if kwargs or getattr(optimizer, "_nvg_sync", None) is None:
+        optimizer._nvg_sync = _make_sync(kwargs.pop("name", None) or type(optimizer).__name__, **kwargs)
+    _install_keras_hooks()
+    return optimizer
+
+
+_hooks_installed = False
+
+
+def _install_keras_hooks():
+    """See "Mixed precision" in the module docstring (XLA needs no hook: the
+    collectives have XLA lowerings)."""
+    global _hooks_installed
+    if _hooks_installed:
         return
     from keras.src.trainers import trainer as keras_trainer
-    original = keras_trainer.model_supports_jit
+    from keras.src.utils import tracking
+    original_compile = keras_trainer.Trainer.compile
 
-    def model_supports_jit(model):
-        if is_distributed(getattr(model, "optimizer", None)):
-            return False
-        return original(model)
+    @tracking.no_automatic_dependency_tracking
+    def compile(self, *args, **kwargs):
+        original_compile(self, *args, **kwargs)
+        _move_reduction_outside_loss_scale(self)
 
-    keras_trainer.model_supports_jit = model_supports_jit
-    _jit_guard_installed = True
+    compile.__doc__ = original_compile.__doc__
+    keras_trainer.Trainer.compile = compile
+    _hooks_installed = True
+
+
+def _move_reduction_outside_loss_scale(model):
+    """compile() of a per-model mixed_float16 model put a plain
+    LossScaleOptimizer around our distributed one: its finite check would see
+    per-rank gradients (ranks could skip different steps and deadlock).
+    Replace it by a distributed LossScaleOptimizer of the same settings."""
+    import keras
+    outer = getattr(model, "optimizer", None)
+    if not isinstance(outer, keras.optimizers.LossScaleOptimizer) or getattr(outer, _DISTRIBUTED_MARK, False):
+        return
+    inner = outer.inner_optimizer
+    if not getattr(inner, _DISTRIBUTED_MARK, False):
+        return
+    config = outer.get_config()
+    config.pop("inner_optimizer", None)
+    dist_outer = distributed_class(type(outer))(inner, **config)
+    dist_outer._nvg_sync = inner._nvg_sync
+    # The inner optimizer keeps its settings but no longer reduces: the outer does.
+    inner._nvg_sync = _SyncState(inner._nvg_sync.reducer, None)
+    inner._nvg_sync.reduced_outside = True
+    model.optimizer = dist_outer
 
 
 def _is_keras3_optimizer(optimizer) -> bool:
@@ -122,12 +273,13 @@ def _is_tf_keras_optimizer(optimizer) -> bool:
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
-                         sparse_as_dense=False, backward_passes_per_step=1, op=None,
-                         average_aggregated_gradients=False, num_groups=0, groups=None,
-                         bucket_cap_bytes=None):
+                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=None,
+                         backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
+                         groups=None, process_set=None, scale_local_gradients=True, bucket_cap_bytes=None):
     """Wraps a Keras optimizer so gradients are reduced across ranks before they
     are applied. Arguments as Horovod's (compression=Compression.none and
-    op=Average when None), plus:
+    op=Average when None; op must be Average or Sum; process_set: the global
+    set only, None or an object with process_set_id 0), plus:
 
       bucket_cap_bytes: fusion bucket cap in bytes (default: NVGROUP_BUCKET_CAP_MB
         MiB, else 25 MiB; 0 = one collective per gradient). num_groups / groups,
@@ -135,15 +287,17 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     """
     if is_distributed(optimizer):
         raise ValueError("DistributedOptimizer: this optimizer is already distributed")
-    reducer = GradientReducer(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                              device_dense=device_dense, device_sparse=device_sparse,
-                              num_groups=num_groups, groups=groups, bucket_cap_bytes=bucket_cap_bytes,
-                              name_prefix=name or "Distributed%s" % type(optimizer).__name__)
-    aggregator = (LocalAggregator(backward_passes_per_step, average_aggregated_gradients)
-                  if backward_passes_per_step != 1 else None)
+    settings = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                    device_dense=device_dense, device_sparse=device_sparse,
+                    backward_passes_per_step=backward_passes_per_step,
+                    average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+                    groups=groups, bucket_cap_bytes=bucket_cap_bytes,
+                    gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
+                    scale_local_gradients=scale_local_gradients)
+    sync = _make_sync(name or "Distributed%s" % type(optimizer).__name__, **settings)
     if _is_tf_keras_optimizer(optimizer):
         from nvgroup_tf._keras_impl import legacy
-        return legacy.wrap(optimizer, _SyncState(reducer, aggregator))
+        return legacy.wrap(optimizer, sync)
     if not _is_keras3_optimizer(optimizer):
         raise TypeError("DistributedOptimizer expects a Keras optimizer (keras.optimizers.Optimizer, or "
                         "a tf_keras optimizer with TF_USE_LEGACY_KERAS=1), got %s" % type(optimizer).__name__)
@@ -152,12 +306,52 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     cls = type(optimizer)
-    dist_cls = type("Distributed" + cls.__name__, (_DistributedKerasMixin, cls), {})
+    dist_cls = distributed_class(cls)
     try:
         wrapped = dist_cls.from_config(optimizer.get_config())
     except Exception as e:  # a custom optimizer whose config does not round-trip
         raise TypeError("DistributedOptimizer: cannot rebuild %s from its get_config() (%s); make "
                         "get_config/from_config round-trip" % (cls.__name__, e)) from e
-    wrapped._nvg_sync = _SyncState(reducer, aggregator)
-    _install_jit_guard()
+    wrapped._nvg_sync = sync
+    _install_keras_hooks()
     return wrapped
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
+                                sparse_as_dense=False, gradient_predivide_factor=1.0, op=None,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set=None, local_layers=None,
+                                scale_local_gradients=True, bucket_cap_bytes=None):
+    """Horovod's PartialDistributedOptimizer: DistributedOptimizer whose
+    `local_layers` (a Keras layer or a list of them) keep their gradients local
+    (their trainable weights are register_local_var'ed)."""
+    layers = _local_layers(local_layers)
+    opt = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+                               compression=compression, sparse_as_dense=sparse_as_dense,
+                               gradient_predivide_factor=gradient_predivide_factor, op=op,
+                               backward_passes_per_step=backward_passes_per_step,
+                               average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                               process_set=process_set, scale_local_gradients=scale_local_gradients,
+                               bucket_cap_bytes=bucket_cap_bytes)
+    for layer in layers:
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt
+
+
+def _local_layers(local_layers):
+    import keras
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        return [local_layers]
+    layers = list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise ValueError("All local layers must be of keras.layers.Layer type.")
+    return layers
+
+
+try:
+    _register_builtin_optimizers()
+except ImportError:  # no Keras 3 (tf_keras only)
+    pass

@@ -54,6 +54,8 @@ Status ToEngineDataType(tf::DataType tf_dtype, DataType* dtype) {
     case tf::DT_DOUBLE: *dtype = DataType::kFloat64; return Status::Ok();
     case tf::DT_INT32: *dtype = DataType::kInt32; return Status::Ok();
     case tf::DT_INT64: *dtype = DataType::kInt64; return Status::Ok();
+    case tf::DT_UINT16: *dtype = DataType::kUint16; return Status::Ok();
+    case tf::DT_INT16: *dtype = DataType::kInt16; return Status::Ok();
     default:
       return Status::InvalidArgument(std::string("nvgroup_tf does not support tensors of type ") +
                                      tf::DataTypeString(tf_dtype));
@@ -99,6 +101,7 @@ absl::Status MakeAllreduceRequest(tf::OpKernelContext* context, int index, const
   request->op = attrs.op;
   request->prescale_factor = attrs.prescale_factor;
   request->postscale_factor = attrs.postscale_factor;
+  request->process_set_id = attrs.process_set_id;
   return absl::OkStatus();
 }
 

@@ -203,6 +203,7 @@ struct AllreduceAttrs {
   double prescale_factor = 1.0;
   double postscale_factor = 1.0;
   std::string tensor_name;
+  int process_set_id = 0;
 
   absl::Status Read(tf::OpKernelConstruction* context) {
     std::string op_text;
@@ -212,6 +213,7 @@ struct AllreduceAttrs {
     TF_RETURN_IF_ERROR(context->GetAttr("prescale_factor", &prescale));
     TF_RETURN_IF_ERROR(context->GetAttr("postscale_factor", &postscale));
     TF_RETURN_IF_ERROR(context->GetAttr("tensor_name", &tensor_name));
+    TF_RETURN_IF_ERROR(context->GetAttr("process_set_id", &process_set_id));
     prescale_factor = prescale;
     postscale_factor = postscale;
     return absl::OkStatus();
@@ -274,6 +276,7 @@ class AllgatherOp : public tf::AsyncOpKernel {
   explicit AllgatherOp(tf::OpKernelConstruction* context) : AsyncOpKernel(context) {
     std::string tensor_name;
     OP_REQUIRES_OK(context, context->GetAttr("tensor_name", &tensor_name));
+    OP_REQUIRES_OK(context, context->GetAttr("process_set_id", &process_set_id_));
     name_ = CollectiveName(*this, tensor_name);
   }
 
@@ -290,6 +293,7 @@ class AllgatherOp : public tf::AsyncOpKernel {
     OP_REQUIRES_OK_ASYNC(context, ToTfStatus(dtype_status), done);
     request.name = name_;
     request.type = CollectiveType::kAllgather;
+    request.process_set_id = process_set_id_;
     request.shape = ToEngineShape(input.shape());
     request.input = input.tensor_data().data();
     // Runs on an engine thread after negotiation, before `done`: the context is
@@ -308,6 +312,7 @@ class AllgatherOp : public tf::AsyncOpKernel {
   }
 
  private:
+  int process_set_id_ = 0;
   std::string name_;
 };
 
@@ -318,6 +323,7 @@ class BroadcastOp : public tf::AsyncOpKernel {
     std::string tensor_name;
     OP_REQUIRES_OK(context, context->GetAttr("tensor_name", &tensor_name));
     OP_REQUIRES_OK(context, context->GetAttr("root_rank", &root_rank_));
+    OP_REQUIRES_OK(context, context->GetAttr("process_set_id", &process_set_id_));
     name_ = CollectiveName(*this, tensor_name);
   }
 
@@ -336,10 +342,12 @@ class BroadcastOp : public tf::AsyncOpKernel {
     request.input = input.tensor_data().data();
     request.output = const_cast<char*>(output->tensor_data().data());
     request.root_rank = root_rank_;
+    request.process_set_id = process_set_id_;
     Submit<Traits>(context, std::move(requests), std::move(done));
   }
 
  private:
+  int process_set_id_ = 0;
   int root_rank_ = 0;
   std::string name_;
 };

@@ -79,6 +79,19 @@ void nvgroup_tf_gpu_event_stats(int64_t* created, int64_t* recorded) {
   *recorded = stats.recorded;
 }
 
+int nvgroup_tf_mpi_threads_supported(int* out, char* msg, int len) {
+  return ReportValue(nvgroup::MpiThreadsSupported(), out, msg, len);
+}
+int nvgroup_tf_is_homogeneous(int* out, char* msg, int len) {
+  return ReportValue(nvgroup::IsHomogeneous(), out, msg, len);
+}
+
+// Horovod's start_timeline(file_path, mark_cycles) / stop_timeline().
+int nvgroup_tf_start_timeline(const char* path, int mark_cycles, char* msg, int msg_len) {
+  return Report(nvgroup::StartTimeline(path == nullptr ? "" : path, mark_cycles != 0), msg, msg_len);
+}
+int nvgroup_tf_stop_timeline(char* msg, int msg_len) { return Report(nvgroup::StopTimeline(), msg, msg_len); }
+
 // 1 when the library was built with the DEVICE_GPU kernels.
 int nvgroup_tf_cuda_built() {
 #if GOOGLE_CUDA

@@ -5,14 +5,13 @@
 // note in nvgroup_tf/mpi_ops.py); left empty, the kernel falls back to
 // "<OpType>_<node name>".
 //
-// The ops are deliberately not stateful: inside tf.function, TF chains every
-// stateful op without resource inputs in program order (auto_control_deps.py),
-// which would serialize independent collectives (no fusion) and deadlock
-// ranks that build them in different orders. Two collectives never look alike
-// to CSE (distinct tensor_name attrs). The price: TF prunes a collective whose
-// value nothing uses, so callers must consume every result (see the broadcast
-// gradient in nvgroup_tf/mpi_ops.py). The GPU kernels of the same ops live in
-// nvgroup_ops_gpu.cc (built only with GOOGLE_CUDA).
+// The ops are stateful (SetIsStateful): never pruned when this rank does not
+// use a result, never constant-folded, never merged by CSE. Inside
+// tf.function the Python layer marks each one to run independently of TF's
+// automatic control dependencies, so independent collectives are not chained
+// in program order (Note [Stateful ops] in nvgroup_tf/mpi_ops.py). The GPU
+// kernels of the same ops live in nvgroup_ops_gpu.cc (built only with
+// GOOGLE_CUDA).
 #include "ops/adapter.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -41,13 +40,15 @@ absl::Status GroupedShape(InferenceContext* c) {
 }  // namespace
 
 REGISTER_OP("NvgroupAllreduce")
-    .Attr("T: {half, bfloat16, float, double, int32, int64}")
+    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, int8, uint16, int16}")
     .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
     .Attr("prescale_factor: float = 1.0")
     .Attr("postscale_factor: float = 1.0")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("reduced: T")
+    .SetIsStateful()
     .SetShapeFn(tf::shape_inference::UnchangedShape)
     .Doc(R"doc(
 Allreduce of `tensor` over all ranks (op reduce_op, input multiplied by
@@ -56,13 +57,15 @@ Ranks are matched by tensor_name.
 )doc");
 
 REGISTER_OP("NvgroupGroupedAllreduce")
-    .Attr("T: list({half, bfloat16, float, double, int32, int64}) >= 1")
+    .Attr("T: list({half, bfloat16, float, double, int32, int64, uint8, int8, uint16, int16}) >= 1")
     .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
     .Attr("prescale_factor: float = 1.0")
     .Attr("postscale_factor: float = 1.0")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensors: T")
     .Output("reduced: T")
+    .SetIsStateful()
     .SetShapeFn(GroupedShape)
     .Doc(R"doc(
 Allreduce of every tensor in `tensors`, negotiated and fused as one unit;
@@ -70,10 +73,12 @@ tensor i is matched across ranks as "<tensor_name>[i]".
 )doc");
 
 REGISTER_OP("NvgroupAllgather")
-    .Attr("T: {uint8, int8, bool, half, bfloat16, float, double, int32, int64}")
+    .Attr("T: {uint8, int8, bool, half, bfloat16, float, double, int32, int64, uint16, int16}")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("gathered: T")
+    .SetIsStateful()
     .SetShapeFn(AllgatherShape)
     .Doc(R"doc(
 Concatenation of every rank's `tensor` along dimension 0 in rank order. The
@@ -81,11 +86,13 @@ first dimension may differ across ranks; the others must agree.
 )doc");
 
 REGISTER_OP("NvgroupBroadcast")
-    .Attr("T: {uint8, int8, bool, half, bfloat16, float, double, int32, int64}")
+    .Attr("T: {uint8, int8, bool, half, bfloat16, float, double, int32, int64, uint16, int16}")
     .Attr("root_rank: int")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("broadcasted: T")
+    .SetIsStateful()
     .SetShapeFn(tf::shape_inference::UnchangedShape)
     .Doc(R"doc(
 `tensor` of rank root_rank, on every rank.

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "ops/adapter.h"
+#include "ops/adapter_extra.h"
 #include "tensorflow/core/framework/device_base.h"
 #include "xla/stream_executor/stream.h"
 #include "xla/stream_executor/stream_executor.h"
@@ -159,6 +160,16 @@ REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedAllreduce").Device(tf::DEVICE_GPU),
                         GroupedAllreduceOp<GpuTraits>);
 REGISTER_KERNEL_BUILDER(Name("NvgroupAllgather").Device(tf::DEVICE_GPU), AllgatherOp<GpuTraits>);
 REGISTER_KERNEL_BUILDER(Name("NvgroupBroadcast").Device(tf::DEVICE_GPU), BroadcastOp<GpuTraits>);
+
+// Collectives added for Horovod parity (ops/nvgroup_ops_extra.cc). Alltoall's
+// splits and received splits stay in host memory.
+REGISTER_KERNEL_BUILDER(Name("NvgroupReducescatter").Device(tf::DEVICE_GPU), ReducescatterOp<GpuTraits>);
+REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedReducescatter").Device(tf::DEVICE_GPU),
+                        GroupedReducescatterOp<GpuTraits>);
+REGISTER_KERNEL_BUILDER(
+    Name("NvgroupAlltoall").Device(tf::DEVICE_GPU).HostMemory("splits").HostMemory("received_splits"),
+    AlltoallOp<GpuTraits>);
+REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedAllgather").Device(tf::DEVICE_GPU), GroupedAllgatherOp<GpuTraits>);
 
 }  // namespace tf_adapter
 }  // namespace nvgroup

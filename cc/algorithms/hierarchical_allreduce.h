@@ -10,18 +10,27 @@
 //      all G members' registered buffers (direct loads: NVLink peer reads via
 //      CUDA IPC, or POSIX shared memory), in group_rank order, and leaves the
 //      result in slice r of its own registered buffer.
-//   2. CrossAllreduce(chunk): slice r is allreduced with the rank of group rank
-//      r in every other group (the *peers*), in group_index order (MPI; through
-//      pinned host memory when MPI is not CUDA-aware). Each rank sends 1/G of
-//      the chunk, so every GPU and every link carries 1/G of the traffic.
+//   2. CrossStart(chunk) / CrossFinish(chunk): slice r is allreduced with the
+//      rank of group rank r in every other group (the *peers*), in group_index
+//      order: a reduce-scatter + allgather among the peers (CrossExchange,
+//      cc/algorithms/cross_exchange.h; through pinned host memory when MPI is
+//      not CUDA-aware). Each rank sends 1/G of the chunk to the cross step, and
+//      2 (P-1)/P of that over the network (P = group_count), so every GPU and
+//      every link carries an equal, minimal share of the traffic.
 //   3. GroupAllgather(chunk, out): every member copies all G reduced slices of
 //      the chunk into `out`.
 //
-// Pipelining: step 1 of chunk c+1 is issued before step 2 of chunk c, so on a
-// GPU the NVLink kernel of the next chunk runs while this chunk crosses groups
-// (the primitives' steps 1 and 3 are asynchronous on the device stream, step 2
-// waits for step 1 of its own chunk only). On the CPU the steps run in order.
-//
+// Pipelining: two chunks are in the cross step at a time. CrossStart(c) only
+// queues chunk c (its MPI exchange is progressed off the calling thread);
+// CrossFinish(c) waits for it. The order of calls is
+//   RS(0) CS(0) RS(1) CS(1) | CF(0) AG(0) RS(2) CS(2) | CF(1) AG(1) RS(3) CS(3) | ...
+// so while the caller waits for chunk c, chunk c+1 is being copied to the host
+// or reduce-scattered, and chunk c-1 is copied back and allgathered (on a GPU
+// the RS/AG kernels and copies are asynchronous on streams; on the CPU the
+// group steps of the next chunk run while the progress thread moves this one).
+// The primitives double-buffer by chunk.index % 2: chunk c+2 reuses the
+// buffers of chunk c, which CrossFinish(c) released.
+
 // With one group (G == size) there is nothing to cross: the primitives' whole-
 // message GroupAllreduce runs instead (one-shot or two-shot, by size).
 //
@@ -35,7 +44,8 @@
 //   size_t element_size() const;              // bytes per element of the call's dtype
 //   Status GroupAllreduce(size_t count, void* out);
 //   Status GroupReduceScatter(const ChunkSlices& chunk);
-//   Status CrossAllreduce(const ChunkSlices& chunk);
+//   Status CrossStart(const ChunkSlices& chunk);   // queue the cross step
+//   Status CrossFinish(const ChunkSlices& chunk);  // wait for it (in chunk order)
 //   Status GroupAllgather(const ChunkSlices& chunk, void* out);
 // Offsets and counts are in elements of the registered buffer / of `out`.
 #pragma once
@@ -100,18 +110,35 @@ Status RunHierarchicalAllreduce(Primitives& prims, size_t count, void* out, size
     return ch;
   };
 
-  NVG_RETURN_IF_ERROR_CTX(prims.GroupReduceScatter(chunk_at(0)), "group reduce-scatter of chunk 0");
-  for (size_t c = 0; c < num_chunks; ++c) {
+  constexpr size_t kInFlight = 2;  // chunks in the cross step at a time (double buffering)
+  auto issue = [&](size_t c) -> Status {
+    NVG_RETURN_IF_ERROR_CTX(prims.GroupReduceScatter(chunk_at(c)),
+                            "group reduce-scatter of chunk " + std::to_string(c));
+    NVG_RETURN_IF_ERROR_CTX(prims.CrossStart(chunk_at(c)),
+                            "starting the cross-group step of chunk " + std::to_string(c));
+    return Status::Ok();
+  };
+  // A chunk started is always finished (its buffers stay in use until then),
+  // also when a later step fails: the first error is returned after that.
+  Status first;
+  size_t started = 0;
+  for (; started < std::min(kInFlight, num_chunks) && first.ok(); ++started) first = issue(started);
+  if (!first.ok()) --started;  // a failed CrossStart queued nothing; a failed RS neither
+  for (size_t c = 0; c < started; ++c) {
     ChunkSlices chunk = chunk_at(c);
-    if (c + 1 < num_chunks)  // overlap the next chunk's NVLink step with this chunk's crossing
-      NVG_RETURN_IF_ERROR_CTX(prims.GroupReduceScatter(chunk_at(c + 1)),
-                              "group reduce-scatter of chunk " + std::to_string(c + 1));
-    NVG_RETURN_IF_ERROR_CTX(prims.CrossAllreduce(chunk),
-                            "cross-group allreduce of chunk " + std::to_string(c));
-    NVG_RETURN_IF_ERROR_CTX(prims.GroupAllgather(chunk, out),
-                            "group allgather of chunk " + std::to_string(c));
+    Status s = prims.CrossFinish(chunk);
+    if (!s.ok()) s = s.WithContext("cross-group allreduce of chunk " + std::to_string(c));
+    if (s.ok() && first.ok()) {
+      s = prims.GroupAllgather(chunk, out);
+      if (!s.ok()) s = s.WithContext("group allgather of chunk " + std::to_string(c));
+    }
+    if (first.ok()) first = s;
+    if (first.ok() && started < num_chunks) {
+      first = issue(started);
+      if (first.ok()) ++started;
+    }
   }
-  return Status::Ok();
+  return first;
 }
 
 }  // namespace nvgroup

@@ -82,6 +82,11 @@ StatusOr<Knobs> ParseKnobsFromEnvironment() {
     else if (a == "hierarchical") k.algorithm = AllreduceAlgorithm::kHierarchical;
     else return Malformed("NVGROUP_ALLREDUCE_ALGORITHM", a, "one of auto, mpi, hierarchical");
   }
+  if (const char* v = Get("NVGROUP_ONE_GPU_GROUP")) {
+    const std::string b = v;
+    if (b != "0" && b != "1") return Malformed("NVGROUP_ONE_GPU_GROUP", b, "0 or 1");
+    k.one_gpu_group = b == "1";
+  }
   if (const char* v = Get("NVGROUP_LOG_LEVEL")) {
     static const char* kLevels[] = {"trace", "debug", "info", "warning", "error"};
     std::string l = v;
@@ -91,7 +96,21 @@ StatusOr<Knobs> ParseKnobsFromEnvironment() {
     if (found < 0) return Malformed("NVGROUP_LOG_LEVEL", l, "one of trace, debug, info, warning, error");
     k.log_level = found;
   }
+  if (const char* v = Get("NVGROUP_BUCKET_CAP_MB")) k.bucket_cap_mb_text = v;
   return k;
+}
+
+std::vector<std::pair<std::string, std::string>> AgreedKnobs(const Knobs& k) {
+  static const char* kAlgorithms[] = {"auto", "mpi", "hierarchical"};
+  return {
+      {"NVGROUP_FUSION_THRESHOLD", std::to_string(k.fusion_threshold)},
+      {"NVGROUP_CACHE_CAPACITY", std::to_string(k.cache_capacity)},
+      {"NVGROUP_ALLREDUCE_ALGORITHM", kAlgorithms[static_cast<int>(k.algorithm)]},
+      {"NVGROUP_PIPELINE_CHUNK", std::to_string(k.pipeline_chunk)},
+      {"NVGROUP_ONESHOT_MAX_BYTES", std::to_string(k.oneshot_max_bytes)},
+      {"NVGROUP_GROUP_SIZE", std::to_string(k.group_size)},
+      {"NVGROUP_BUCKET_CAP_MB", k.bucket_cap_mb_text.empty() ? "unset" : "'" + k.bucket_cap_mb_text + "'"},
+  };
 }
 
 }  // namespace nvgroup

@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "nvgroup/status.h"
 
@@ -43,7 +45,24 @@ struct Knobs {
   std::string timeline_path;
   // trace, debug, info, warning, error (default warning).
   int log_level = 3;
+  // CUDA, tests only: ranks on one GPU may form an NV-group (under MPS), so the
+  // group kernels can be checked on a one-GPU machine (cc/device/device_topology.h).
+  bool one_gpu_group = false;
+  // NVGROUP_BUCKET_CAP_MB as set ("" = unset). Parsed and used by the Python
+  // side (nvgroup_tf/_keras_impl/reduce.py: which gradients form one grouped
+  // allreduce); the engine only makes the ranks agree on it (AgreedKnobs).
+  std::string bucket_cap_mb_text;
 };
+
+// The knobs every rank must share, as (variable, value) pairs in a fixed order:
+// they decide which requests share a collective (fusion threshold, cache
+// capacity, the Python bucket cap) and how a collective computes (algorithm,
+// pipeline chunk, one-shot limit, group size: fold order and kernel; one rank
+// on one-shot and another on two-shot is a silent wrong answer). Init
+// compares them across ranks and fails on every rank, naming the variable
+// and each rank's value, when they differ. Values are normalized (parsed
+// numbers, algorithm names), so "65536" and "0065536" agree.
+std::vector<std::pair<std::string, std::string>> AgreedKnobs(const Knobs& knobs);
 
 // Parses the environment. Fails with kInvalidArgument naming the variable, the
 // value and what was expected.

@@ -8,7 +8,9 @@ size_t DataTypeSize(DataType dtype) {
     case DataType::kInt8:
     case DataType::kBool: return 1;
     case DataType::kFloat16:
-    case DataType::kBFloat16: return 2;
+    case DataType::kBFloat16:
+    case DataType::kUint16:
+    case DataType::kInt16: return 2;
     case DataType::kFloat32:
     case DataType::kInt32: return 4;
     case DataType::kFloat64:
@@ -28,6 +30,8 @@ const char* DataTypeName(DataType dtype) {
     case DataType::kFloat64: return "float64";
     case DataType::kInt32: return "int32";
     case DataType::kInt64: return "int64";
+    case DataType::kUint16: return "uint16";
+    case DataType::kInt16: return "int16";
   }
   return "unknown";
 }
@@ -38,7 +42,7 @@ bool IsFloatingPoint(DataType dtype) {
 }
 
 bool SupportsReduction(DataType dtype) {
-  return IsFloatingPoint(dtype) || dtype == DataType::kInt32 || dtype == DataType::kInt64;
+  return static_cast<int>(dtype) < kNumDataTypes && dtype != DataType::kBool;
 }
 
 const char* ReduceOpName(ReduceOp op) {
@@ -57,6 +61,9 @@ const char* CollectiveTypeName(CollectiveType type) {
     case CollectiveType::kAllreduce: return "allreduce";
     case CollectiveType::kAllgather: return "allgather";
     case CollectiveType::kBroadcast: return "broadcast";
+    case CollectiveType::kReducescatter: return "reducescatter";
+    case CollectiveType::kAlltoall: return "alltoall";
+    case CollectiveType::kJoin: return "join";
   }
   return "unknown";
 }

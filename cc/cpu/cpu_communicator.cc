@@ -36,6 +36,7 @@ class CpuCommunicator final : public Communicator {
  public:
   CpuCommunicator() = default;
   ~CpuCommunicator() override {
+    cross_.reset();  // completes the cross exchanges in flight
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
@@ -51,6 +52,10 @@ class CpuCommunicator final : public Communicator {
   Status Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes_per_rank,
                     void* stream) override;
   Status Broadcast(void* buf, size_t bytes, int root, void* stream) override;
+  Status ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts, DataType dtype,
+                       ReduceOp op, void* stream) override;
+  Status Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
+                   const std::vector<size_t>& recv_bytes, void* stream) override;
 
   void* registered_buffer() override { return shm_->buffer(topo_.group_rank); }
   size_t registered_capacity() const override { return shm_->capacity(); }
@@ -74,6 +79,8 @@ class CpuCommunicator final : public Communicator {
   Status HierarchicalAllreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
   Status RunPieces(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
                    bool in_registered);
+  Status GroupReduceScatter(const void* in, void* out, size_t total, size_t my_offset, size_t mine,
+                            DataType dtype, ReduceOp op, bool in_registered);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   Topology topo_;
@@ -84,7 +91,11 @@ class CpuCommunicator final : public Communicator {
   std::unique_ptr<ShmGroup> shm_;
   std::string first_failure_;        // non-empty once a collective failed mid-way
   std::vector<char> flat_scratch_;   // OrderedAllreduce over all ranks
-  std::vector<char> cross_scratch_;  // OrderedAllreduce over the peers
+  std::vector<char> scatter_scratch_;  // ReduceScatter through a full allreduce
+  std::vector<char> cross_scratch_[2];  // CrossExchange receive buffers, by chunk parity
+  // The cross-group step (group_count > 1). Declared last: destroyed first, it
+  // completes the exchanges in flight before the buffers above go away.
+  std::unique_ptr<CrossExchange> cross_;
 };
 
 Status CpuCommunicator::Init(MPI_Comm comm, const CommunicatorOptions& options, const Knobs& knobs) {
@@ -112,6 +123,11 @@ Status CpuCommunicator::Init(MPI_Comm comm, const CommunicatorOptions& options, 
       ShmGroup::Create(comms_.group, global_ranks, registered_bytes, options.timeout_seconds, &aborted_);
   if (!shm.ok()) return shm.status().WithContext("setting up the group's shared memory");
   shm_ = shm.consume();
+  if (topo_.group_count > 1) {
+    StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(comms_.cross);
+    if (!cross.ok()) return cross.status().WithContext("setting up the cross-group exchange");
+    cross_ = cross.consume();
+  }
   return Status::Ok();
 }
 
@@ -186,7 +202,7 @@ Status CpuCommunicator::RunPieces(const void* in, void* out, size_t count, DataT
     const size_t n = std::min(piece_elems, count - offset);
     if (!in_registered) std::memcpy(reg, static_cast<const char*>(in) + offset * esize, n * esize);
     NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: inputs in place"));
-    HostPrimitives prims(topo_, shm_.get(), comms_.cross, dtype, op, chunk_bytes_, &cross_scratch_);
+    HostPrimitives prims(topo_, shm_.get(), cross_.get(), dtype, op, cross_scratch_);
     NVG_RETURN_IF_ERROR(RunHierarchicalAllreduce(prims, n, static_cast<char*>(out) + offset * esize,
                                                  chunk_bytes_, force));
     NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: reads done"));
@@ -282,6 +298,115 @@ Status CpuCommunicator::Broadcast(void* buf, size_t bytes, int root, void* /*str
                                             MPI_BYTE, root, comm_),
                                   "MPI_Bcast")));
   return Status::Ok();
+}
+
+Status CpuCommunicator::ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
+                                      DataType dtype, ReduceOp op, void* /*stream*/) {
+  NVG_RETURN_IF_ERROR(ValidateReduction(dtype, op));
+  const int n = topo_.size;
+  if (static_cast<int>(counts.size()) != n)
+    return Status::InvalidArgument("reducescatter: " + std::to_string(counts.size()) +
+                                   " counts given for " + std::to_string(n) + " ranks");
+  size_t total = 0, my_offset = 0;
+  for (int r = 0; r < n; ++r) {
+    if (r == topo_.rank) my_offset = total;
+    total += counts[r];
+  }
+  const size_t mine = counts[topo_.rank];
+  const size_t esize = DataTypeSize(dtype);
+  if ((total > 0 && in == nullptr) || (mine > 0 && out == nullptr))
+    return Status::InvalidArgument("reducescatter with a null input or output pointer");
+  NVG_RETURN_IF_ERROR(CheckUsable());
+  if (total == 0) return Status::Ok();
+  const char* reg = shm_->buffer(topo_.group_rank);
+  const size_t capacity = shm_->capacity();
+  if (Overlaps(out, mine * esize, reg, capacity))
+    return Status::InvalidArgument("reducescatter output overlaps the registered buffer");
+  const bool in_registered = in == reg && total * esize <= capacity;
+  if (!in_registered && Overlaps(in, total * esize, reg, capacity))
+    return Status::InvalidArgument("reducescatter input overlaps the registered buffer but does not fit it "
+                                   "from its start");
+  const bool one_group = topo_.group_count == 1 && topo_.group_size > 1 && algorithm_ != AllreduceAlgorithm::kMpi;
+  if (one_group) return Track(GroupReduceScatter(in, out, total, my_offset, mine, dtype, op, in_registered));
+  // Several groups (or the flat path): the allreduce's own fold, then our rows.
+  scatter_scratch_.resize(total * esize);
+  NVG_RETURN_IF_ERROR(Allreduce(in, scatter_scratch_.data(), total, dtype, op, nullptr));
+  if (mine > 0) std::memcpy(out, scatter_scratch_.data() + my_offset * esize, mine * esize);
+  return Status::Ok();
+}
+
+// The group reduce-scatter step with the caller's row split instead of the
+// skeleton's slices. Per piece of at most registered_capacity() bytes:
+//   copy the piece into our registered buffer (unless it is already there);
+//   barrier "inputs in place" -- orders every member's copy-in before the reads;
+//   fold our rows of the piece over the members' buffers in group_rank order
+//     (the order GroupAllreduce folds in, so the bits equal the allreduce's);
+//   barrier "reads done"      -- orders every member's reads of our buffer
+//                                before the next piece overwrites it.
+Status CpuCommunicator::GroupReduceScatter(const void* in, void* out, size_t total, size_t my_offset,
+                                           size_t mine, DataType dtype, ReduceOp op, bool in_registered) {
+  const size_t esize = DataTypeSize(dtype);
+  char* reg = shm_->buffer(topo_.group_rank);
+  const size_t piece = in_registered ? total : shm_->capacity() / esize;
+  const int divisor = op == ReduceOp::kAverage ? topo_.size : 1;
+  std::vector<const void*> sources(topo_.group_size);
+  for (size_t p0 = 0; p0 < total; p0 += piece) {
+    const size_t p1 = std::min(total, p0 + piece);
+    if (!in_registered) std::memcpy(reg, static_cast<const char*>(in) + p0 * esize, (p1 - p0) * esize);
+    NVG_RETURN_IF_ERROR(shm_->Barrier("reducescatter: inputs in place"));
+    const size_t lo = std::max(p0, my_offset), hi = std::min(p1, my_offset + mine);
+    if (lo < hi) {
+      for (int m = 0; m < topo_.group_size; ++m) sources[m] = shm_->buffer(m) + (lo - p0) * esize;
+      NVG_RETURN_IF_ERROR(ReduceFold(dtype, op, sources.data(), topo_.group_size,
+                                     static_cast<char*>(out) + (lo - my_offset) * esize, hi - lo, divisor));
+    }
+    NVG_RETURN_IF_ERROR(shm_->Barrier("reducescatter: reads done"));
+  }
+  return Status::Ok();
+}
+
+Status CpuCommunicator::Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
+                                  const std::vector<size_t>& recv_bytes, void* /*stream*/) {
+  const int n = topo_.size;
+  if (static_cast<int>(send_bytes.size()) != n || static_cast<int>(recv_bytes.size()) != n)
+    return Status::InvalidArgument("alltoallv: byte counts must have one entry per rank (" + std::to_string(n) + ")");
+  NVG_RETURN_IF_ERROR(CheckUsable());
+  size_t send_total = 0, recv_total = 0;
+  for (int r = 0; r < n; ++r) {
+    send_total += send_bytes[r];
+    recv_total += recv_bytes[r];
+  }
+  // What each rank will send us, checked against what we expect; every rank
+  // learns every verdict through one MPI_MAX.
+  std::vector<uint64_t> sent(send_bytes.begin(), send_bytes.end()), incoming(n);
+  NVG_RETURN_IF_ERROR(Track(Mpi(MPI_Alltoall(sent.data(), 1, MPI_UINT64_T, incoming.data(), 1, MPI_UINT64_T, comm_),
+                                "MPI_Alltoall (argument check of an alltoallv)")));
+  int64_t verdict[3] = {0, 0, 0};  // counts disagree, null pointer, beyond int
+  for (int r = 0; r < n; ++r)
+    if (incoming[r] != recv_bytes[r]) verdict[0] = 1;
+  if ((send_total > 0 && in == nullptr) || (recv_total > 0 && out == nullptr)) verdict[1] = 1;
+  if (send_total > static_cast<size_t>(INT_MAX) || recv_total > static_cast<size_t>(INT_MAX)) verdict[2] = 1;
+  int64_t any[3];
+  NVG_RETURN_IF_ERROR(Track(Mpi(MPI_Allreduce(verdict, any, 3, MPI_INT64_T, MPI_MAX, comm_),
+                                "MPI_Allreduce (argument check of an alltoallv)")));
+  if (any[0]) return Status::InvalidArgument("alltoallv: a rank expects different byte counts than its peers send");
+  if (any[1]) return Status::InvalidArgument("alltoallv: a rank passed a null input or output pointer");
+  if (any[2]) return Status::Unimplemented("alltoallv: more than 2^31-1 bytes sent or received by one rank");
+  std::vector<int> sc(n), sd(n), rc(n), rd(n);
+  size_t so = 0, ro = 0;
+  for (int r = 0; r < n; ++r) {
+    sc[r] = static_cast<int>(send_bytes[r]);
+    sd[r] = static_cast<int>(so);
+    rc[r] = static_cast<int>(recv_bytes[r]);
+    rd[r] = static_cast<int>(ro);
+    so += send_bytes[r];
+    ro += recv_bytes[r];
+  }
+  // A non-null dummy for empty buffers: some MPIs reject null with zero counts.
+  char dummy = 0;
+  return Track(Mpi(MPI_Alltoallv(in != nullptr ? in : &dummy, sc.data(), sd.data(), MPI_BYTE,
+                                 out != nullptr ? out : &dummy, rc.data(), rd.data(), MPI_BYTE, comm_),
+                   "MPI_Alltoallv"));
 }
 
 Status CpuCommunicator::BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,

@@ -26,8 +26,9 @@
 //
 // Note [Blocking MPI steps]
 // Abort() and timeout_seconds bound the shared-memory waits (ShmGroup). The MPI
-// steps (flat path, cross-group step, allgatherv, broadcast) are blocking MPI
-// calls: completing them nonblocking with a timeout was tried and rejected,
+// steps (flat path, allgatherv, broadcast) are blocking MPI calls; the
+// cross-group step's nonblocking collectives (CrossExchange) are always
+// completed, never abandoned. Completing them with a timeout was tried and rejected,
 // because MPI can neither cancel nor free a collective request, so an abandoned
 // one later wrote into freed memory when the late peer arrived (a segfault in
 // the test). A peer lost inside an MPI step is reported by MPI (Open MPI ends

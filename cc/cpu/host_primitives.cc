@@ -1,24 +1,22 @@
 #include "cpu/host_primitives.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
 #include "common/checks.h"
 #include "cpu/host_reduce.h"
-#include "cpu/ordered_allreduce.h"
 
 namespace nvgroup {
 
-HostPrimitives::HostPrimitives(const Topology& topo, ShmGroup* shm, MPI_Comm cross_comm,
-                               DataType dtype, ReduceOp op, size_t cross_piece_bytes,
-                               std::vector<char>* cross_scratch)
+HostPrimitives::HostPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross,
+                               DataType dtype, ReduceOp op, std::vector<char>* cross_scratch)
     : topo_(topo),
       shm_(shm),
-      cross_comm_(cross_comm),
+      cross_(cross),
       dtype_(dtype),
       op_(op),
       esize_(DataTypeSize(dtype)),
-      cross_piece_bytes_(cross_piece_bytes),
       cross_scratch_(cross_scratch),
       final_divisor_(op == ReduceOp::kAverage ? topo.size : 1) {}
 
@@ -58,12 +56,43 @@ Status HostPrimitives::GroupReduceScatter(const ChunkSlices& chunk) {
   return ReduceOwnSlice(chunk, topo_.group_count == 1 ? final_divisor_ : 1);
 }
 
-Status HostPrimitives::CrossAllreduce(const ChunkSlices& chunk) {
+Status HostPrimitives::CrossStart(const ChunkSlices& chunk) {
   if (topo_.group_count == 1) return Status::Ok();
   const int me = topo_.group_rank;
+  const size_t n = chunk.SliceCount(me);
+  if (n == 0) return Status::Ok();  // the same on every peer (same slice geometry)
+  if (cross_ == nullptr) return Status::Internal("cross-group step without a CrossExchange");
+  const int k = static_cast<int>(chunk.index % 2);
+  if (in_flight_[k]) return Status::Internal("cross-group buffers of parity " + std::to_string(k) +
+                                             " still in use");
+  std::vector<char>& scratch = cross_scratch_[k];
+  scratch.resize(std::max(scratch.size(), cross_->RecvBytes(n, esize_)));
   char* slice = shm_->buffer(me) + chunk.SliceOffset(me) * esize_;
-  return OrderedAllreduce(cross_comm_, slice, slice, chunk.SliceCount(me), dtype_, op_,
-                          final_divisor_, cross_piece_bytes_, cross_scratch_);
+  CrossExchange::Job job;
+  job.send = slice;
+  job.recv = scratch.data();
+  job.result = slice;
+  job.count = n;
+  job.element_size = esize_;
+  const DataType dtype = dtype_;
+  const ReduceOp op = op_;
+  const size_t esize = esize_;
+  const int divisor = final_divisor_;
+  job.fold = [dtype, op, esize, divisor](const void* src, int num, void* dst, size_t count) {
+    std::vector<const void*> sources(num);
+    for (int g = 0; g < num; ++g) sources[g] = static_cast<const char*>(src) + g * count * esize;
+    return ReduceFold(dtype, op, sources.data(), num, dst, count, divisor);
+  };
+  NVG_RETURN_IF_ERROR(cross_->Start(std::move(job), &ticket_[k]));
+  in_flight_[k] = true;
+  return Status::Ok();
+}
+
+Status HostPrimitives::CrossFinish(const ChunkSlices& chunk) {
+  const int k = static_cast<int>(chunk.index % 2);
+  if (!in_flight_[k]) return Status::Ok();
+  in_flight_[k] = false;
+  return cross_->Wait(ticket_[k]);
 }
 
 Status HostPrimitives::GroupAllgather(const ChunkSlices& chunk, void* out) {

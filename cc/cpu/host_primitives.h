@@ -12,9 +12,13 @@
 //    reads or writes that slice before the allgather barrier, and the other
 //    slices r reads belong to members who only overwrite their own slice, so
 //    no barrier is needed inside the chunk.
-//  * CrossAllreduce(chunk): slice r is allreduced in place with the peers
-//    (OrderedAllreduce over the cross communicator, group_index order). With a
-//    single group there is nothing to do.
+//  * CrossStart(chunk) / CrossFinish(chunk): slice r is allreduced in place
+//    with the peers by the communicator's CrossExchange (reduce-scatter +
+//    allgather, folded in group_index order, progressed off this thread; see
+//    cc/algorithms/cross_exchange.h), its scratch double-buffered by chunk
+//    parity. Only slice r of our own buffer is touched, which no member reads
+//    before the allgather barrier, so the next chunk's GroupReduceScatter runs
+//    meanwhile. With a single group there is nothing to do.
 //  * GroupAllgather(chunk, out): barrier (orders every member's final slice of
 //    the chunk before the reads, and every member's reads of the chunk's inputs
 //    in GroupReduceScatter before `out`, which may be the registered buffer, is
@@ -30,6 +34,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "algorithms/cross_exchange.h"
 #include "algorithms/hierarchical_allreduce.h"
 #include "nvgroup/communicator.h"
 #include "nvgroup/status.h"
@@ -40,16 +45,18 @@ namespace nvgroup {
 
 class HostPrimitives {
  public:
-  // One per Allreduce piece. `cross_scratch` is reused across calls.
-  HostPrimitives(const Topology& topo, ShmGroup* shm, MPI_Comm cross_comm, DataType dtype,
-                 ReduceOp op, size_t cross_piece_bytes, std::vector<char>* cross_scratch);
+  // One per Allreduce piece. `cross` (null with one group) and the two
+  // scratch buffers `cross_scratch[0..1]` belong to the communicator.
+  HostPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross, DataType dtype,
+                 ReduceOp op, std::vector<char>* cross_scratch);
 
   const Topology& topology() const { return topo_; }
   size_t element_size() const { return esize_; }
 
   Status GroupAllreduce(size_t count, void* out);
   Status GroupReduceScatter(const ChunkSlices& chunk);
-  Status CrossAllreduce(const ChunkSlices& chunk);
+  Status CrossStart(const ChunkSlices& chunk);
+  Status CrossFinish(const ChunkSlices& chunk);
   Status GroupAllgather(const ChunkSlices& chunk, void* out);
 
  private:
@@ -60,13 +67,14 @@ class HostPrimitives {
 
   const Topology& topo_;
   ShmGroup* shm_;
-  MPI_Comm cross_comm_;
+  CrossExchange* cross_;
   DataType dtype_;
   ReduceOp op_;
   size_t esize_;
-  size_t cross_piece_bytes_;
-  std::vector<char>* cross_scratch_;
+  std::vector<char>* cross_scratch_;  // [2], by chunk parity
   int final_divisor_;  // divisor of the fold that produces the final value
+  bool in_flight_[2] = {false, false};  // a cross job of that parity was started
+  uint64_t ticket_[2] = {0, 0};
 };
 
 }  // namespace nvgroup

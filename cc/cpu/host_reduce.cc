@@ -35,11 +35,16 @@ struct BFloat {
   static uint16_t Store(Acc a) { return FloatToBFloat16(a); }
 };
 
-// Integer + and * wrap (done in the unsigned type, where wrapping is defined).
+// Integer + and * wrap: done in an unsigned type at least as wide as
+// `unsigned` (uint8/uint16 would otherwise promote to a signed int, whose
+// product can overflow), where wrapping is defined, then narrowed.
+template <typename A>
+using WrapType = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
+
 template <typename A>
 A Add(A a, A b) {
   if constexpr (std::is_integral_v<A>) {
-    using U = std::make_unsigned_t<A>;
+    using U = WrapType<A>;
     return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
   } else {
     return a + b;
@@ -49,10 +54,30 @@ A Add(A a, A b) {
 template <typename A>
 A Mul(A a, A b) {
   if constexpr (std::is_integral_v<A>) {
-    using U = std::make_unsigned_t<A>;
+    using U = WrapType<A>;
     return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
   } else {
     return a * b;
+  }
+}
+
+// Integer scaling as Horovod's ScaleBuffer: the element times the factor in
+// double, truncated toward zero. Out-of-range and non-finite products would be
+// undefined as a plain cast: they saturate to int64 first (NaN -> 0), then the
+// value wraps to the element type (two's complement).
+template <typename S>
+S ScaleInteger(S v, double scale) {
+  const double x = static_cast<double>(v) * scale;
+  int64_t wide;
+  if (!(x == x)) wide = 0;
+  else if (x >= 9223372036854775807.0) wide = INT64_MAX;
+  else if (x <= -9223372036854775808.0) wide = INT64_MIN;
+  else wide = static_cast<int64_t>(x);
+  if constexpr (std::is_unsigned_v<S> && sizeof(S) == 8) {
+    // uint64 is not an engine dtype; kept exact for completeness.
+    return static_cast<S>(wide);
+  } else {
+    return static_cast<S>(static_cast<std::make_unsigned_t<S>>(static_cast<uint64_t>(wide)));
   }
 }
 
@@ -87,7 +112,10 @@ void Fold(const void* const* sources, int num_sources, void* dst, size_t count, 
       for (size_t j = 0; j < len; ++j) acc[j] = Op::Apply(acc[j], Traits::Load(src[j]));
     }
     S* out = static_cast<S*>(dst) + base;
-    if (divisor > 1) {
+    if (divisor > 1 && std::is_integral_v<A>) {  // in int64: a narrow type cannot hold the divisor
+      for (size_t j = 0; j < len; ++j)
+        out[j] = Traits::Store(static_cast<A>(static_cast<int64_t>(acc[j]) / divisor));
+    } else if (divisor > 1) {
       const A d = static_cast<A>(divisor);
       for (size_t j = 0; j < len; ++j) out[j] = Traits::Store(acc[j] / d);
     } else {
@@ -114,8 +142,7 @@ void Scale(const void* src, void* dst, size_t count, double scale) {
   const S* in = static_cast<const S*>(src);
   S* out = static_cast<S*>(dst);
   if constexpr (std::is_integral_v<A>) {
-    for (size_t j = 0; j < count; ++j)
-      out[j] = static_cast<S>(static_cast<double>(in[j]) * scale);
+    for (size_t j = 0; j < count; ++j) out[j] = ScaleInteger<S>(in[j], scale);
   } else {
     const A s = static_cast<A>(scale);
     for (size_t j = 0; j < count; ++j) out[j] = Traits::Store(Traits::Load(in[j]) * s);
@@ -128,7 +155,7 @@ Status ValidateReduction(DataType dtype, ReduceOp op) {
   if (!SupportsReduction(dtype))
     return Status::InvalidArgument(std::string("allreduce does not support dtype ") +
                                    DataTypeName(dtype) +
-                                   " (supported: float16, bfloat16, float32, float64, int32, int64)");
+                                   " (supported: every numeric type, not bool)");
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAverage:
@@ -153,6 +180,10 @@ Status ReduceFold(DataType dtype, ReduceOp op, const void* const* sources, int n
     case DataType::kFloat64: FoldByOp<Plain<double>>(op, sources, num_sources, dst, count, average_divisor); break;
     case DataType::kInt32: FoldByOp<Plain<int32_t>>(op, sources, num_sources, dst, count, average_divisor); break;
     case DataType::kInt64: FoldByOp<Plain<int64_t>>(op, sources, num_sources, dst, count, average_divisor); break;
+    case DataType::kUint8: FoldByOp<Plain<uint8_t>>(op, sources, num_sources, dst, count, average_divisor); break;
+    case DataType::kInt8: FoldByOp<Plain<int8_t>>(op, sources, num_sources, dst, count, average_divisor); break;
+    case DataType::kUint16: FoldByOp<Plain<uint16_t>>(op, sources, num_sources, dst, count, average_divisor); break;
+    case DataType::kInt16: FoldByOp<Plain<int16_t>>(op, sources, num_sources, dst, count, average_divisor); break;
     default: break;  // rejected by ValidateReduction
   }
   return Status::Ok();
@@ -170,6 +201,10 @@ Status ScaledCopy(DataType dtype, const void* src, void* dst, size_t count, doub
     case DataType::kFloat64: Scale<Plain<double>>(src, dst, count, scale); break;
     case DataType::kInt32: Scale<Plain<int32_t>>(src, dst, count, scale); break;
     case DataType::kInt64: Scale<Plain<int64_t>>(src, dst, count, scale); break;
+    case DataType::kUint8: Scale<Plain<uint8_t>>(src, dst, count, scale); break;
+    case DataType::kInt8: Scale<Plain<int8_t>>(src, dst, count, scale); break;
+    case DataType::kUint16: Scale<Plain<uint16_t>>(src, dst, count, scale); break;
+    case DataType::kInt16: Scale<Plain<int16_t>>(src, dst, count, scale); break;
     default:
       return Status::InvalidArgument(std::string("cannot scale dtype ") + DataTypeName(dtype) +
                                      " by " + std::to_string(scale) + " (only 1.0 is allowed)");

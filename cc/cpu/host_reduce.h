@@ -12,8 +12,9 @@
 //    the fold writes dst (round to nearest even, cc/cpu/half.h). A hierarchical
 //    allreduce therefore rounds once per level: after the group fold and after
 //    the fold over groups.
-//  * int32, int64: two's-complement arithmetic that wraps on overflow (like
-//    TF/numpy), never undefined behaviour.
+//  * uint8, int8, uint16, int16, int32, int64: two's-complement arithmetic that
+//    wraps on overflow in the element type (like TF/numpy/MPI), never undefined
+//    behaviour.
 //  * Average folds as Sum. The fold that produces the final value (the last
 //    level of the algorithm) passes `average_divisor` = number of ranks and
 //    divides the accumulator before the rounding/store: floats divide in the
@@ -44,7 +45,9 @@ Status ReduceFold(DataType dtype, ReduceOp op, const void* const* sources, int n
 // dst[j] = src[j] * scale for `count` elements. scale == 1.0 copies bit for bit
 // (any dtype). Otherwise the dtype must support reduction: float16/bfloat16 are
 // scaled in float32 and rounded once, float32 in float32 (scale rounded to
-// float), float64 in float64, integers in float64 then truncated toward zero.
+// float), float64 in float64, integers in float64 then truncated toward zero
+// (Horovod's ScaleBuffer; a product outside the type's range saturates to
+// int64 and then wraps to the element type, NaN becomes 0).
 // src == dst is allowed; partial overlap is not.
 Status ScaledCopy(DataType dtype, const void* src, void* dst, size_t count, double scale);
 

@@ -7,12 +7,15 @@
 //   2. registration: each rank cudaMallocs its registered buffer and barrier
 //      flags once, and opens its group members' copies through CUDA IPC
 //      (cc/device/ipc_cuda.cc);
-//   3. the communicator owns one stream; collectives are ordered on the caller's
-//      stream (see communicator.h for the stream contract).
+//   3. the communicator owns one stream: every collective runs there, joined
+//      to the caller's stream with events (Note [Internal stream] in
+//      cuda_communicator_cuda.cc; communicator.h has the stream contract).
 // Allreduce runs the one skeleton (cc/algorithms/hierarchical_allreduce.h) with
 // DevicePrimitives (cc/device/device_primitives.h): one group -> the one-shot
 // or two-shot NVLink kernel (cc/kernels/p2p_allreduce.cuh); several groups ->
-// per chunk NVLink reduce-scatter, MPI between groups, NVLink allgather.
+// per chunk NVLink reduce-scatter, a reduce-scatter + allgather between the
+// groups (CrossExchange: pipelined through pinned memory, or on device memory
+// when MPI is CUDA-aware), NVLink allgather.
 // Allgatherv and Broadcast copy through the members' registered buffers
 // (peer copies over NVLink, MPI barriers between the steps) when all ranks
 // form one NV-group, else stage through host memory and MPI (correct, not
@@ -41,13 +44,14 @@ StatusOr<std::unique_ptr<Communicator>> CreateCudaCommunicator(MPI_Comm comm, in
 
 // Overrides the measured kernel launch choices of a CUDA communicator (for the
 // benchmark's tuning sweep): one-shot up to `oneshot_max_bytes` (at most the
-// 16 MiB staging half), grid caps 1..128. Must be called with the same values
+// 16 MiB staging half), grid caps 1..256 (the communicator further caps every grid
+// at what is resident at once on its GPU). Must be called with the same values
 // on every rank, between collectives.
 Status SetCudaKernelTuning(Communicator* comm, size_t oneshot_max_bytes, int oneshot_blocks,
                            int twoshot_blocks);
 
 // Overrides the pipeline chunk of the two-shot kernel on user buffers (bytes
-// per slice; 0 runs the un-pipelined kernel: reduce-scatter, then allgather).
+// per slice; 0 = one chunk: push, fold and gather one after the other).
 // Same rules as SetCudaKernelTuning.
 Status SetCudaTwoShotChunk(Communicator* comm, size_t chunk_bytes);
 

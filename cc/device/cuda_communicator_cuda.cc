@@ -2,9 +2,35 @@
 // control words) and runs every Allreduce through the one hierarchical
 // skeleton with DevicePrimitives. See cuda_communicator.h for the overview and
 // cc/kernels/p2p_allreduce.cuh for the NVLink protocol.
+//
+// Note [Internal stream]. All per-communicator state (barrier counters, the
+// one-shot epoch, the registered buffers, cross-step events and buffers) is
+// used by one call at a time because every call runs on the communicator's
+// own stream `work_`: a call on another stream S first makes work_ wait for
+// S (event), runs on work_, then makes S wait for work_ (event), as NCCL
+// does. So calls on several caller streams serialize, and a call captured in
+// a CUDA graph forks work_ into the capture and joins it back. A graph's
+// replay runs outside work_: it must be ordered with the communicator's other
+// calls by the caller (same stream, or events), as NCCL requires.
+//
+// Note [Peer processes]. Members of a group share a node, so each rank knows
+// its members' pids. Synchronize polls its event and, every kLivenessCheck,
+// whether the members' processes still exist; a CUDA error (a fault from a
+// mapping whose owner exited) or a timeout is reported as kUnavailable
+// naming the member whose process is gone. A communicator that saw a failure
+// never frees its own region: a peer kernel that timed out or is still
+// spinning may yet store flags into it; the process exit frees it.
 #include "device/cuda_communicator.h"
 
 #include <cuda_runtime.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <thread>
 
 #include <algorithm>
 #include <atomic>
@@ -38,7 +64,8 @@ constexpr size_t kMinRegisteredBytes = 64u << 20;
 // up to 8 MiB (its remote traffic, (G-1) S, equals two-shot's 2 (G-1)/G S
 // when G = 2, and it has one barrier instead of three); a grid cap of 128
 // blocks was the fastest for both kernels from 1 MiB up (two-shot with its
-// 4-unit batches: 192 and 256 blocks were 5-20% slower at 64-256 MiB). For larger
+// 4-unit batches: 192 and 256 blocks were 5-20% slower at 64-256 MiB; since the
+// two-shot kernel runs one block per SM, 132 is the most that is resident). For larger
 // groups one-shot moves (G-1) S against 2 (G-1)/G S, so it pays only where
 // latency dominates: 512 KiB, between PyTorch's 256 KB and vLLM's 512 KB-1 MB
 // one-shot limits (ANCHORS.md §2) -- not measured here (2 GPUs only).
@@ -46,12 +73,43 @@ constexpr size_t kDefaultOneShotMaxBytesTwoGpus = 8u << 20;
 constexpr size_t kDefaultOneShotMaxBytesLarger = 512u << 10;
 constexpr int kDefaultOneShotBlocks = 128;
 constexpr int kDefaultTwoShotBlocks = 128;
-// Two-shot on user buffers: pipeline chunk per slice (Note [Pipelined
-// two-shot] in p2p_allreduce.cuh), measured with allreduce_perf --pipeline_sweep
+// Two-shot on user buffers: pipeline chunk per slice (Note [Two-shot
+// schedule] in p2p_allreduce.cuh), measured with allreduce_perf --pipeline_sweep
 // (docs/PERFORMANCE.md "Pipelined two-shot").
 constexpr size_t kDefaultTwoShotChunkBytes = 8u << 20;
 // BatchedScaledCopy descriptor slots in flight (pinned host + device each).
 constexpr int kCopySlots = 4;
+// Synchronize: how often it looks at the members' processes while it waits,
+// and how long it still waits for the kernels to give up after an abort.
+constexpr auto kLivenessCheck = std::chrono::milliseconds(2);
+constexpr auto kAbortDrain = std::chrono::seconds(10);
+
+// Whether process `pid` (same node) still runs: kill(pid, 0) finds it and it
+// is no zombie (an exited child not yet reaped by its launcher).
+bool ProcessAlive(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno == EPERM;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return true;  // no procfs: trust kill()
+  char state = 'R';
+  const int got = std::fscanf(f, "%*d (%*[^)]) %c", &state);
+  std::fclose(f);
+  return got != 1 || (state != 'Z' && state != 'X');
+}
+
+// The dtypes the NV-group kernels are compiled for (cc/kernels/p2p_allreduce.cu).
+bool HasDeviceKernel(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat16:
+    case DataType::kBFloat16:
+    case DataType::kFloat32:
+    case DataType::kFloat64:
+    case DataType::kInt32:
+    case DataType::kInt64: return true;
+    default: return false;
+  }
+}
 
 bool MpiIsCudaAware() {
 #if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
@@ -81,6 +139,10 @@ class CudaCommunicator final : public Communicator {
   Status Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes_per_rank,
                     void* stream) override;
   Status Broadcast(void* buf, size_t bytes, int root, void* stream) override;
+  Status ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts, DataType dtype,
+                       ReduceOp op, void* stream) override;
+  Status Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
+                   const std::vector<size_t>& recv_bytes, void* stream) override;
   void* registered_buffer() override { return group_.region->data(group_.topo.group_rank); }
   size_t registered_capacity() const override { return group_.region->data_bytes(); }
   Status WaitEvent(void* event, void* stream) override;
@@ -104,16 +166,33 @@ class CudaCommunicator final : public Communicator {
   // all ranks form one NV-group and on no rank the buffers a and b overlap the
   // registered buffer; else host staging through MPI. Collective.
   StatusOr<bool> UsePeerCopies(const void* a, size_t a_bytes, const void* b, size_t b_bytes);
+  // The caller's stream (nullptr: the communicator's own stream work_).
   cudaStream_t StreamOf(void* stream) const {
-    return stream != nullptr ? static_cast<cudaStream_t>(stream) : stream_;
+    return stream != nullptr ? static_cast<cudaStream_t>(stream) : work_;
   }
+  // Note [Internal stream]: work_ waits for `caller`, and `caller` for work_.
+  Status EnterWork(cudaStream_t caller);
+  Status LeaveWork(cudaStream_t caller);
+  StatusOr<bool> Capturing(cudaStream_t stream) const;
+  Status AllreduceOnWork(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
+                         cudaStream_t caller);
   Status AllreducePiece(const void* in, void* out, size_t count, bool in_registered,
-                        size_t offset, DataType dtype, ReduceOp op, cudaStream_t stream);
+                        size_t offset, DataType dtype, ReduceOp op);
+  // Note [Peer processes]: the first member whose process is gone, or -1.
+  int DeadMember();
+  std::string MemberName(int p) const;
+  // A failure `s` becomes kUnavailable naming the member when a member's
+  // process is gone (its CUDA error is then a consequence).
+  Status Diagnose(Status s);
 
   MPI_Comm comm_ = MPI_COMM_NULL;  // dup of the caller's communicator
   DeviceGroup group_;
   std::vector<int> member_ranks_;  // global rank of each group_rank, for messages
-  cudaStream_t stream_ = nullptr;
+  std::vector<pid_t> member_pids_;  // pid of each group_rank (same node)
+  std::vector<bool> pid_visible_;   // kill(pid, 0) could see it at creation
+  int dead_member_ = -1;            // a member found gone (sticky)
+  cudaStream_t work_ = nullptr;     // Note [Internal stream]
+  cudaEvent_t enter_ = nullptr, leave_ = nullptr, sync_ = nullptr;
   cudaEvent_t completion_ = nullptr;  // RecordCompletion's event
   size_t chunk_bytes_ = 0;
   bool force_hierarchy_ = false;
@@ -139,15 +218,19 @@ class CudaCommunicator final : public Communicator {
 
 Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const CommunicatorOptions& options,
                               const Topology& host_topology) {
-  auto knobs = ParseKnobsFromEnvironment();
+  // The engine passes its parsed, cross-rank agreed knobs (CommunicatorOptions::knobs).
+  auto knobs = options.knobs != nullptr ? StatusOr<Knobs>(*options.knobs) : ParseKnobsFromEnvironment();
   if (!knobs.ok()) return knobs.status();
   const Knobs& k = knobs.value();
   NVG_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
 
   const int requested = options.group_size > 0 ? options.group_size : k.group_size;
-  NVG_RETURN_IF_ERROR_CTX(ResolveDeviceTopology(comm_, device_ordinal, requested, &group_.topo,
-                                                &group_.comms, &group_.device),
-                          "resolving the GPU topology");
+  int members_on_device = 1;
+  NVG_RETURN_IF_ERROR_CTX(
+      ResolveDeviceTopology(comm_, device_ordinal, requested,
+                            options.one_gpu_group || k.one_gpu_group, &group_.topo, &group_.comms,
+                            &group_.device, &members_on_device),
+      "resolving the GPU topology");
   if (group_.topo.rank != host_topology.rank || group_.topo.size != host_topology.size ||
       group_.topo.local_rank != host_topology.local_rank)
     return Status::Internal("CUDA topology disagrees with the host topology passed in (rank " +
@@ -159,6 +242,22 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
   member_ranks_.resize(topo.group_size);
   NVG_MPI_CHECK(MPI_Allgather(&topo.rank, 1, MPI_INT, member_ranks_.data(), 1, MPI_INT,
                               group_.comms.group));
+  std::vector<int> pids(topo.group_size);
+  const int my_pid = static_cast<int>(getpid());
+  NVG_MPI_CHECK(MPI_Allgather(&my_pid, 1, MPI_INT, pids.data(), 1, MPI_INT, group_.comms.group));
+  for (int p : pids) {
+    member_pids_.push_back(static_cast<pid_t>(p));
+    pid_visible_.push_back(kill(static_cast<pid_t>(p), 0) == 0);
+  }
+  if (topo.group_size > 1) {
+    // Every block of a launch must be resident at once, on every member, with
+    // the grids of all members that share this GPU (one-GPU group mode).
+    auto resident = ResidentP2pBlocks(group_.device, topo.group_size);
+    if (!resident.ok()) return resident.status();
+    int cap = std::max(1, resident.value() / members_on_device);
+    NVG_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &cap, 1, MPI_INT, MPI_MIN, group_.comms.group));
+    group_.block_cap = cap;
+  }
 
   group_.tuning.oneshot_max_bytes =
       k.oneshot_max_bytes > 0 ? k.oneshot_max_bytes
@@ -173,7 +272,11 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
   group_.tuning.twoshot_blocks = kDefaultTwoShotBlocks;
   group_.tuning.twoshot_chunk_bytes = kDefaultTwoShotChunkBytes;
   group_.timeout_ns = static_cast<uint64_t>(options.timeout_seconds * 1e9);
-  group_.cuda_aware_mpi = MpiIsCudaAware();
+  // Every rank takes the same cross-step path (device or host fold): the
+  // ranks agree, CUDA-aware only if all of them are.
+  int cuda_aware = MpiIsCudaAware() ? 1 : 0, all_cuda_aware = 0;
+  NVG_MPI_CHECK(MPI_Allreduce(&cuda_aware, &all_cuda_aware, 1, MPI_INT, MPI_MIN, comm_));
+  group_.cuda_aware_mpi = all_cuda_aware == 1;
   chunk_bytes_ = options.pipeline_chunk_bytes > 0 ? options.pipeline_chunk_bytes : k.pipeline_chunk;
   force_hierarchy_ = k.algorithm == AllreduceAlgorithm::kHierarchical;
 
@@ -190,70 +293,130 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
   std::memset(const_cast<DeviceControl*>(group_.control_host), 0, sizeof(DeviceControl));
   NVG_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&group_.control_device),
                                           group_.control_host, 0));
-  NVG_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  NVG_CUDA_CHECK(cudaStreamCreateWithFlags(&work_, cudaStreamNonBlocking));
+  for (cudaEvent_t* e : {&enter_, &leave_, &sync_})
+    NVG_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   NVG_CUDA_CHECK(cudaStreamCreateWithFlags(&group_.cross_stream, cudaStreamNonBlocking));
+  NVG_CUDA_CHECK(cudaStreamCreateWithFlags(&group_.h2d_stream, cudaStreamNonBlocking));
+  NVG_CUDA_CHECK(cudaStreamCreateWithFlags(&group_.fold_stream, cudaStreamNonBlocking));
   for (int k2 = 0; k2 < 2; ++k2) {
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.reduce_scattered[k2], cudaEventDisableTiming));
-    NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.folded[k2], cudaEventDisableTiming));
+    NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.staged[k2], cudaEventDisableTiming));
+    NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.returned[k2], cudaEventDisableTiming));
   }
-  NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.received, cudaEventDisableTiming));
   NVG_CUDA_CHECK(cudaEventCreateWithFlags(&completion_, cudaEventDisableTiming));
   for (CopySlot& s : slots_)
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
 
   if (topo.group_count > 1) {
-    // A slice is at most ceil(chunk / G) rounded up to 16 bytes.
+    // A slice is at most ceil(chunk / G) rounded up to 16 bytes; the receive
+    // buffer holds group_count parts of it, each rounded up to 16 bytes.
     group_.slice_capacity = (chunk_bytes_ / topo.group_size + 16 + 255) / 256 * 256;
-    const size_t all = group_.slice_capacity * topo.group_count;
-    NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_send), group_.slice_capacity));
-    NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_recv), all));
-    for (char*& d : group_.device_recv) NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), all));
+    const size_t recv = group_.slice_capacity + 16 * static_cast<size_t>(topo.group_count);
+    for (int k2 = 0; k2 < 2; ++k2) {
+      if (group_.cuda_aware_mpi) {
+        NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&group_.device_recv[k2]), recv));
+      } else {
+        NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_send[k2]), group_.slice_capacity));
+        NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_recv[k2]), recv));
+        NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_result[k2]), group_.slice_capacity));
+      }
+    }
+    StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(group_.comms.cross);
+    if (!cross.ok()) return cross.status().WithContext("setting up the cross-group exchange");
+    group_.cross = cross.consume();
   }
   return Status::Ok();
 }
 
 CudaCommunicator::~CudaCommunicator() {
   (void)cudaSetDevice(group_.device);
-  const bool healthy = initialized_ && !aborted_ && group_.control_host != nullptr && group_.control_host->failure == 0;
-  if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
+  const bool healthy = initialized_ && !aborted_ && dead_member_ < 0 &&
+                       group_.control_host != nullptr && group_.control_host->failure == 0;
+  // Unhealthy: make every spin of this rank's kernels give up first.
+  if (!healthy && group_.control_host != nullptr) group_.control_host->abort = 1;
+  group_.cross.reset();  // completes the cross exchanges in flight (they use the buffers below)
+  if (work_ != nullptr) (void)cudaStreamSynchronize(work_);
   if (group_.cross_stream != nullptr) (void)cudaStreamSynchronize(group_.cross_stream);
+  if (group_.h2d_stream != nullptr) (void)cudaStreamSynchronize(group_.h2d_stream);
   // Every member must be done with every region before any member frees its
-  // own: a barrier, unless a peer is known lost (it would never arrive).
+  // own: a barrier, unless a peer is known lost (it would never arrive). Then
+  // a peer kernel may still store flags into this rank's region: keep it
+  // allocated (Note [Peer processes]).
   if (healthy && group_.comms.group != MPI_COMM_NULL && !MpiFinalized())
     (void)MPI_Barrier(group_.comms.group);
+  if (!healthy && group_.region != nullptr) group_.region->KeepOwnAllocation();
   group_.region.reset();
   for (CopySlot& s : slots_) {
     if (s.host != nullptr) (void)cudaFreeHost(s.host);
     if (s.device != nullptr) (void)cudaFree(s.device);
     if (s.done != nullptr) (void)cudaEventDestroy(s.done);
   }
-  if (group_.host_send != nullptr) (void)cudaFreeHost(group_.host_send);
-  if (group_.host_recv != nullptr) (void)cudaFreeHost(group_.host_recv);
-  for (char* d : group_.device_recv)
-    if (d != nullptr) (void)cudaFree(d);
   for (int k = 0; k < 2; ++k) {
-    if (group_.reduce_scattered[k] != nullptr) (void)cudaEventDestroy(group_.reduce_scattered[k]);
-    if (group_.folded[k] != nullptr) (void)cudaEventDestroy(group_.folded[k]);
+    for (char* h : {group_.host_send[k], group_.host_recv[k], group_.host_result[k]})
+      if (h != nullptr) (void)cudaFreeHost(h);
+    if (group_.device_recv[k] != nullptr) (void)cudaFree(group_.device_recv[k]);
+    for (cudaEvent_t e : {group_.reduce_scattered[k], group_.staged[k], group_.returned[k]})
+      if (e != nullptr) (void)cudaEventDestroy(e);
   }
-  if (group_.received != nullptr) (void)cudaEventDestroy(group_.received);
+  for (cudaStream_t st : {group_.cross_stream, group_.h2d_stream, group_.fold_stream})
+    if (st != nullptr) (void)cudaStreamDestroy(st);
+  for (cudaEvent_t e : {enter_, leave_, sync_})
+    if (e != nullptr) (void)cudaEventDestroy(e);
+  if (work_ != nullptr) (void)cudaStreamDestroy(work_);
   if (completion_ != nullptr) (void)cudaEventDestroy(completion_);
-  if (group_.cross_stream != nullptr) (void)cudaStreamDestroy(group_.cross_stream);
-  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
   if (group_.control_host != nullptr) (void)cudaFreeHost(const_cast<DeviceControl*>(group_.control_host));
   (void)cudaGetLastError();
   if (comm_ != MPI_COMM_NULL && !MpiFinalized()) (void)MPI_Comm_free(&comm_);
 }
 
+std::string CudaCommunicator::MemberName(int p) const {
+  const bool known = p >= 0 && p < static_cast<int>(member_ranks_.size());
+  return "group rank " + std::to_string(p) + " (rank " +
+         std::to_string(known ? member_ranks_[p] : -1) + ", pid " +
+         std::to_string(known && p < static_cast<int>(member_pids_.size()) ? member_pids_[p] : -1) +
+         ")";
+}
+
+int CudaCommunicator::DeadMember() {
+  if (dead_member_ >= 0) return dead_member_;
+  for (int p = 0; p < static_cast<int>(member_pids_.size()); ++p) {
+    if (p == group_.topo.group_rank || !pid_visible_[p]) continue;
+    if (!ProcessAlive(member_pids_[p])) {
+      dead_member_ = p;
+      // this rank's kernels still spinning on the member give up
+      if (group_.control_host != nullptr) group_.control_host->abort = 1;
+      break;
+    }
+  }
+  return dead_member_;
+}
+
+Status CudaCommunicator::Diagnose(Status s) {
+  if (s.ok() || s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kInvalidArgument)
+    return s;
+  const int p = DeadMember();
+  if (p < 0) return s;
+  return Status::Unavailable(MemberName(p) + " exited while its memory was mapped here (" +
+                             s.ToString() + "). This communicator cannot be used any more.");
+}
+
 Status CudaCommunicator::CheckHealthy() const {
   const DeviceControl* c = group_.control_host;
+  if (dead_member_ >= 0)
+    return Status::Unavailable(MemberName(dead_member_) +
+                               " exited while its memory was mapped here. This communicator "
+                               "cannot be used any more.");
   if (c->failure == kFailureTimeout) {
     const int p = c->failed_peer;
+    const bool alive = p >= 0 && p < static_cast<int>(member_pids_.size()) &&
+                       ProcessAlive(member_pids_[p]);
     return Status::Unavailable(
-        "NV-group barrier timed out: group rank " + std::to_string(p) + " (rank " +
-        std::to_string(p < static_cast<int>(member_ranks_.size()) ? member_ranks_[p] : -1) +
-        ") did not arrive within " + std::to_string(group_.timeout_ns / 1e9) + " s (block " +
-        std::to_string(c->failed_block) +
-        "); the peer died or hung. This communicator cannot be used any more.");
+        "NV-group barrier timed out: " + MemberName(p) + " did not arrive within " +
+        std::to_string(group_.timeout_ns / 1e9) + " s of the call's start (block " +
+        std::to_string(c->failed_block) + "); its process " +
+        (alive ? "still runs (it hung or does not take part in this call)" : "is gone") +
+        ". This communicator cannot be used any more.");
   }
   if (c->failure == kFailureAborted || aborted_ || c->abort)
     return Status::Aborted("the CUDA communicator was aborted");
@@ -277,13 +440,36 @@ Status CudaCommunicator::CheckDevicePointer(const void* p, const char* what) {
   return Status::Ok();
 }
 
+Status CudaCommunicator::EnterWork(cudaStream_t caller) {
+  if (caller == work_) return Status::Ok();
+  NVG_CUDA_CHECK(cudaEventRecord(enter_, caller));
+  NVG_CUDA_CHECK(cudaStreamWaitEvent(work_, enter_, 0));
+  return Status::Ok();
+}
+
+Status CudaCommunicator::LeaveWork(cudaStream_t caller) {
+  if (caller == work_) return Status::Ok();
+  NVG_CUDA_CHECK(cudaEventRecord(leave_, work_));
+  NVG_CUDA_CHECK(cudaStreamWaitEvent(caller, leave_, 0));
+  return Status::Ok();
+}
+
+StatusOr<bool> CudaCommunicator::Capturing(cudaStream_t stream) const {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  NVG_CUDA_CHECK(cudaStreamIsCapturing(stream, &st));
+  return st != cudaStreamCaptureStatusNone;
+}
+
 Status CudaCommunicator::Allreduce(const void* in, void* out, size_t count, DataType dtype,
                                    ReduceOp op, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
   if (!SupportsReduction(dtype))
     return Status::InvalidArgument(std::string("allreduce: dtype ") + DataTypeName(dtype) +
-                                   " cannot be reduced (float16/bfloat16/float32/float64/int32/"
-                                   "int64 only)");
+                                   " cannot be reduced");
+  if (!HasDeviceKernel(dtype))
+    return Status::Unimplemented(std::string("allreduce on CUDA: no kernel for dtype ") +
+                                 DataTypeName(dtype) +
+                                 " (float16/bfloat16/float32/float64/int32/int64 only)");
   if (static_cast<int>(op) < 0 || static_cast<int>(op) > static_cast<int>(ReduceOp::kProduct))
     return Status::InvalidArgument("allreduce: unknown reduce op " +
                                    std::to_string(static_cast<int>(op)));
@@ -294,13 +480,31 @@ Status CudaCommunicator::Allreduce(const void* in, void* out, size_t count, Data
   NVG_RETURN_IF_ERROR(CheckDevicePointer(in, "allreduce: input"));
   NVG_RETURN_IF_ERROR(CheckDevicePointer(out, "allreduce: output"));
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
-  cudaStream_t stream = StreamOf(stream_arg);
+  const cudaStream_t caller = StreamOf(stream_arg);
+  NVG_RETURN_IF_ERROR(Diagnose(EnterWork(caller)));
+  group_.call_started = false;  // the call's first kernel starts its deadline
+  Status s = AllreduceOnWork(in, out, count, dtype, op, caller);
+  Status left = LeaveWork(caller);  // also after a failure: a capture must be joined
+  return Diagnose(s.ok() ? left : s);
+}
+
+Status CudaCommunicator::AllreduceOnWork(const void* in, void* out, size_t count, DataType dtype,
+                                         ReduceOp op, cudaStream_t caller) {
   const size_t esize = DataTypeSize(dtype);
   const size_t bytes = count * esize;
 
   if (group_.topo.size == 1) {  // Average over one rank is the identity
-    if (in != out) NVG_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream));
+    if (in != out) NVG_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, work_));
     return Status::Ok();
+  }
+  if (group_.topo.group_count > 1 || force_hierarchy_) {
+    auto capturing = Capturing(caller);
+    if (!capturing.ok()) return capturing.status();
+    if (capturing.value())
+      return Status::InvalidArgument(
+          "allreduce: the hierarchical path (several NV-groups, or "
+          "NVGROUP_ALLREDUCE_ALGORITHM=hierarchical) waits for MPI between its kernels and "
+          "cannot be captured in a CUDA graph");
   }
 
   // Inputs inside the registered buffer are used in place (the engine fuses
@@ -322,7 +526,7 @@ Status CudaCommunicator::Allreduce(const void* in, void* out, size_t count, Data
                                      " of the registered buffer with " + std::to_string(bytes) +
                                      " bytes is misaligned or exceeds its " +
                                      std::to_string(capacity) + " bytes");
-    return AllreducePiece(in, out, count, true, offset, dtype, op, stream);
+    return AllreducePiece(in, out, count, true, offset, dtype, op);
   }
   // Any other input: pieces of at most the registered capacity (whole 16-byte
   // units per group member so every piece stays aligned).
@@ -332,7 +536,7 @@ Status CudaCommunicator::Allreduce(const void* in, void* out, size_t count, Data
     const size_t n = std::min(piece, count - first);
     NVG_RETURN_IF_ERROR_CTX(
         AllreducePiece(in_c + first * esize, static_cast<char*>(out) + first * esize, n, false, 0,
-                       dtype, op, stream),
+                       dtype, op),
         "allreduce of elements " + std::to_string(first) + ".." + std::to_string(first + n));
   }
   return Status::Ok();
@@ -340,15 +544,15 @@ Status CudaCommunicator::Allreduce(const void* in, void* out, size_t count, Data
 
 Status CudaCommunicator::AllreducePiece(const void* in, void* out, size_t count,
                                         bool in_registered, size_t offset, DataType dtype,
-                                        ReduceOp op, cudaStream_t stream) {
+                                        ReduceOp op) {
   const bool flat = group_.topo.group_count == 1 && !force_hierarchy_;
   if (!flat && !in_registered) {  // the skeleton starts from the registered buffer
     NVG_CUDA_CHECK(cudaMemcpyAsync(registered_buffer(), in, count * DataTypeSize(dtype),
-                                   cudaMemcpyDeviceToDevice, stream));
+                                   cudaMemcpyDeviceToDevice, work_));
     in = registered_buffer();
     in_registered = true;
   }
-  DevicePrimitives prims(&group_, in, in_registered, offset, dtype, op, stream);
+  DevicePrimitives prims(&group_, in, in_registered, offset, dtype, op, work_);
   NVG_RETURN_IF_ERROR(RunHierarchicalAllreduce(prims, count, out, chunk_bytes_, force_hierarchy_));
   return Status::Ok();
 }
@@ -389,7 +593,15 @@ Status CudaCommunicator::Allgatherv(const void* in, void* out,
   if ((mine > 0 && in == nullptr) || (total > 0 && out == nullptr))
     return Status::InvalidArgument("allgatherv: null input or output pointer");
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
-  cudaStream_t stream = StreamOf(stream_arg);
+  // Runs on work_ (Note [Internal stream]) and returns with work_ drained, so
+  // the caller's stream needs no join; host waits cannot be captured.
+  auto capturing = Capturing(StreamOf(stream_arg));
+  if (!capturing.ok()) return capturing.status();
+  if (capturing.value())
+    return Status::InvalidArgument("allgatherv/broadcast wait on the host between steps and "
+                                   "cannot be captured in a CUDA graph");
+  NVG_RETURN_IF_ERROR(EnterWork(StreamOf(stream_arg)));
+  cudaStream_t stream = work_;
   StatusOr<bool> peer = total <= registered_capacity()
                             ? UsePeerCopies(in, mine, out, total)
                             : StatusOr<bool>(false);
@@ -427,6 +639,92 @@ Status CudaCommunicator::Allgatherv(const void* in, void* out,
   return Status::Ok();
 }
 
+// ReduceScatter on the device: the whole Allreduce into a scratch buffer, then
+// this rank's rows (correct and bitwise equal to Allreduce; it moves the whole
+// message instead of 1/size of it -- the NV-group reduce-scatter kernel step
+// alone is the faster path still to wire in, cc/kernels).
+Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
+                                       DataType dtype, ReduceOp op, void* stream_arg) {
+  NVG_RETURN_IF_ERROR(CheckHealthy());
+  const int size = group_.topo.size;
+  if (static_cast<int>(counts.size()) != size)
+    return Status::InvalidArgument("reducescatter: " + std::to_string(counts.size()) + " counts given for " +
+                                   std::to_string(size) + " ranks");
+  size_t total = 0, my_offset = 0;
+  for (int r = 0; r < size; ++r) {
+    if (r == group_.topo.rank) my_offset = total;
+    total += counts[r];
+  }
+  const size_t mine = counts[group_.topo.rank];
+  if (total == 0) return Status::Ok();
+  const size_t esize = DataTypeSize(dtype);
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  cudaStream_t stream = StreamOf(stream_arg);
+  void* scratch = nullptr;
+  NVG_CUDA_CHECK(cudaMallocAsync(&scratch, total * esize, stream));
+  Status s = Allreduce(in, scratch, total, dtype, op, stream);
+  if (s.ok() && mine > 0) {
+    cudaError_t e = cudaMemcpyAsync(out, static_cast<char*>(scratch) + my_offset * esize, mine * esize,
+                                    cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) s = Status::Internal(std::string("cudaMemcpyAsync (reducescatter rows) failed: ") +
+                                               cudaGetErrorString(e));
+  }
+  // Stream-ordered free: after the copy on `stream` read the scratch.
+  cudaError_t freed = cudaFreeAsync(scratch, stream);
+  if (s.ok() && freed != cudaSuccess)
+    s = Status::Internal(std::string("cudaFreeAsync (reducescatter scratch) failed: ") + cudaGetErrorString(freed));
+  return s;
+}
+
+// Alltoallv on the device: staged through host memory and MPI_Alltoallv
+// (correct, not tuned), after the same count cross-check as the CPU path.
+Status CudaCommunicator::Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
+                                   const std::vector<size_t>& recv_bytes, void* stream_arg) {
+  NVG_RETURN_IF_ERROR(CheckHealthy());
+  const int n = group_.topo.size;
+  if (static_cast<int>(send_bytes.size()) != n || static_cast<int>(recv_bytes.size()) != n)
+    return Status::InvalidArgument("alltoallv: byte counts must have one entry per rank (" + std::to_string(n) + ")");
+  size_t send_total = 0, recv_total = 0;
+  for (int r = 0; r < n; ++r) {
+    send_total += send_bytes[r];
+    recv_total += recv_bytes[r];
+  }
+  std::vector<uint64_t> sent(send_bytes.begin(), send_bytes.end()), incoming(n);
+  NVG_MPI_CHECK(MPI_Alltoall(sent.data(), 1, MPI_UINT64_T, incoming.data(), 1, MPI_UINT64_T, comm_));
+  int64_t verdict[3] = {0, 0, 0};  // counts disagree, null pointer, beyond int
+  for (int r = 0; r < n; ++r)
+    if (incoming[r] != recv_bytes[r]) verdict[0] = 1;
+  if ((send_total > 0 && in == nullptr) || (recv_total > 0 && out == nullptr)) verdict[1] = 1;
+  if (send_total > static_cast<size_t>(INT_MAX) || recv_total > static_cast<size_t>(INT_MAX)) verdict[2] = 1;
+  int64_t any[3];
+  NVG_MPI_CHECK(MPI_Allreduce(verdict, any, 3, MPI_INT64_T, MPI_MAX, comm_));
+  if (any[0]) return Status::InvalidArgument("alltoallv: a rank expects different byte counts than its peers send");
+  if (any[1]) return Status::InvalidArgument("alltoallv: a rank passed a null input or output pointer");
+  if (any[2]) return Status::Unimplemented("alltoallv: more than 2^31-1 bytes sent or received by one rank");
+  std::vector<int> sc(n), sd(n), rc(n), rd(n);
+  size_t so = 0, ro = 0;
+  for (int r = 0; r < n; ++r) {
+    sc[r] = static_cast<int>(send_bytes[r]);
+    sd[r] = static_cast<int>(so);
+    rc[r] = static_cast<int>(recv_bytes[r]);
+    rd[r] = static_cast<int>(ro);
+    so += send_bytes[r];
+    ro += recv_bytes[r];
+  }
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  cudaStream_t stream = StreamOf(stream_arg);
+  std::vector<char> send(std::max<size_t>(send_total, 1)), recv(std::max<size_t>(recv_total, 1));
+  NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: `in` is produced
+  if (send_total > 0) NVG_CUDA_CHECK(cudaMemcpy(send.data(), in, send_total, cudaMemcpyDeviceToHost));
+  NVG_MPI_CHECK(MPI_Alltoallv(send.data(), sc.data(), sd.data(), MPI_BYTE, recv.data(), rc.data(), rd.data(),
+                              MPI_BYTE, comm_));
+  if (recv_total > 0) {
+    NVG_CUDA_CHECK(cudaMemcpyAsync(out, recv.data(), recv_total, cudaMemcpyHostToDevice, stream));
+    NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // recv is freed on return
+  }
+  return Status::Ok();
+}
+
 Status CudaCommunicator::Broadcast(void* buf, size_t bytes, int root, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
   if (root < 0 || root >= group_.topo.size)
@@ -437,7 +735,15 @@ Status CudaCommunicator::Broadcast(void* buf, size_t bytes, int root, void* stre
   if (bytes == 0) return Status::Ok();
   if (buf == nullptr) return Status::InvalidArgument("broadcast: null buffer");
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
-  cudaStream_t stream = StreamOf(stream_arg);
+  // Runs on work_ (Note [Internal stream]) and returns with work_ drained, so
+  // the caller's stream needs no join; host waits cannot be captured.
+  auto capturing = Capturing(StreamOf(stream_arg));
+  if (!capturing.ok()) return capturing.status();
+  if (capturing.value())
+    return Status::InvalidArgument("allgatherv/broadcast wait on the host between steps and "
+                                   "cannot be captured in a CUDA graph");
+  NVG_RETURN_IF_ERROR(EnterWork(StreamOf(stream_arg)));
+  cudaStream_t stream = work_;
   StatusOr<bool> peer = UsePeerCopies(buf, bytes, nullptr, 0);
   if (!peer.ok()) return peer.status();
   if (peer.value()) {
@@ -528,7 +834,28 @@ Status CudaCommunicator::BatchedScaledCopy(const CopySpec* copies, size_t num_co
 
 Status CudaCommunicator::Synchronize(void* stream) {
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
-  NVG_CUDA_CHECK(cudaStreamSynchronize(StreamOf(stream)));
+  NVG_CUDA_CHECK(cudaEventRecord(sync_, StreamOf(stream)));
+  // Polls instead of blocking, so that a member's exit is noticed while the
+  // kernels wait for it (Note [Peer processes]).
+  using Clock = std::chrono::steady_clock;
+  auto next_look = Clock::now() + kLivenessCheck;
+  Clock::time_point drain_until{};
+  for (long polls = 0;; ++polls) {
+    const cudaError_t q = cudaEventQuery(sync_);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return Diagnose(Status::Internal(std::string("waiting for the stream failed: ") +
+                                       cudaGetErrorName(q) + ": " + cudaGetErrorString(q)));
+    }
+    if (polls < 64) continue;  // short waits: spin
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    const auto now = Clock::now();
+    if (now < next_look) continue;
+    next_look = now + kLivenessCheck;
+    if (dead_member_ < 0 && DeadMember() >= 0) drain_until = now + kAbortDrain;
+    if (dead_member_ >= 0 && now > drain_until) break;  // kernels aborted; do not wait forever
+  }
   return CheckHealthy();
 }
 

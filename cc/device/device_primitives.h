@@ -5,15 +5,31 @@
 //                       oneshot_max_bytes, else the two-shot kernel (copy-in,
 //                       reduce-scatter, allgather in one launch);
 //   GroupReduceScatter  two-shot kernel, reduce-scatter phase, on one chunk;
-//   CrossAllreduce      slice group_rank of the chunk with the peers of the
-//                       other groups: MPI_Allgather of the slices (device
-//                       buffers when MPI is CUDA-aware, else D2H into pinned
-//                       memory, MPI, H2D), then a local fold in group_index
-//                       order (so every rank gets the same bits);
+//   CrossStart/Finish   slice group_rank of the chunk with the peers of the
+//                       other groups: the CrossExchange reduce-scatter +
+//                       allgather (cc/algorithms/cross_exchange.h), folded in
+//                       group_index order (every rank gets the same bits);
 //   GroupAllgather      two-shot kernel, allgather phase, chunk -> out.
-// The kernels run on the caller's stream; the cross step runs its copies on a
-// second stream and blocks the calling thread only for its own chunk, so the
-// skeleton's next reduce-scatter kernel overlaps this chunk's MPI exchange.
+//
+// Cross step, host-staged (MPI not CUDA-aware), chunk c with k = c % 2:
+//   CrossStart: d2h_stream waits for reduce_scattered[k] (the RS kernel of c),
+//     copies the slice into pinned send[k], records staged[k]; queues the job.
+//   progress thread: once staged[k] and returned[k] (the previous H2D out of
+//     result[k], chunk c-2) completed: MPI_Ialltoallv send[k] -> recv[k], host
+//     fold (ReduceFold, the same contract as the CPU path) into result[k],
+//     MPI_Iallgatherv in place on result[k]; then enqueues the H2D result[k] ->
+//     slice on h2d_stream and records returned[k].
+//   CrossFinish: waits for the job, then the caller's stream waits for
+//     returned[k], so the AG kernel of c (whose start barrier is what lets the
+//     peers read our slice) runs after the copy landed.
+// So D2H(c+1), MPI(c) and H2D(c-1) are in flight together on two copy streams
+// and the progress thread, while the caller's thread only issues work.
+// CUDA-aware MPI (MPIX_Query_cuda_support): the same job on device memory:
+// send = result = the slice, recv = device_recv[k]; ready = reduce_scattered[k]
+// completed; the fold is the device fold kernel on fold_stream, synchronized
+// before the allgatherv; nothing to copy back.
+// The kernels run on the communicator's own stream (Note [Internal stream] in
+// cuda_communicator_cuda.cc).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,6 +39,7 @@
 #include <cstddef>
 #include <memory>
 
+#include "algorithms/cross_exchange.h"
 #include "algorithms/hierarchical_allreduce.h"
 #include "device/ipc.h"
 #include "kernels/kernels.h"
@@ -53,20 +70,28 @@ struct DeviceGroup {
   DeviceControl* control_device = nullptr;  // the same, as the kernels see them
   uint64_t timeout_ns = 0;
   KernelTuning tuning;
+  // Upper bound on every grid: kMaxBlocks, less in the one-GPU group mode
+  // (members share the GPU's multiprocessors).
+  int block_cap = kMaxBlocks;
   bool cuda_aware_mpi = false;
-  // One-shot calls so far: selects the staging half (Note in p2p_allreduce.cuh).
-  uint64_t oneshot_calls = 0;
+  // Set once the current communicator call launched its first kernel (that
+  // kernel starts the call's deadline; Note [Dead peers] in p2p_allreduce.cuh).
+  bool call_started = false;
 
-  // Cross step: a copy stream, the slice exchange buffers (double-buffered by
-  // chunk parity) and the events that order them against the compute stream.
-  cudaStream_t cross_stream = nullptr;
-  size_t slice_capacity = 0;                // bytes per group per buffer
-  char* host_send = nullptr;                // pinned, slice_capacity
-  char* host_recv = nullptr;                // pinned, group_count * slice_capacity
-  char* device_recv[2] = {nullptr, nullptr};  // group_count * slice_capacity each
+  // Cross step (group_count > 1), see the header comment. Buffers by chunk
+  // parity k; slice_capacity bytes each (recv: plus group_count * 16).
+  std::unique_ptr<CrossExchange> cross;
+  cudaStream_t cross_stream = nullptr;  // D2H of the slices
+  cudaStream_t h2d_stream = nullptr;    // H2D of the reduced slices
+  cudaStream_t fold_stream = nullptr;   // CUDA-aware: the device fold
+  size_t slice_capacity = 0;
+  char* host_send[2] = {nullptr, nullptr};    // pinned
+  char* host_recv[2] = {nullptr, nullptr};    // pinned
+  char* host_result[2] = {nullptr, nullptr};  // pinned
+  char* device_recv[2] = {nullptr, nullptr};  // CUDA-aware only
   cudaEvent_t reduce_scattered[2] = {nullptr, nullptr};  // chunk's reduce-scatter done
-  cudaEvent_t folded[2] = {nullptr, nullptr};            // chunk's fold done (device_recv free)
-  cudaEvent_t received = nullptr;                        // H2D of the exchanged slices done
+  cudaEvent_t staged[2] = {nullptr, nullptr};            // slice copied into host_send[k]
+  cudaEvent_t returned[2] = {nullptr, nullptr};          // host_result[k] copied back
 };
 
 class DevicePrimitives {
@@ -81,11 +106,12 @@ class DevicePrimitives {
   size_t element_size() const { return esize_; }
   Status GroupAllreduce(size_t count, void* out);
   Status GroupReduceScatter(const ChunkSlices& chunk);
-  Status CrossAllreduce(const ChunkSlices& chunk);
+  Status CrossStart(const ChunkSlices& chunk);
+  Status CrossFinish(const ChunkSlices& chunk);
   Status GroupAllgather(const ChunkSlices& chunk, void* out);
 
  private:
-  P2pLaunch BaseLaunch(size_t count, int max_blocks) const;
+  P2pLaunch BaseLaunch(size_t count, int max_blocks);
   char* Registered(int member) const;  // member's registered data + offset
 
   DeviceGroup* group_;
@@ -96,6 +122,8 @@ class DevicePrimitives {
   ReduceOp op_;
   size_t esize_;
   cudaStream_t stream_;
+  bool in_flight_[2] = {false, false};  // a cross job of that parity was started
+  uint64_t ticket_[2] = {0, 0};
 };
 
 }  // namespace nvgroup

@@ -7,7 +7,12 @@
 //     ids; each rank asks cudaDeviceCanAccessPeer for its GPU against every
 //     other rank's GPU and the rows are allgathered, so every rank of the node
 //     holds the whole matrix. Two ranks on one GPU count as "no peer access"
-//     (an NV-group needs distinct GPUs).
+//     (an NV-group needs distinct GPUs), except in the one-GPU group mode
+//     (NVGROUP_ONE_GPU_GROUP=1, for tests): there ranks on one GPU count as
+//     connected, so G processes sharing one GPU (under MPS) form a group and
+//     run the real IPC path; the communicator then caps every grid so that the
+//     kernels of all members fit on the GPU together (a member spinning on a
+//     block that cannot be scheduled would deadlock).
 //  4. Group size G: NVGROUP_GROUP_SIZE / CommunicatorOptions::group_size when
 //     given, else the node's rank count (at most kMaxGroupSize; else the
 //     largest divisor of it that is). Groups are blocks of G consecutive local
@@ -29,8 +34,11 @@ namespace nvgroup {
 
 // Fills `topo` and `comms` and selects the device (cudaSetDevice). Collective.
 // `device_ordinal` < 0: local_rank % device count. `requested_group_size` 0: detect.
-// `*device_out` receives the chosen ordinal.
+// `one_gpu_group`: ranks on one GPU may form a group (see above).
+// `*device_out` receives the chosen ordinal, `*group_members_on_device` how
+// many members of this rank's group (itself included) drive the same GPU.
 Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_group_size,
-                             Topology* topo, TopologyComms* comms, int* device_out);
+                             bool one_gpu_group, Topology* topo, TopologyComms* comms,
+                             int* device_out, int* group_members_on_device);
 
 }  // namespace nvgroup

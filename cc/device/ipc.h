@@ -32,6 +32,9 @@ class IpcRegion {
   // Closes the peers' mappings and frees this rank's region. The owner must
   // make sure no kernel still uses them (see CudaCommunicator's destructor).
   ~IpcRegion();
+  // The destructor then leaves this rank's own allocation alone (a peer kernel
+  // may still write into it after a failure); the process exit frees it.
+  void KeepOwnAllocation() { keep_own_ = true; }
 
   size_t data_bytes() const { return data_bytes_; }
   size_t staging_bytes() const { return staging_bytes_; }
@@ -49,6 +52,7 @@ class IpcRegion {
   size_t data_bytes_ = 0;
   size_t staging_bytes_ = 0;
   char* base_[kMaxGroupSize] = {};  // region bases; own one allocated, others opened
+  bool keep_own_ = false;
 };
 
 }  // namespace nvgroup

@@ -73,8 +73,11 @@ IpcRegion::~IpcRegion() {
   // leave nothing to clean up beyond what the driver frees at exit.
   for (int p = 0; p < group_size_; ++p) {
     if (base_[p] == nullptr) continue;
-    if (p == group_rank_) (void)cudaFree(base_[p]);
-    else (void)cudaIpcCloseMemHandle(base_[p]);
+    if (p == group_rank_) {
+      if (!keep_own_) (void)cudaFree(base_[p]);
+    } else {
+      (void)cudaIpcCloseMemHandle(base_[p]);
+    }
   }
   (void)cudaGetLastError();
 }

@@ -3,11 +3,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "common/cuda_checks.h"
+#include "device/peer_access_advice.h"
 #include "kernels/kernels.h"
 
 namespace nvgroup {
@@ -17,6 +19,7 @@ constexpr int kBusIdChars = 32;  // "0000:00:00.0" plus room, NUL-padded
 
 struct LocalGpu {
   int ordinal;
+  int visible_devices;  // cudaGetDeviceCount() of that rank (for the warning)
   char bus_id[kBusIdChars];
 };
 
@@ -30,7 +33,8 @@ int LargestGroupDividing(int n) {
 }  // namespace
 
 Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_group_size,
-                             Topology* topo, TopologyComms* comms, int* device_out) {
+                             bool one_gpu_group, Topology* topo, TopologyComms* comms,
+                             int* device_out, int* group_members_on_device) {
   NVG_RETURN_IF_ERROR_CTX(SplitNodes(comm, topo, comms), "splitting ranks into nodes");
 
   int device_count = 0;
@@ -46,6 +50,7 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
   const int n = topo->local_size;
   LocalGpu mine{};
   mine.ordinal = device;
+  mine.visible_devices = device_count;
   NVG_CUDA_CHECK(cudaDeviceGetPCIBusId(mine.bus_id, kBusIdChars, device));
   std::vector<LocalGpu> gpus(n);
   NVG_MPI_CHECK(MPI_Allgather(&mine, sizeof(LocalGpu), MPI_BYTE, gpus.data(), sizeof(LocalGpu),
@@ -54,7 +59,9 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
   for (int j = 0; j < n; ++j) {
     if (j == topo->local_rank) {
       row[j] = 1;
-    } else if (std::strncmp(gpus[j].bus_id, mine.bus_id, kBusIdChars) != 0) {
+    } else if (std::strncmp(gpus[j].bus_id, mine.bus_id, kBusIdChars) == 0) {
+      row[j] = one_gpu_group ? 1 : 0;  // one-GPU group mode: the same GPU counts as reachable
+    } else {
       NVG_CUDA_CHECK(cudaDeviceCanAccessPeer(&row[j], device, gpus[j].ordinal));
     }
   }
@@ -78,11 +85,18 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
   } else {
     g = LargestGroupDividing(n);
     if (!blocks_connected(g)) {
-      if (topo->local_rank == 0)
-        std::fprintf(stderr,
-                     "nvgroup WARNING: node %d: the %d local GPUs lack mutual peer access "
-                     "(NVLink); using host-staged MPI between single-GPU groups (slow)\n",
-                     topo->node_index, n);
+      if (topo->local_rank == 0) {
+        std::vector<int> visible(n);
+        std::vector<std::string> bus(n);
+        for (int i = 0; i < n; ++i) {
+          visible[i] = gpus[i].visible_devices;
+          bus[i] = std::string(gpus[i].bus_id, strnlen(gpus[i].bus_id, kBusIdChars));
+        }
+        std::fprintf(stderr, "%s\n",
+                     NoPeerAccessWarning(topo->node_index, visible, bus,
+                                         std::getenv("CUDA_VISIBLE_DEVICES"))
+                         .c_str());
+      }
       g = 1;
     }
   }
@@ -102,9 +116,19 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
         ": some group's GPUs lack mutual peer access (cudaDeviceCanAccessPeer); choose a size "
         "whose groups are NVLink-connected, or leave it unset to detect");
   if (requested_group_size <= 0) g = agreed[0];  // the smallest detected G holds everywhere
-  return SplitGroups(comm, requested_group_size > 0 ? requested_group_size : g,
-                     requested_group_size > 0 ? "NVGROUP_GROUP_SIZE" : "detected NV-group size",
-                     topo, comms);
+  NVG_RETURN_IF_ERROR(SplitGroups(comm, requested_group_size > 0 ? requested_group_size : g,
+                                  requested_group_size > 0 ? "NVGROUP_GROUP_SIZE"
+                                                           : "detected NV-group size",
+                                  topo, comms));
+  // Members of this rank's group that drive the same GPU (this rank included):
+  // their kernels share the GPU's multiprocessors.
+  std::vector<LocalGpu> members(topo->group_size);
+  NVG_MPI_CHECK(MPI_Allgather(&mine, sizeof(LocalGpu), MPI_BYTE, members.data(),
+                              sizeof(LocalGpu), MPI_BYTE, comms->group));
+  *group_members_on_device = 0;
+  for (const LocalGpu& m : members)
+    if (std::strncmp(m.bus_id, mine.bus_id, kBusIdChars) == 0) ++*group_members_on_device;
+  return Status::Ok();
 }
 
 }  // namespace nvgroup

@@ -5,8 +5,14 @@
 #include <deque>
 #include <functional>
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 #include "common/checks.h"
 #include "common/logging.h"
+#include "engine/collectives_extra.h"
+#include "engine/engine_control.h"
 #include "engine/wire_format.h"
 
 namespace nvgroup {
@@ -58,9 +64,15 @@ class Finalizer {
 // that the bitwise AND tells whether *any* rank cleared it.
 constexpr uint64_t kNothingToReport = 1u << 0;  // no rank needs a negotiation round
 constexpr uint64_t kNoShutdown = 1u << 1;       // no rank asked to shut down
+// After the cache bits: the rank's state digest (ResponseCache::digest() and
+// the cached plans) and its complement. Under the bitwise AND, bit k of the
+// two words comes out 1 and 0 (or 0 and 1) when every rank has the same bit k,
+// and 0 and 0 when they differ, so XOR of the two words is all ones exactly
+// when every rank holds the same digest.
+constexpr int kStateDigestWords = 2;
 
 Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
-               std::unique_ptr<Communicator> cuda)
+               bool watch_liveness, std::unique_ptr<Communicator> cuda)
     : knobs_(knobs),
       comm_(comm),
       rank_(rank),
@@ -77,13 +89,16 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
   if (knobs.stall_shutdown_s > 0) report_cached_after_s_ = std::min(report_cached_after_s_, knobs.stall_shutdown_s / 2);
   // Collective; Init's collectives just ran, so the ranks are in step and
   // NVGROUP_TIMEOUT bounds the setup.
-  StatusOr<std::unique_ptr<LivenessMonitor>> liveness =
-      LivenessMonitor::Create(comm_, knobs.peer_timeout_s, [this](const Status& lost) { Abort(lost); });
-  if (liveness.ok()) liveness_ = liveness.consume();
-  else NVG_LOG(kWarning) << "dead-rank detection is off: " << liveness.status().message();
+  if (watch_liveness) {
+    // A lost peer aborts every engine of the process (all process sets).
+    StatusOr<std::unique_ptr<LivenessMonitor>> liveness =
+        LivenessMonitor::Create(comm_, knobs.peer_timeout_s, [](const Status& lost) { AbortEngine(lost); });
+    if (liveness.ok()) liveness_ = liveness.consume();
+    else NVG_LOG(kWarning) << "dead-rank detection is off: " << liveness.status().message();
+  }
   if (rank_ == 0 && !knobs.timeline_path.empty()) {
     Status s = timeline_.Open(knobs.timeline_path, MonotonicSeconds());
-    if (!s.ok()) NVG_LOG(kWarning) << s.message() << "; continuing without a timeline";
+    if (!s.ok()) NVG_LOG(kWarning) << "NVGROUP_TIMELINE: " << s.message() << "; continuing without a timeline";
   }
   if (cuda != nullptr) {
     cuda_comm_ = std::move(cuda);
@@ -114,6 +129,7 @@ void Engine::Admit(TensorEntry entry, double now) {
     timeline_.End(entry.request.name, "QUEUE", now);
     timeline_.Begin(entry.request.name, "NEGOTIATE", now);
   }
+  if (entry.request.type == CollectiveType::kJoin) joined_ = true;
   auto p = std::make_unique<Pending>();
   p->since = now;
   std::string name = entry.request.name;
@@ -146,6 +162,7 @@ bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
     if (slots[i] >= 0) (*bits)[1 + slots[i] / 64] |= uint64_t{1} << (slots[i] % 64);
     if (!p->reported && (slots[i] < 0 || now - p->since >= report_cached_after_s_)) must_report = true;
   }
+  if (joined_) SetJoinedCacheBits(bits);
   return must_report;
 }
 
@@ -163,9 +180,14 @@ std::vector<Engine::Work> Engine::TakeCacheHits(const std::vector<uint64_t>& bit
     if (r.group_id != 0 && group_hits[r.group_id] != r.group_size) continue;
     Work w;
     w.response = r;
+    w.slot = slot;
     auto it = pending_.find(r.name);
-    w.pending = std::move(it->second);  // the bit is set only for pending names
-    pending_.erase(it);
+    if (it != pending_.end()) {
+      w.pending = std::move(it->second);  // the bit is set only for pending names...
+      pending_.erase(it);
+    } else {
+      w.pending = MakeJoinStandIn(r);  // ...or, on a joined rank, for stand-ins
+    }
     cache_.Touch(slot);
     if (rank_ == 0) coordinator_.Forget(r.name);
     work.push_back(std::move(w));
@@ -183,7 +205,6 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   }
   CycleBuffers& b = *mpi_buffers_;
   b.request_bytes = EncodeRequestList(mine);
-  const std::string round = "negotiation round " + std::to_string(cycle_);
 
   // Gather every rank's request list at rank 0: lengths, then bytes. Orders
   // rank 0's decision after every rank's report of this cycle.
@@ -192,7 +213,7 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   b.displs.assign(rank_ == 0 ? size_ : 1, 0);
   MPI_Request req;
   NVG_MPI_CHECK(MPI_Igather(&b.my_length, 1, MPI_INT, b.lengths.data(), 1, MPI_INT, 0, comm_, &req));
-  NVG_RETURN_IF_ERROR(Wait(&req, "the request-length gather of " + round));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the request-length gather of the negotiation round"));
   size_t total = 0;
   if (rank_ == 0) {
     for (int r = 0; r < size_; ++r) {
@@ -203,7 +224,7 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   b.gathered.resize(std::max<size_t>(total, 1));
   NVG_MPI_CHECK(MPI_Igatherv(b.request_bytes.data(), b.my_length, MPI_BYTE, b.gathered.data(),
                              b.lengths.data(), b.displs.data(), MPI_BYTE, 0, comm_, &req));
-  NVG_RETURN_IF_ERROR(Wait(&req, "the request gather of " + round));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the request gather of the negotiation round"));
 
   // Rank 0 decides; everyone receives the same response list. The broadcast
   // orders every rank's execution (and cache update) after rank 0's decision,
@@ -227,21 +248,26 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   }
   b.response_length = b.response_bytes.size();
   NVG_MPI_CHECK(MPI_Ibcast(&b.response_length, 1, MPI_UINT64_T, 0, comm_, &req));
-  NVG_RETURN_IF_ERROR(Wait(&req, "the response-length broadcast of " + round));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the response-length broadcast of the negotiation round"));
   if (rank_ != 0) b.response_bytes.resize(b.response_length);
   NVG_MPI_CHECK(MPI_Ibcast(b.response_bytes.data(), static_cast<int>(b.response_length), MPI_BYTE, 0, comm_, &req));
-  NVG_RETURN_IF_ERROR(Wait(&req, "the response broadcast of " + round));
+  NVG_RETURN_IF_ERROR(Wait(&req, "the response broadcast of the negotiation round"));
   if (rank_ != 0)
     NVG_RETURN_IF_ERROR(DecodeResponseList(b.response_bytes.data(), b.response_bytes.size(), &list));
   if (list.fatal_code != StatusCode::kOk) return Status(list.fatal_code, list.fatal_message);
 
   for (ResponseMessage& r : list.responses) {
-    if (r.ok()) cache_.Put(r);
+    if (r.ok() && r.type != CollectiveType::kJoin) cache_.Put(r);  // a join's answer changes
     Work w;
     auto it = pending_.find(r.name);
     if (it != pending_.end()) {
       w.pending = std::move(it->second);
       pending_.erase(it);
+    } else if (r.ok() && joined_) {
+      w.pending = MakeJoinStandIn(r);  // rank 0 counted this joined rank in
+      if (w.pending == nullptr)
+        return Status::Internal("rank 0 released '" + r.name + "' to joined rank " + std::to_string(rank_) +
+                                ", which cannot stand in for a " + CollectiveTypeName(r.type));
     } else if (r.ok()) {
       return Status::Internal("rank 0 released '" + r.name + "', which this rank never submitted");
     }
@@ -259,6 +285,7 @@ StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
     options.group_size = knobs_.group_size;
     options.pipeline_chunk_bytes = knobs_.pipeline_chunk;
     options.timeout_seconds = knobs_.peer_timeout_s;
+    options.knobs = &knobs_;  // agreed across ranks at Init
     StatusOr<std::unique_ptr<Communicator>> c =
         CreateCommunicator(MPI_Comm_c2f(comm_), device, options);
     if (!c.ok()) return c.status().WithContext("creating the communicator for " + device.ToString());
@@ -351,35 +378,51 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
   StatusOr<Communicator*> comm_or = GetCommunicator(device);
   if (!comm_or.ok()) return comm_or.status();
   Communicator* comm = comm_or.value();
-  if (bucket.responses.size() == 1 || bucket.bytes > comm->registered_capacity()) {
-    // One tensor gains nothing from the fusion copies (the communicator reads
-    // any input and writes any output itself); a bucket larger than this
-    // device's registered buffer runs one tensor at a time. The arithmetic is
-    // the fused path's (same scaled copies, same fold), so the bits are too.
+  if (bucket.bytes > comm->registered_capacity()) {
+    // Larger than this device's registered buffer: one tensor at a time, the
+    // communicator cutting each into pieces. The arithmetic is the fused
+    // path's (same scaled copies, same fold), so the bits are too.
     for (size_t i : bucket.responses) NVG_RETURN_IF_ERROR(RunAllreduceAlone(&(*work)[i]));
     return Status::Ok();
   }
+  // Every other bucket, one tensor or many, takes this path: the prescale
+  // rides on the copy in, the postscale (and an Average's division) on the
+  // copy out, and the communicator runs on its registered buffer in place
+  // (on the GPU no pointer checks; no extra scaling pass for a lone tensor).
   const size_t element = DataTypeSize(first.dtype);
   // Average of floats is a sum with the division folded into the copy out;
-  // integers use the communicator's own (truncating) average.
+  // integers use the communicator's own (truncating) average unless scale
+  // factors are given (then Horovod's: sum, then * postscale / size).
   ReduceOp op = first.op;
   double postscale = first.postscale_factor;
-  if (op == ReduceOp::kAverage && IsFloatingPoint(first.dtype)) {
+  if (op == ReduceOp::kAverage && AverageByPostscale(first)) {
     op = ReduceOp::kSum;
     postscale /= size_;
   }
+  Add(counters_.buckets);
+  Add(counters_.bucket_tensors, bucket.responses.size());
   char* buffer = static_cast<char*>(comm->registered_buffer());
   std::vector<Communicator::CopySpec> in, out;
   std::vector<Pending*> done;
+  in.reserve(bucket.responses.size());
+  out.reserve(bucket.responses.size());
+  done.reserve(bucket.responses.size());
+  // Distinct ready events of the bucket (a framework records one event for a
+  // whole step's gradients, so usually one).
+  std::vector<void*> events;
   for (size_t k = 0; k < bucket.responses.size(); ++k) {
     Pending* p = (*work)[bucket.responses[k]].pending.get();
     const size_t count = ResponseBytes((*work)[bucket.responses[k]].response) / element;
     in.push_back({p->entry.request.input, buffer + bucket.offsets[k], count});
     out.push_back({buffer + bucket.offsets[k], p->entry.request.output, count});
     done.push_back(p);
-    // Orders the copy-in after the framework produced the input (GPU-side wait).
-    NVG_RETURN_IF_ERROR(comm->WaitEvent(p->entry.request.ready_event, nullptr));
+    void* e = p->entry.request.ready_event;
+    if (e != nullptr && std::find(events.begin(), events.end(), e) == events.end()) events.push_back(e);
   }
+  // Orders the copy-in after the framework produced the inputs (GPU-side
+  // waits, one per distinct event).
+  for (void* e : events) NVG_RETURN_IF_ERROR(comm->WaitEvent(e, nullptr));
+  Add(counters_.ready_event_waits, events.size());
   auto mark = [&](const char* phase, bool begin) {
     if (!timeline_.enabled()) return;
     double t = MonotonicSeconds();
@@ -410,10 +453,12 @@ Status Engine::RunAllreduceAlone(Work* w) {
   const size_t count = static_cast<size_t>(NumElements(r.shape));
   ReduceOp op = r.op;
   double postscale = r.postscale_factor;
-  if (op == ReduceOp::kAverage && IsFloatingPoint(r.dtype)) {
+  if (op == ReduceOp::kAverage && AverageByPostscale(r)) {
     op = ReduceOp::kSum;
     postscale /= size_;
   }
+  Add(counters_.buckets);
+  Add(counters_.bucket_tensors);
   NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
   if (timeline_.enabled()) timeline_.Begin(q.name, "ALLREDUCE", MonotonicSeconds());
   const void* source = q.input;
@@ -488,52 +533,199 @@ Status Engine::RunBroadcast(Work* w) {
   return Status::Ok();
 }
 
+Status Engine::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
+  Work& first = (*work)[bucket.responses[0]];
+  if (!first.response.ok()) {  // error responses are buckets of their own
+    if (first.pending) Complete(first.pending.get(), Status(first.response.error_code, first.response.error_message));
+    return Status::Ok();
+  }
+  Status s;
+  switch (first.response.type) {
+    case CollectiveType::kAllreduce: s = RunAllreduceBucket(bucket, work); break;
+    case CollectiveType::kAllgather: s = RunAllgather(&first); break;
+    case CollectiveType::kBroadcast: s = RunBroadcast(&first); break;
+    case CollectiveType::kReducescatter: s = RunReducescatter(&first); break;
+    case CollectiveType::kAlltoall: s = RunAlltoall(&first); break;
+    case CollectiveType::kJoin: s = RunJoin(&first); break;
+  }
+  if (s.ok()) return s;
+  s = Cause(s);
+  // The same call failed on every rank (same arguments, same order); fail the
+  // bucket's requests. A lost or aborted peer ends the loop.
+  for (size_t i : bucket.responses) {
+    Pending* p = (*work)[i].pending.get();
+    if (p != nullptr && p->entry.request.done) Complete(p, s);
+  }
+  if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kAborted) return s;
+  return Status::Ok();
+}
+
+Status Engine::RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<bool>* done) {
+  if (plans_.empty()) return Status::Ok();
+  // The cache hits of whole groups (TakeCacheHits takes groups whole), in
+  // order of their first member.
+  std::vector<uint64_t> groups;
+  for (size_t i = 0; i < cache_hits; ++i) {
+    const ResponseMessage& r = (*work)[i].response;
+    if (r.group_id == 0 || (*done)[i]) continue;
+    if (std::find(groups.begin(), groups.end(), r.group_id) == groups.end()) groups.push_back(r.group_id);
+  }
+  if (slot_to_work_.size() != static_cast<size_t>(cache_.capacity())) slot_to_work_.assign(cache_.capacity(), 0);
+  for (size_t i = 0; i < cache_hits; ++i)
+    if ((*work)[i].slot >= 0) slot_to_work_[(*work)[i].slot] = i;
+  for (uint64_t group : groups) {
+    auto it = plans_.find(group);
+    if (it == plans_.end()) continue;
+    Plan& plan = it->second;
+    bool valid = PlanMatchesCache(plan);
+    for (size_t k = 0; k < plan.slots.size() && valid; ++k) {
+      // The slot is one of this cycle's hits (the hits hold the group whole);
+      // entries of slots not hit this cycle are stale, hence both checks.
+      const int slot = plan.slots[k];
+      valid = slot_to_work_[slot] < cache_hits && (*work)[slot_to_work_[slot]].slot == slot;
+    }
+    if (!valid || plan.slots.size() != (*work)[slot_to_work_[plan.slots[0]]].response.group_size) {
+      plans_digest_ ^= plan.id;  // a member changed: the group replans after it runs
+      plans_.erase(it);
+      continue;
+    }
+    plan.last_use = ++plan_clock_;
+    Add(counters_.plan_launches);
+    for (const FusionBucket& b : plan.buckets) {
+      FusionBucket mapped = b;
+      for (size_t& k : mapped.responses) k = slot_to_work_[plan.slots[k]];
+      for (size_t i : mapped.responses) (*done)[i] = true;
+      NVG_RETURN_IF_ERROR(RunBucket(mapped, work));
+    }
+  }
+  return Status::Ok();
+}
+
+bool Engine::PlanMatchesCache(const Plan& plan) const {
+  for (size_t k = 0; k < plan.slots.size(); ++k)
+    if (cache_.generation(plan.slots[k]) != plan.generations[k]) return false;
+  return !plan.slots.empty();
+}
+
+void Engine::MakePlans(const std::vector<Work>& work) {
+  if (cache_.capacity() == 0) return;
+  std::unordered_map<uint64_t, std::vector<size_t>> members;  // group id -> work indices
+  std::vector<uint64_t> order;
+  for (size_t i = 0; i < work.size(); ++i) {
+    const ResponseMessage& r = work[i].response;
+    if (r.group_id == 0) continue;
+    auto existing = plans_.find(r.group_id);
+    if (existing != plans_.end()) {
+      if (PlanMatchesCache(existing->second)) continue;
+      plans_digest_ ^= existing->second.id;  // a member was renegotiated: replan below
+      plans_.erase(existing);
+    }
+    auto [it, inserted] = members.try_emplace(r.group_id);
+    if (inserted) order.push_back(r.group_id);
+    it->second.push_back(i);
+  }
+  const size_t threshold = std::min(knobs_.fusion_threshold, cpu_comm_->registered_capacity());
+  for (uint64_t group : order) {
+    const std::vector<size_t>& idx = members[group];
+    Plan plan;
+    std::vector<ResponseMessage> responses;
+    bool ok = idx.size() == work[idx[0]].response.group_size;
+    for (size_t i : idx) {
+      const ResponseMessage& r = work[i].response;
+      const int slot = work[i].slot >= 0 ? work[i].slot : cache_.Find(r.name);
+      ok = ok && r.ok() && r.type == CollectiveType::kAllreduce && slot >= 0 &&
+           ResponseDigest(cache_.Get(slot)) == ResponseDigest(r);
+      if (!ok) break;
+      plan.slots.push_back(slot);
+      plan.generations.push_back(cache_.generation(slot));
+      responses.push_back(r);
+    }
+    if (!ok) continue;
+    plan.buckets = PlanFusion(responses, threshold);
+    uint64_t h = group;
+    auto mix = [&h](uint64_t v) {
+      h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);  // boost::hash_combine's constant
+    };
+    for (size_t k = 0; k < plan.slots.size(); ++k) {
+      mix(static_cast<uint64_t>(plan.slots[k]));
+      mix(plan.generations[k]);
+    }
+    for (const FusionBucket& b : plan.buckets) {
+      mix(b.responses.size());
+      for (size_t k = 0; k < b.responses.size(); ++k) {
+        mix(b.responses[k]);
+        mix(b.offsets[k]);
+      }
+    }
+    plan.id = h;
+    if (plans_.size() >= kMaxPlans) {  // evict the least recently used (unique clock values)
+      auto lru = plans_.begin();
+      for (auto p = plans_.begin(); p != plans_.end(); ++p)
+        if (p->second.last_use < lru->second.last_use) lru = p;
+      plans_digest_ ^= lru->second.id;
+      plans_.erase(lru);
+    }
+    plan.last_use = ++plan_clock_;
+    plans_digest_ ^= plan.id;
+    plans_.emplace(group, std::move(plan));
+  }
+}
+
 Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
   if (work->empty()) return Status::Ok();
   NVG_LOG(kDebug) << "cycle " << cycle_ << ": executing " << work->size() << " responses ("
                   << cache_hits << " from the response cache, " << work->size() - cache_hits
                   << " negotiated through rank 0)";
-  std::vector<ResponseMessage> responses;
-  for (const Work& w : *work) responses.push_back(w.response);
-  const size_t threshold = std::min(knobs_.fusion_threshold, cpu_comm_->registered_capacity());
   const double now = MonotonicSeconds();
+  if (mark_cycles_ && timeline_.enabled()) timeline_.MarkCycle(now);
   if (timeline_.enabled())
     for (const Work& w : *work)
       if (w.pending) timeline_.End(w.response.name, "NEGOTIATE", now);
-  for (const FusionBucket& bucket : PlanFusion(responses, threshold)) {
-    Work& first = (*work)[bucket.responses[0]];
-    if (!first.response.ok()) {  // error responses are buckets of their own
-      if (first.pending) Complete(first.pending.get(), Status(first.response.error_code, first.response.error_message));
-      continue;
-    }
-    Status s;
-    switch (first.response.type) {
-      case CollectiveType::kAllreduce: s = RunAllreduceBucket(bucket, work); break;
-      case CollectiveType::kAllgather: s = RunAllgather(&first); break;
-      case CollectiveType::kBroadcast: s = RunBroadcast(&first); break;
-    }
-    if (s.ok()) continue;
-    s = Cause(s);
-    // The same call failed on every rank (same arguments, same order); fail the
-    // bucket's requests. A lost or aborted peer ends the loop.
-    for (size_t i : bucket.responses) {
-      Pending* p = (*work)[i].pending.get();
-      if (p != nullptr && p->entry.request.done) Complete(p, s);
-    }
-    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kAborted) return s;
+  // Whole cached groups with a plan first (Note [Cached plans]), then the rest
+  // through the fusion planner, in response order.
+  std::vector<bool> done(work->size(), false);
+  NVG_RETURN_IF_ERROR(RunPlans(work, cache_hits, &done));
+  std::vector<size_t> rest;
+  std::vector<ResponseMessage> responses;
+  for (size_t i = 0; i < work->size(); ++i) {
+    if (done[i]) continue;
+    rest.push_back(i);
+    responses.push_back((*work)[i].response);
   }
+  if (!rest.empty()) {
+    const size_t threshold = std::min(knobs_.fusion_threshold, cpu_comm_->registered_capacity());
+    for (FusionBucket bucket : PlanFusion(responses, threshold)) {
+      for (size_t& k : bucket.responses) k = rest[k];
+      NVG_RETURN_IF_ERROR(RunBucket(bucket, work));
+    }
+  }
+  MakePlans(*work);
   return Status::Ok();
 }
 
+// Quiet time that ends admission batching (Note [Admission batching] in
+// tensor_queue.h): several times the gap between two enqueues of a burst
+// through pybind or TF (3-10 us), a small fraction of one cycle.
+constexpr double kAdmissionGapS = 30e-6;
+
 void Engine::Loop() {
+#ifdef __linux__
+  // Sleeps of this thread (the admission gap, the cycle wait, WaitMpi's
+  // backoff) end when asked, not up to 50 us later (the default timer slack).
+  (void)prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
+#endif
   Status exit_status;
   bool shut_down = false;
+  const double cycle_s = knobs_.cycle_time_ms / 1000.0;
   for (;; ++cycle_) {
     if (abort_) break;  // exit_status is replaced by the abort reason below
     std::vector<TensorEntry> fresh;
     bool shutdown_requested = false;
-    queue_.WaitAndPop(knobs_.cycle_time_ms / 1000.0, &fresh, &shutdown_requested);
+    AddSeconds(counters_.idle_ns, queue_.WaitAndPop(cycle_s, std::min(kAdmissionGapS, cycle_s), cycle_s,
+                                                    &fresh, &shutdown_requested));
+    Add(counters_.cycles);
     if (liveness_) liveness_->SetProgress(cycle_);
+    if (timeline_command_pending_.load(std::memory_order_acquire)) ApplyTimelineCommand();
     const double now = MonotonicSeconds();
     // Drop names that completed in the last cycle before admitting new ones
     // (a completed name may come back at once).
@@ -543,7 +735,12 @@ void Engine::Loop() {
     for (TensorEntry& e : fresh) Admit(std::move(e), now);
 
     std::vector<uint64_t>& bits = mpi_buffers_->bits;
-    bits.assign(1 + cache_words_, 0);
+    // Flag word, cache bits, then the state digest and its complement (see
+    // kStateDigestWords).
+    bits.assign(1 + cache_words_ + kStateDigestWords, 0);
+    const uint64_t digest = StateDigest() ^ perturb_digest_.load(std::memory_order_relaxed);
+    bits[1 + cache_words_] = digest;
+    bits[2 + cache_words_] = ~digest;
     bool must_report = FillCacheBits(now, &bits);
     if (rank_ == 0) {
       for (ResponseMessage& r : coordinator_.TakeStalledResponses(now)) stalled_.push_back(std::move(r));
@@ -559,16 +756,35 @@ void Engine::Loop() {
     }
     // Orders this cycle after every rank's decision for it: all ranks read the
     // same bits, so all take the same branches below.
-    exit_status = Wait(&req, "the cache-bit allreduce of cycle " + std::to_string(cycle_));
+    exit_status = Wait(&req, "the agreement allreduce");
+    const double agreed = MonotonicSeconds();
+    AddSeconds(counters_.agree_ns, agreed - now);
     if (!exit_status.ok()) break;
+    if ((bits[1 + cache_words_] ^ bits[2 + cache_words_]) != ~uint64_t{0}) {
+      // Some bit of the digest is 1 on one rank and 0 on another: the ranks'
+      // caches or plans differ, so cache hits would run different collectives.
+      exit_status = Status::Internal(
+          "the ranks' response caches or cached plans differ (a bug in nvgroup_tf, detected by the "
+          "state digest of cycle " + std::to_string(cycle_) + "); the engine has stopped rather than "
+          "run mismatched collectives");
+      break;
+    }
     if (!(bits[0] & kNoShutdown)) {
       shut_down = true;
       break;
     }
     std::vector<Work> work = TakeCacheHits(bits);
     const size_t cache_hits = work.size();
-    if (!(bits[0] & kNothingToReport)) exit_status = Negotiate(now, &work);
+    Add(counters_.cached_responses, cache_hits);
+    if (!(bits[0] & kNothingToReport)) {
+      exit_status = Negotiate(now, &work);
+      Add(counters_.negotiation_rounds);
+      Add(counters_.negotiated_responses, work.size() - cache_hits);
+    }
+    const double negotiated = MonotonicSeconds();
+    AddSeconds(counters_.negotiate_ns, negotiated - agreed);
     if (exit_status.ok()) exit_status = Execute(&work, cache_hits);
+    AddSeconds(counters_.execute_ns, MonotonicSeconds() - negotiated);
     if (!exit_status.ok()) {
       exit_status = Cause(exit_status);
       // Requests taken out of pending_ this cycle but not completed yet.
@@ -614,10 +830,57 @@ void Engine::Loop() {
   }
   timeline_.Close();
   {
+    std::lock_guard<std::mutex> lock(timeline_mu_);
+    timeline_loop_gone_ = true;
+    if (timeline_command_pending_) {
+      timeline_command_pending_ = false;
+      timeline_answer_ = Status::FailedPrecondition("the engine's background loop has stopped");
+      timeline_answered_ = true;
+    }
+  }
+  timeline_cv_.notify_all();
+  {
     std::lock_guard<std::mutex> lock(exit_mu_);
     loop_exited_ = true;
   }
   exit_cv_.notify_all();
+}
+
+// ---- Run-time timeline control ------------------------------------------------
+
+Status Engine::ControlTimeline(bool start, const std::string& path, bool mark_cycles) {
+  if (rank_ != 0) return Status::Ok();  // rank 0 writes the timeline, as with NVGROUP_TIMELINE
+  const char* what = start ? "start_timeline" : "stop_timeline";
+  std::lock_guard<std::mutex> one_at_a_time(timeline_call_mu_);
+  std::unique_lock<std::mutex> lock(timeline_mu_);
+  if (timeline_loop_gone_)
+    return Status::FailedPrecondition(std::string(what) + ": the engine's background loop has stopped");
+  timeline_command_ = TimelineCommand{start, path, mark_cycles};
+  timeline_answered_ = false;
+  timeline_command_pending_.store(true, std::memory_order_release);
+  if (!timeline_cv_.wait_for(lock, std::chrono::duration<double>(knobs_.peer_timeout_s + 1.0),
+                             [this] { return timeline_answered_; })) {
+    timeline_command_pending_ = false;
+    return Status::Unavailable(std::string(what) + ": the background loop did not take the change within " +
+                               std::to_string(knobs_.peer_timeout_s) + " s (NVGROUP_TIMEOUT)");
+  }
+  return timeline_answer_.ok() ? timeline_answer_ : timeline_answer_.WithContext(what);
+}
+
+void Engine::ApplyTimelineCommand() {
+  std::lock_guard<std::mutex> lock(timeline_mu_);
+  if (!timeline_command_pending_) return;  // the caller gave up meanwhile
+  timeline_command_pending_ = false;
+  if (timeline_command_.start) {
+    timeline_answer_ = timeline_.Open(timeline_command_.path, MonotonicSeconds());
+    mark_cycles_ = timeline_answer_.ok() && timeline_command_.mark_cycles;
+  } else {
+    timeline_.Close();
+    mark_cycles_ = false;
+    timeline_answer_ = Status::Ok();
+  }
+  timeline_answered_ = true;
+  timeline_cv_.notify_all();
 }
 
 Status Engine::Stop() {
@@ -667,6 +930,25 @@ void Engine::Abort(const Status& reason) {
   abort_ = true;
   cpu_comm_->Abort();
   if (Communicator* c = cuda_comm_for_abort_.load()) c->Abort();
+}
+
+EngineStats Engine::Stats() const {
+  auto get = [](const std::atomic<uint64_t>& c) { return c.load(std::memory_order_relaxed); };
+  auto seconds = [&](const std::atomic<uint64_t>& c) { return static_cast<double>(get(c)) * 1e-9; };
+  EngineStats st;
+  st.cycles = get(counters_.cycles);
+  st.negotiation_rounds = get(counters_.negotiation_rounds);
+  st.cached_responses = get(counters_.cached_responses);
+  st.negotiated_responses = get(counters_.negotiated_responses);
+  st.plan_launches = get(counters_.plan_launches);
+  st.buckets = get(counters_.buckets);
+  st.bucket_tensors = get(counters_.bucket_tensors);
+  st.ready_event_waits = get(counters_.ready_event_waits);
+  st.idle_s = seconds(counters_.idle_ns);
+  st.agree_s = seconds(counters_.agree_ns);
+  st.negotiate_s = seconds(counters_.negotiate_ns);
+  st.execute_s = seconds(counters_.execute_ns);
+  return st;
 }
 
 bool Engine::OnEngineThread() const {

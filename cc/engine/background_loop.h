@@ -55,6 +55,7 @@
 #include "engine/tensor_queue.h"
 #include "engine/timeline.h"
 #include "nvgroup/communicator.h"
+#include "nvgroup/engine.h"
 #include "transport/liveness.h"
 
 namespace nvgroup {
@@ -67,10 +68,12 @@ class Engine {
  public:
   // Starts the background thread. `comm` (the engine's duplicate of the user's
   // communicator) and `cpu` are owned from here on.
-  // `cuda`, when given, is the CUDA communicator Init created already
+  // `watch_liveness`: run the dead-rank monitor (set 0's engine; the engines
+  // of process sets rely on it: AbortEngine aborts them all). `cuda`, when
+  // given, is the CUDA communicator Init created already
   // (EngineOptions::cuda_at_init); otherwise the first CUDA response creates it.
   Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
-         std::unique_ptr<Communicator> cuda = nullptr);
+         bool watch_liveness = true, std::unique_ptr<Communicator> cuda = nullptr);
   ~Engine();
 
   const Topology& topology() const { return topology_; }
@@ -86,6 +89,14 @@ class Engine {
   // True on the engine's own threads (where done callbacks run): Stop() must
   // not be called there, it would join itself.
   bool OnEngineThread() const;
+  // start_timeline/stop_timeline (engine.h). Rank 0 hands the change to the
+  // background thread, which alone touches timeline_, and waits (bounded by
+  // NVGROUP_TIMEOUT) until the loop applied it; other ranks return OK.
+  Status ControlTimeline(bool start, const std::string& path, bool mark_cycles);
+  EngineStats Stats() const;
+  // Testing (engine_control.h): makes this rank's state digest differ from
+  // the other ranks' from the next cycle on.
+  void PerturbStateDigest() { perturb_digest_.store(1, std::memory_order_relaxed); }
 
  private:
   struct Pending {
@@ -98,7 +109,40 @@ class Engine {
   struct Work {
     ResponseMessage response;
     std::unique_ptr<Pending> pending;
+    int slot = -1;  // the response cache slot it came from (cache hits only)
   };
+
+  // Note [Cached plans]
+  // The buckets of a grouped collective (EnqueueGroup: the framework's
+  // deterministic gradient buckets) are planned once and reused. After a group
+  // has run whole (negotiated or from the cache), its plan records the
+  // members' cache slots in execution order, the slots' generations and the
+  // fusion buckets over them (PlanFusion of the group alone). When a later
+  // cycle's cache hits hold the whole group and every slot still has the
+  // recorded generation (no member was evicted or renegotiated), the group
+  // runs from the plan: no fusion planning, its buckets in the plan's fixed
+  // order. A new or changed group still negotiates (its members miss the
+  // cache) and gets a new plan. Plans change only while every rank processes
+  // the same ordered responses, so every rank holds the same plans; the
+  // cycle's agreement allreduce carries a digest of every rank's cache and
+  // plans, so ranks whose state diverged (a bug) fail on every rank instead
+  // of running different collectives.
+  struct Plan {
+    std::vector<int> slots;             // members' cache slots, execution order
+    std::vector<uint64_t> generations;  // the slots' generations at planning time
+    std::vector<FusionBucket> buckets;  // indices into `slots`
+    uint64_t id = 0;                    // hash of the three above (and the group id)
+    uint64_t last_use = 0;
+  };
+  static constexpr size_t kMaxPlans = 256;
+  // Runs the cycle's whole cached groups that have a valid plan; marks their
+  // work entries in `done`.
+  Status RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<bool>* done);
+  // Records plans for groups of this cycle that ran whole without one.
+  void MakePlans(const std::vector<Work>& work);
+  // Every member slot still holds the response the plan was made from.
+  bool PlanMatchesCache(const Plan& plan) const;
+  uint64_t StateDigest() const { return cache_.digest() ^ plans_digest_; }
 
   void Loop();
   // `s`, or the reason given to Abort() when there is one: after an abort
@@ -111,9 +155,22 @@ class Engine {
   // The first `cache_hits` entries of `work` came from the response cache.
   Status Execute(std::vector<Work>* work, size_t cache_hits);
   Status RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>* work);
+  // Runs `bucket` (PlanFusion's, indices into *work) and fails its requests
+  // with the cause if it fails; returns the error that ends the loop, if any.
+  Status RunBucket(const FusionBucket& bucket, std::vector<Work>* work);
   Status RunAllreduceAlone(Work* w);
   Status RunAllgather(Work* w);
   Status RunBroadcast(Work* w);
+  // Added collectives and join (collectives_extra.cc).
+  Status RunReducescatter(Work* w);
+  Status RunAlltoall(Work* w);
+  Status RunJoin(Work* w);
+  // Join: on a rank that has joined, the stand-in request for a collective it
+  // never submitted (zeros in, output discarded); null if `r` cannot take one.
+  std::unique_ptr<Pending> MakeJoinStandIn(const ResponseMessage& r);
+  // Join: cache bits a joined rank sets for every cached response it can
+  // stand in for.
+  void SetJoinedCacheBits(std::vector<uint64_t>* bits);
   StatusOr<Communicator*> GetCommunicator(const Device& device);
   void Complete(Pending* p, const Status& status);
   // CPU: completes at once. CUDA: requests with wait_on_completion complete
@@ -124,8 +181,9 @@ class Engine {
   // the engine if the device reported a failure (at most one job queued).
   void CheckDeviceHealthLater(Communicator* comm);
   std::atomic<bool> health_check_queued_{false};
-  Status Wait(MPI_Request* request, const std::string& what) {
-    return WaitMpi(request, what, knobs_.peer_timeout_s, abort_);
+  // `what` names the operation in a timeout or abort message (of this cycle).
+  Status Wait(MPI_Request* request, const char* what) {
+    return WaitMpi(request, what, knobs_.peer_timeout_s, abort_, static_cast<int64_t>(cycle_));
   }
 
   const Knobs knobs_;
@@ -168,12 +226,52 @@ class Engine {
   std::vector<std::string> order_;  // pending_ names, oldest first
   ResponseCache cache_;
   const int cache_words_;
+  std::unordered_map<uint64_t, Plan> plans_;  // by group id; the same on every rank
+  uint64_t plans_digest_ = 0;                 // XOR of the plans' ids
+  uint64_t plan_clock_ = 0;
+  std::atomic<uint64_t> perturb_digest_{0};   // PerturbStateDigest
+  std::vector<size_t> slot_to_work_;          // scratch of RunPlans, one per cache slot
   double report_cached_after_s_;
   StallInspector stall_;      // rank 0
   Coordinator coordinator_;   // rank 0
   std::vector<ResponseMessage> stalled_;  // rank 0: stall errors for the next round
   Timeline timeline_;         // rank 0
+  bool mark_cycles_ = false;  // background thread: CYCLE_START events (start_timeline)
+
+  // Run-time timeline control (ControlTimeline -> ApplyTimelineCommand at the
+  // top of each cycle). One caller at a time (timeline_call_mu_); the command
+  // and its answer are guarded by timeline_mu_; the atomic flag keeps the
+  // per-cycle check to one load.
+  struct TimelineCommand {
+    bool start = false;
+    std::string path;
+    bool mark_cycles = false;
+  };
+  void ApplyTimelineCommand();
+  std::mutex timeline_call_mu_;
+  std::mutex timeline_mu_;
+  std::condition_variable timeline_cv_;
+  std::atomic<bool> timeline_command_pending_{false};
+  TimelineCommand timeline_command_;
+  bool timeline_answered_ = false;
+  Status timeline_answer_;
+  bool timeline_loop_gone_ = false;  // the loop exited: nobody will apply a command
   uint64_t cycle_ = 0;
+  bool joined_ = false;       // this rank's join is pending (collectives_extra.cc)
+
+  // Counters behind GetEngineStats (written by the background thread, read by
+  // any thread; relaxed: they order nothing).
+  struct Counters {
+    std::atomic<uint64_t> cycles{0}, negotiation_rounds{0}, cached_responses{0},
+        negotiated_responses{0}, plan_launches{0}, buckets{0}, bucket_tensors{0},
+        ready_event_waits{0};
+    std::atomic<uint64_t> idle_ns{0}, agree_ns{0}, negotiate_ns{0}, execute_ns{0};
+  };
+  Counters counters_;
+  static void Add(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
+  static void AddSeconds(std::atomic<uint64_t>& c, double s) {
+    c.fetch_add(static_cast<uint64_t>(s * 1e9), std::memory_order_relaxed);
+  }
 
   // Dead-rank detection (transport/liveness.h): calls Abort() when a peer
   // dies. Null when its setup failed (the job runs without it).

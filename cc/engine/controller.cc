@@ -1,5 +1,6 @@
 #include "engine/controller.h"
 
+#include <algorithm>
 #include <functional>
 #include <sstream>
 
@@ -80,22 +81,23 @@ ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank) {
     err = Mismatch(by_rank, type + " device kinds", [](const RequestMessage& q) {
       return std::string(q.device_kind == DeviceKind::kCpu ? "CPU" : "CUDA");
     });
-  if (err.empty() && first.type == CollectiveType::kAllreduce) {
-    err = Mismatch(by_rank, "allreduce ops",
+  const bool reducing = first.type == CollectiveType::kAllreduce || first.type == CollectiveType::kReducescatter;
+  if (err.empty() && reducing) {
+    err = Mismatch(by_rank, type + " ops",
                    [](const RequestMessage& q) { return std::string(ReduceOpName(q.op)); });
     if (err.empty())
-      err = Mismatch(by_rank, "allreduce prescale factors",
+      err = Mismatch(by_rank, type + " prescale factors",
                      [](const RequestMessage& q) { return FormatDouble(q.prescale_factor); });
     if (err.empty())
-      err = Mismatch(by_rank, "allreduce postscale factors",
+      err = Mismatch(by_rank, type + " postscale factors",
                      [](const RequestMessage& q) { return FormatDouble(q.postscale_factor); });
   }
   if (err.empty() && first.type == CollectiveType::kBroadcast)
     err = Mismatch(by_rank, "broadcast root ranks",
                    [](const RequestMessage& q) { return std::to_string(q.root_rank); });
   if (err.empty()) {
-    if (first.type == CollectiveType::kAllgather) {
-      err = Mismatch(by_rank, "allgather tensor shapes (all but the first dimension must agree)",
+    if (first.type == CollectiveType::kAllgather || first.type == CollectiveType::kAlltoall) {
+      err = Mismatch(by_rank, type + " tensor shapes (all but the first dimension must agree)",
                      [](const RequestMessage& q) {
                        std::vector<int64_t> rest = q.shape;
                        if (!rest.empty()) rest[0] = -1;
@@ -115,13 +117,77 @@ ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank) {
   }
   if (first.type == CollectiveType::kAllgather)
     for (const RequestMessage& q : by_rank) resp.first_dims.push_back(q.shape[0]);
+  if (first.type == CollectiveType::kAlltoall) {
+    // Engine::Submit resolved every rank's splits to one entry per rank.
+    for (const RequestMessage& q : by_rank) {
+      if (q.splits.size() != by_rank.size()) {
+        resp.error_code = StatusCode::kFailedPrecondition;
+        resp.error_message = "Mismatched alltoall splits for '" + first.name + "': a rank sent " +
+                             std::to_string(q.splits.size()) + " splits for " + std::to_string(by_rank.size()) +
+                             " ranks";
+        resp.first_dims.clear();
+        return resp;
+      }
+      resp.first_dims.insert(resp.first_dims.end(), q.splits.begin(), q.splits.end());
+    }
+  }
   return resp;
 }
 
-Coordinator::Coordinator(int size, StallInspector* stall) : size_(size), stall_(stall) {}
+Coordinator::Coordinator(int size, StallInspector* stall)
+    : size_(size), stall_(stall), joined_(size, false) {}
+
+bool Coordinator::Complete(const Pending& p) const {
+  if (p.count == size_) return true;
+  if (joined_count_ == 0) return false;
+  for (int r = 0; r < size_; ++r)
+    if (!p.reported[r] && !joined_[r]) return false;
+  return true;
+}
+
+void Coordinator::Finish(std::unordered_map<std::string, Pending>::iterator it) {
+  Pending& p = it->second;
+  // Joined ranks that did not submit the name take the first reporter's
+  // parameters, so the agreement checks below judge the ranks that did.
+  const RequestMessage* any = nullptr;
+  std::vector<int> absent;
+  for (int r = 0; r < size_; ++r) {
+    if (p.reported[r] && any == nullptr) any = &p.by_rank[r];
+    if (!p.reported[r]) absent.push_back(r);
+  }
+  for (int r : absent) p.by_rank[r] = *any;
+  ResponseMessage resp = BuildResponse(p.by_rank);
+  if (resp.ok() && !absent.empty()) {
+    std::string ranks;
+    for (int r : absent) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    const bool reducing = resp.type == CollectiveType::kAllreduce || resp.type == CollectiveType::kReducescatter;
+    if (!reducing || resp.device_kind != DeviceKind::kCpu) {
+      resp.error_code = StatusCode::kFailedPrecondition;
+      resp.error_message = std::string(reducing ? "a CUDA " : "") + CollectiveTypeName(resp.type) + " of '" +
+                           resp.name + "' cannot run while ranks [" + ranks +
+                           "] have joined (hvd.join()): only allreduce and reducescatter of host tensors "
+                           "accept joined ranks, which contribute zeros";
+    }
+  }
+  if (resp.ok() && resp.type == CollectiveType::kJoin) {
+    resp.root_rank = last_joined_;
+    joined_.assign(size_, false);
+    joined_count_ = 0;
+    last_joined_ = -1;
+  }
+  if (stall_ != nullptr) stall_->Remove(resp.name);
+  table_.erase(it);
+  Release(std::move(resp));
+}
 
 void Coordinator::AddRequest(int rank, RequestMessage request, double now) {
   if (stall_ != nullptr) stall_->RecordReport(request.name, rank, now);
+  const bool join = request.type == CollectiveType::kJoin;
+  if (join && !joined_[rank]) {
+    joined_[rank] = true;
+    ++joined_count_;
+    last_joined_ = rank;
+  }
   auto [it, inserted] = table_.try_emplace(request.name);
   Pending& p = it->second;
   if (inserted) {
@@ -133,11 +199,22 @@ void Coordinator::AddRequest(int rank, RequestMessage request, double now) {
     ++p.count;
   }
   p.by_rank[rank] = std::move(request);
-  if (p.count < size_) return;
-  ResponseMessage resp = BuildResponse(p.by_rank);
-  if (stall_ != nullptr) stall_->Remove(resp.name);
-  table_.erase(it);
-  Release(std::move(resp));
+  if (!join) {
+    if (Complete(p)) Finish(it);
+    return;
+  }
+  // A new joined rank may complete names the others are waiting on (released
+  // in name order, deterministic), then the join itself once everyone joined.
+  const std::string join_name = it->first;
+  std::vector<std::string> ready;
+  for (auto& [name, q] : table_)
+    if (name != join_name && q.count > 0 && Complete(q)) ready.push_back(name);
+  std::sort(ready.begin(), ready.end());
+  ready.push_back(join_name);
+  for (const std::string& name : ready) {
+    auto found = table_.find(name);
+    if (found != table_.end() && Complete(found->second)) Finish(found);
+  }
 }
 
 void Coordinator::Release(ResponseMessage response) {

@@ -8,7 +8,13 @@
 // in the order they completed (the deterministic order every rank executes),
 // except grouped ones: they wait until every member of their group is
 // complete, then are released together, adjacent. Names that completed through
-// the response cache instead are dropped with Forget. The class is pure (no
+// the response cache instead are dropped with Forget.
+// Join: a rank's join request marks it *joined*; from then on a name is
+// complete once every rank has reported it or joined (the joined ranks
+// contribute zeros, see Engine::MakeJoinStandIn), and only allreduce and
+// reducescatter of host tensors may complete that way (anything else becomes an
+// error naming the joined ranks). The join itself completes once every rank
+// joined; its response carries the last rank to join (root_rank). The class is pure (no
 // MPI, no clock of its own), so it is deterministic and testable.
 #pragma once
 
@@ -48,8 +54,17 @@ class Coordinator {
     int count = 0;
   };
   void Release(ResponseMessage response);
+  // Join: true once every rank has reported `p` or joined.
+  bool Complete(const Pending& p) const;
+  // Builds, checks against the joined ranks and releases the response of a
+  // complete entry (erases it from table_).
+  void Finish(std::unordered_map<std::string, Pending>::iterator it);
 
   int size_;
+  // Join (engine.h): ranks whose join request arrived, and the last of them.
+  std::vector<bool> joined_;
+  int joined_count_ = 0;
+  int last_joined_ = -1;
   StallInspector* stall_;
   std::unordered_map<std::string, Pending> table_;
   // Groups with members still incomplete: how many members completed, and the

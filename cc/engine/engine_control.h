@@ -15,4 +15,10 @@ namespace nvgroup {
 // engine is running. Safe from any thread, including a monitor thread.
 void AbortEngine(const Status& reason);
 
+// Testing only: makes this rank's cache-and-plan digest (Note [Cached plans]
+// in background_loop.h) differ from the other ranks', as if its response cache
+// had diverged; the next cycle must then fail on every rank. No-op when no
+// engine is running.
+void PerturbStateDigestForTesting();
+
 }  // namespace nvgroup

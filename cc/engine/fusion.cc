@@ -17,7 +17,9 @@ bool Compatible(const ResponseMessage& a, const ResponseMessage& b) {
 }  // namespace
 
 size_t ResponseBytes(const ResponseMessage& response) {
-  if (response.type == CollectiveType::kAllgather) return 0;
+  if (response.type == CollectiveType::kAllgather || response.type == CollectiveType::kAlltoall ||
+      response.type == CollectiveType::kJoin)
+    return 0;
   return static_cast<size_t>(NumElements(response.shape)) * DataTypeSize(response.dtype);
 }
 

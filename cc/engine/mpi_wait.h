@@ -19,9 +19,23 @@ namespace nvgroup {
 double MonotonicSeconds();
 
 // Polls `request` until it completes (OK), `abort` becomes true (kAborted) or
-// `timeout_s` passes (kUnavailable naming `what` and NVGROUP_TIMEOUT).
-Status WaitMpi(MPI_Request* request, const std::string& what, double timeout_s,
-               const std::atomic<bool>& abort);
+// `timeout_s` passes (kUnavailable naming `what`, and `cycle` when >= 0, and
+// NVGROUP_TIMEOUT). The text is built only on failure (the engine waits here
+// several times per cycle).
+//
+// Note [Busy-poll, then sleep]
+// The wait first polls MPI_Test without pausing for kBusyPollSeconds (50 us:
+// a small collective between ranks of one host completes in 5-30 us, so the
+// common case never leaves this phase), then yields the core between polls up
+// to kYieldPollSeconds (1 ms: a peer that is a step behind, e.g. still
+// enqueueing its burst, on a host with fewer cores than runnable threads),
+// and only then sleeps in growing steps up to 200 us, so a long wait for a
+// slow peer costs no CPU. Sleeping early was the old behaviour: the kernel's
+// timer slack (50 us by default) turned each 1-2-4 us sleep into ~55 us, which
+// a step of 214 small collectives paid many times. The engine's background
+// thread also lowers its own timer slack (background_loop.cc).
+Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
+               const std::atomic<bool>& abort, int64_t cycle = -1);
 
 // Note [Liveness probe]
 // After a wait timed out, the waiting ranks learn who is silent: each sends a

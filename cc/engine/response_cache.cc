@@ -1,5 +1,7 @@
 #include "engine/response_cache.h"
 
+#include <algorithm>
+
 namespace nvgroup {
 
 bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage& response,
@@ -11,6 +13,18 @@ bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage
       request.root_rank != response.root_rank || request.group_id != response.group_id ||
       request.group_size != response.group_size)
     return false;
+  if (request.type == CollectiveType::kJoin) return false;  // never cached
+  if (request.type == CollectiveType::kAlltoall) {
+    // Same trailing dimensions and this rank's row of the splits matrix.
+    const size_t n = request.splits.size();
+    if (rank < 0 || n == 0 || response.first_dims.size() != n * n || static_cast<size_t>(rank) >= n) return false;
+    if (!std::equal(request.splits.begin(), request.splits.end(), response.first_dims.begin() + rank * n))
+      return false;
+    if (request.shape.size() != response.shape.size() || request.shape.empty()) return false;
+    for (size_t d = 1; d < request.shape.size(); ++d)
+      if (request.shape[d] != response.shape[d]) return false;
+    return true;
+  }
   if (request.type != CollectiveType::kAllgather) return request.shape == response.shape;
   if (request.shape.size() != response.shape.size() || request.shape.empty()) return false;
   if (rank < 0 || static_cast<size_t>(rank) >= response.first_dims.size()) return false;
@@ -20,7 +34,44 @@ bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage
   return true;
 }
 
-ResponseCache::ResponseCache(int capacity) : slots_(capacity > 0 ? capacity : 0) {}
+uint64_t ResponseDigest(const ResponseMessage& r) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a 64 offset basis
+  auto bytes = [&h](const void* p, size_t n) {
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < n; ++i) h = (h ^ c[i]) * 1099511628211ull;  // FNV-1a 64 prime
+  };
+  auto value = [&bytes](auto v) { bytes(&v, sizeof(v)); };
+  bytes(r.name.data(), r.name.size());
+  value(static_cast<int>(r.error_code));
+  value(static_cast<int>(r.type));
+  value(static_cast<int>(r.dtype));
+  value(static_cast<int>(r.device_kind));
+  value(static_cast<int>(r.op));
+  value(r.prescale_factor);
+  value(r.postscale_factor);
+  value(r.root_rank);
+  value(r.shape.size());
+  for (int64_t d : r.shape) value(d);
+  value(r.first_dims.size());
+  for (int64_t d : r.first_dims) value(d);
+  value(r.group_id);
+  value(r.group_size);
+  return h;
+}
+
+ResponseCache::ResponseCache(int capacity)
+    : slots_(capacity > 0 ? capacity : 0), generations_(slots_.size(), 0) {}
+
+uint64_t ResponseCache::SlotDigest(int slot) const {
+  // splitmix64 finalizer over (slot, generation), mixed with the response's hash.
+  uint64_t x = (static_cast<uint64_t>(slot) << 40) ^ generations_[slot];
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return x ^ ResponseDigest(slots_[slot].response);
+}
 
 int ResponseCache::Find(const std::string& name) const {
   auto it = by_name_.find(name);
@@ -34,6 +85,8 @@ int ResponseCache::GroupCount(uint64_t group_id) const {
 
 void ResponseCache::Erase(int slot) {
   Slot& s = slots_[slot];
+  digest_ ^= SlotDigest(slot);
+  ++generations_[slot];
   by_name_.erase(s.response.name);
   if (s.response.group_id != 0 && --group_counts_[s.response.group_id] == 0)
     group_counts_.erase(s.response.group_id);
@@ -59,6 +112,8 @@ void ResponseCache::Put(const ResponseMessage& response) {
   s.used = true;
   s.response = response;
   s.last_use = ++clock_;
+  ++generations_[slot];
+  digest_ ^= SlotDigest(slot);
   by_name_[response.name] = slot;
   if (response.group_id != 0) ++group_counts_[response.group_id];
 }

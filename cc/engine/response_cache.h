@@ -11,6 +11,14 @@
 // run without a round trip to rank 0. A request whose parameters changed does
 // not match, goes through rank 0, and its new response replaces the slot
 // (Put on an existing name), which invalidates the old entry on every rank.
+//
+// Each slot has a generation, bumped whenever its content changes (Put,
+// eviction), so a cached execution plan (background_loop.h) can tell that its
+// members are still the responses it was made from. digest() is an
+// order-independent hash of the whole cache (every used slot's number,
+// generation and response): the ranks compare it in every cycle's agreement
+// allreduce, so caches that diverged (a bug) are an error on every rank,
+// never a wrong result.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +37,9 @@ namespace nvgroup {
 bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage& response,
                             int rank);
 
+// A hash of every field of `response` (FNV-1a 64 over its encoding).
+uint64_t ResponseDigest(const ResponseMessage& response);
+
 class ResponseCache {
  public:
   explicit ResponseCache(int capacity);
@@ -45,6 +56,9 @@ class ResponseCache {
   void Put(const ResponseMessage& response);
   void Touch(int slot);
 
+  uint64_t generation(int slot) const { return generations_[slot]; }
+  uint64_t digest() const { return digest_; }
+
  private:
   struct Slot {
     bool used = false;
@@ -53,7 +67,11 @@ class ResponseCache {
   };
   void Erase(int slot);
 
+  uint64_t SlotDigest(int slot) const;
+
   std::vector<Slot> slots_;
+  std::vector<uint64_t> generations_;  // per slot, survives Erase
+  uint64_t digest_ = 0;                // XOR of SlotDigest over used slots
   std::unordered_map<std::string, int> by_name_;
   std::unordered_map<uint64_t, int> group_counts_;
   uint64_t clock_ = 0;

@@ -5,34 +5,58 @@
 namespace nvgroup {
 
 Status TensorQueue::Push(std::vector<TensorEntry> entries) {
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!closed_.ok()) return closed_;
-    std::unordered_set<std::string> batch;
-    for (const TensorEntry& e : entries) {
-      const std::string& name = e.request.name;
-      if (in_flight_.count(name) || !batch.insert(name).second)
-        return Status::InvalidArgument("duplicate name: a collective named '" + name +
+    // Names go into in_flight_ as they are checked; a duplicate (in flight, or
+    // twice in this batch) takes the batch's names out again.
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (!in_flight_.insert(entries[i].request.name).second) {
+        for (size_t j = 0; j < i; ++j) in_flight_.erase(entries[j].request.name);
+        return Status::InvalidArgument("duplicate name: a collective named '" + entries[i].request.name +
                                        "' is already in flight on this rank; names must be unique "
                                        "until the previous request completes");
+      }
     }
-    for (TensorEntry& e : entries) {
-      in_flight_.insert(e.request.name);
-      queued_.push_back(std::move(e));
-    }
+    for (TensorEntry& e : entries) queued_.push_back(std::move(e));
+    last_push_ = std::chrono::steady_clock::now();
+    // Only the loop's wait for a first entry needs a wake-up; admission
+    // batching rereads last_push_ when its own timer fires, so a burst does
+    // not wake the loop once per enqueue.
+    wake = waiting_for_first_;
   }
-  // Wakes the loop out of its cycle wait: ordered after the push by the mutex.
-  cv_.notify_one();
+  // Ordered after the push by the mutex.
+  if (wake) cv_.notify_one();
   return Status::Ok();
 }
 
-void TensorQueue::WaitAndPop(double timeout_s, std::vector<TensorEntry>* out, bool* shutdown_requested) {
+double TensorQueue::WaitAndPop(double timeout_s, double gap_s, double max_batch_s,
+                               std::vector<TensorEntry>* out, bool* shutdown_requested) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
+  waiting_for_first_ = true;
   cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
                [this] { return !queued_.empty() || shutdown_requested_; });
+  waiting_for_first_ = false;
+  if (!queued_.empty() && !shutdown_requested_ && gap_s > 0) {
+    // See Note [Admission batching]: the wait ends when no push came for
+    // gap_s, or max_batch_s after the first entry was seen here.
+    const Clock::time_point first = Clock::now();
+    const auto gap = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap_s));
+    const auto cap = first + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(max_batch_s));
+    for (;;) {
+      const Clock::time_point quiet_at = last_push_ + gap;
+      const Clock::time_point until = std::min(quiet_at, cap);
+      if (Clock::now() >= until || shutdown_requested_) break;
+      cv_.wait_until(lock, until);
+    }
+  }
   for (TensorEntry& e : queued_) out->push_back(std::move(e));
   queued_.clear();
   *shutdown_requested = shutdown_requested_;
+  return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
 void TensorQueue::RequestShutdown() {

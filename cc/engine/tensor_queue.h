@@ -10,6 +10,7 @@
 // given status and hands back whatever was still queued.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <string>
@@ -34,8 +35,22 @@ class TensorQueue {
   // All or none of `entries` are queued (a group is never split).
   Status Push(std::vector<TensorEntry> entries);
   // Waits until something is queued, shutdown was requested, or `timeout_s`
-  // passed; appends the queued entries to `out`.
-  void WaitAndPop(double timeout_s, std::vector<TensorEntry>* out, bool* shutdown_requested);
+  // passed; then, while pushes keep arriving less than `gap_s` apart, keeps
+  // collecting them for up to `max_batch_s` after the first one; appends the
+  // queued entries to `out`. Returns the seconds spent waiting.
+  //
+  // Note [Admission batching]
+  // A framework enqueues a step's gradients as a burst of separate calls
+  // (214 for ResNet-50, a few microseconds apart through pybind or TF's
+  // executor). Waking on the first one and starting a cycle at once split the
+  // burst over many cycles, each paying its own agreement allreduce, buckets
+  // and completions, and the ranks' cycles took different slices of it, so the
+  // cross-rank intersection was smaller still. Waiting until the queue has
+  // been quiet for `gap_s` (the engine uses 30 us, see background_loop.cc)
+  // makes a burst one cycle on every rank; a lone request pays at most the
+  // gap, and a never-ending stream at most `max_batch_s` (the cycle time).
+  double WaitAndPop(double timeout_s, double gap_s, double max_batch_s, std::vector<TensorEntry>* out,
+                    bool* shutdown_requested);
   void RequestShutdown();
   void Finish(const std::string& name);
   // Later pushes fail with `status`; returns the entries still queued.
@@ -45,8 +60,10 @@ class TensorQueue {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<TensorEntry> queued_;
+  std::chrono::steady_clock::time_point last_push_;
   std::unordered_set<std::string> in_flight_;
   bool shutdown_requested_ = false;
+  bool waiting_for_first_ = false;  // WaitAndPop waits for a first entry (Push wakes it)
   Status closed_;  // non-OK once closed
 };
 

@@ -31,7 +31,7 @@ Status Timeline::Open(const std::string& path, double start_s) {
   Close();
   file_ = std::fopen(path.c_str(), "w");
   if (file_ == nullptr)
-    return Status::InvalidArgument("cannot open NVGROUP_TIMELINE file '" + path + "': " + std::strerror(errno));
+    return Status::InvalidArgument("cannot open the timeline file '" + path + "': " + std::strerror(errno));
   path_ = path;
   start_s_ = start_s;
   first_event_ = true;
@@ -66,6 +66,14 @@ void Timeline::Event(const std::string& tensor, const char* phase, char kind, do
           "\", \"ts\": " + std::to_string(ts) + ", \"pid\": 0, \"tid\": " + tid + "}";
   first_event_ = false;
   Write(text);
+}
+
+void Timeline::MarkCycle(double at_s) {
+  if (file_ == nullptr) return;
+  const long long ts = static_cast<long long>((at_s - start_s_) * 1e6);
+  Write(std::string(first_event_ ? "" : ",\n") + "{\"name\": \"CYCLE_START\", \"ph\": \"i\", \"s\": \"g\", \"ts\": " +
+        std::to_string(ts) + ", \"pid\": 0, \"tid\": 0}");
+  first_event_ = false;
 }
 
 void Timeline::Close() {

@@ -9,6 +9,8 @@
 //   FUSION_COPY_IN   batched scaled copy into the registered buffer (fused allreduce)
 //   ALLREDUCE | ALLGATHER | BROADCAST   the communicator call
 //   FUSION_COPY_OUT  batched scaled copy out of the registered buffer (fused allreduce)
+// With start_timeline(mark_cycles=True), each cycle that executes collectives
+// also gets a global instant event CYCLE_START ("ph": "i", "s": "g").
 // For CUDA the communicator phases measure the host enqueue, not device time.
 // The file is a JSON array: "[" at Open, one event per line joined by commas,
 // "]" at Close, so it parses after every clean Shutdown. Only the background
@@ -37,6 +39,8 @@ class Timeline {
   // `at_s`: engine clock (seconds).
   void Begin(const std::string& tensor, const char* phase, double at_s) { Event(tensor, phase, 'B', at_s); }
   void End(const std::string& tensor, const char* phase, double at_s) { Event(tensor, phase, 'E', at_s); }
+  // A global instant event "CYCLE_START" (start_timeline(mark_cycles=True)).
+  void MarkCycle(double at_s);
   void Close();
 
  private:

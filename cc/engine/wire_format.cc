@@ -6,12 +6,12 @@ namespace nvgroup {
 namespace {
 
 constexpr uint32_t kMagic = 0x4e564752;  // "NVGR"
-constexpr uint8_t kVersion = 1;
+constexpr uint8_t kVersion = 2;  // 2: requests carry alltoall splits
 constexpr uint8_t kKindRequestList = 1;
 constexpr uint8_t kKindResponseList = 2;
 
 // Highest valid value of each enum (types.h / status.h; never renumbered).
-constexpr uint8_t kMaxCollectiveType = static_cast<uint8_t>(CollectiveType::kBroadcast);
+constexpr uint8_t kMaxCollectiveType = kNumCollectiveTypes - 1;
 constexpr uint8_t kMaxDataType = kNumDataTypes - 1;
 constexpr uint8_t kMaxDeviceKind = static_cast<uint8_t>(DeviceKind::kCuda);
 constexpr uint8_t kMaxReduceOp = static_cast<uint8_t>(ReduceOp::kProduct);
@@ -121,7 +121,7 @@ class Reader {
 };
 
 // Smallest encoding of one request / response: empty strings and vectors.
-constexpr size_t kMinRequestBytes = 4 + 4 + 16 + 4 + 4 + 8 + 4;
+constexpr size_t kMinRequestBytes = 4 + 4 + 16 + 4 + 4 + 8 + 4 + 4;
 constexpr size_t kMinResponseBytes = 4 + 1 + 4 + 4 + 16 + 4 + 4 + 4 + 8 + 4;
 
 void WriteHeader(Writer* w, uint8_t kind) {
@@ -153,7 +153,7 @@ bool RequestMessage::operator==(const RequestMessage& o) const {
   return name == o.name && type == o.type && dtype == o.dtype && device_kind == o.device_kind &&
          op == o.op && prescale_factor == o.prescale_factor &&
          postscale_factor == o.postscale_factor && root_rank == o.root_rank && shape == o.shape &&
-         group_id == o.group_id && group_size == o.group_size;
+         group_id == o.group_id && group_size == o.group_size && splits == o.splits;
 }
 
 bool ResponseMessage::operator==(const ResponseMessage& o) const {
@@ -180,6 +180,7 @@ std::vector<uint8_t> EncodeRequestList(const std::vector<RequestMessage>& reques
     w.I64Vec(q.shape);
     w.U64(q.group_id);
     w.U32(q.group_size);
+    w.I64Vec(q.splits);
   }
   return w.Take();
 }
@@ -202,6 +203,7 @@ Status DecodeRequestList(const uint8_t* data, size_t size, std::vector<RequestMe
     q.shape = r.I64Vec("shape");
     q.group_id = r.U64("group id");
     q.group_size = r.U32("group size");
+    q.splits = r.I64Vec("splits");
     if (r.ok()) out->push_back(std::move(q));
   }
   Status s = Finish(r, "request list");

@@ -11,6 +11,7 @@
 //   double   := IEEE-754 bits as u64
 //   request  := name type:u8 dtype:u8 device_kind:u8 op:u8 prescale:double
 //               postscale:double root:i32 shape:vector<i64> group_id:u64 group_size:u32
+//               splits:vector<i64>
 //   response := name error_code:u8 error_message type:u8 dtype:u8 device_kind:u8 op:u8
 //               prescale:double postscale:double root:i32 shape:vector<i64>
 //               first_dims:vector<i64> group_id:u64 group_size:u32
@@ -47,6 +48,7 @@ struct RequestMessage {
   std::vector<int64_t> shape;
   uint64_t group_id = 0;    // 0: not grouped; else a hash of the group's sorted names
   uint32_t group_size = 0;  // members of the group (0 when not grouped)
+  std::vector<int64_t> splits;  // alltoall: rows sent to each rank (resolved, never empty)
 
   bool operator==(const RequestMessage& o) const;
 };
@@ -65,9 +67,11 @@ struct ResponseMessage {
   ReduceOp op = ReduceOp::kSum;
   double prescale_factor = 1.0;
   double postscale_factor = 1.0;
-  int32_t root_rank = 0;
+  int32_t root_rank = 0;             // broadcast: the root; join: the last rank to join
   std::vector<int64_t> shape;       // rank 0's shape
-  std::vector<int64_t> first_dims;  // allgather: first dimension on each rank
+  // allgather: first dimension on each rank. alltoall: the size x size matrix
+  // of rows sent, row-major (row r = rank r's splits). join: unused.
+  std::vector<int64_t> first_dims;
   uint64_t group_id = 0;
   uint32_t group_size = 0;
 

@@ -20,11 +20,11 @@ namespace nvgroup {
 // Largest NV-group the kernels are compiled for: one NVLink/NVSwitch domain of a
 // DGX/HGX board (8 GPUs). Kernels are templated on the group size 2..8.
 constexpr int kMaxGroupSize = 8;
-// Most blocks one launch may use. The barrier is per block (block b of every
-// member meets block b of every other member), so all blocks of a launch must be
-// resident at once: the kernels are built for 2 blocks of 512 threads per SM
-// (__launch_bounds__(512, 2), <= 64 registers), 256 < 2 x 132 SMs of an
-// H100/H200 SXM.
+// Most blocks one launch may use (the size of the flag arrays). The barrier is
+// per block (block b of every member meets block b of every other member), so
+// all blocks of a launch must also be resident at once: the launcher rejects a
+// grid larger than the kernel's occupancy x multiprocessors
+// (ResidentP2pBlocks), and the communicator caps its grids below that.
 constexpr int kMaxBlocks = 256;
 // Threads per block: 512 as in vLLM's and TensorRT-LLM's NVLink allreduces (see
 // /work/shared/ANCHORS.md §2); the flag exchange needs threadIdx < group size.
@@ -41,6 +41,13 @@ struct alignas(128) BarrierFlags {
   // so a peer already at the next barrier cannot overwrite a value this rank
   // still waits for.
   alignas(128) uint32_t arrived[2][kMaxBlocks][kMaxGroupSize];
+  // Own-rank state of the kernels (never touched by peers):
+  // one-shot staging epoch (half = epoch & 1) and the count of blocks of the
+  // running one-shot launch that have finished (Note [One-shot staging epoch]);
+  alignas(128) uint32_t oneshot_epoch;
+  uint32_t oneshot_blocks_done;
+  // the current call's deadline, %globaltimer ns (Note [Dead peers]).
+  uint64_t call_deadline_ns;
 };
 
 // Host-mapped control words (cudaHostAllocMapped): the host sets `abort`, a
@@ -77,14 +84,19 @@ struct P2pLaunch {
   void* out = nullptr;       // result destination (one-shot; two-shot kAllgather)
   size_t count = 0;          // elements
   int phases = 0;            // two-shot only: kPhase* bits
-  // Two-shot on user buffers (phases push + reduce-scatter + allgather only):
-  // > 0 runs the pipelined kernel with chunks of this many 16-byte units per
-  // slice (rounded up to the grid's thread count); 0 runs the phases one after
-  // the other. See Note [Pipelined two-shot] in p2p_allreduce.cuh.
+  // Two-shot: chunks of this many 16-byte units per slice (rounded up to the
+  // grid's thread count), pipelined; 0 = one chunk (the stages one after the
+  // other). See "Two-shot" in p2p_allreduce.cuh.
   size_t chunk_units = 0;
-  int blocks = 0;            // grid size, 1..kMaxBlocks
+  // One-shot: peers.data[p] is member p's staging half 0, half 1 lies this
+  // many bytes later; the kernel picks the half (Note [One-shot staging epoch]).
+  size_t staging_half_bytes = 0;
+  int blocks = 0;            // grid size, 1..ResidentP2pBlocks
   DeviceControl* control = nullptr;  // device pointer of the mapped control words
-  uint64_t timeout_ns = 0;           // barrier spin budget
+  uint64_t timeout_ns = 0;           // the whole call's spin budget
+  // First kernel of a communicator call: it starts the call's deadline, the
+  // call's later kernels (pieces, hierarchy chunks) keep it.
+  bool starts_call = true;
 };
 
 // Two-shot phases (bits of P2pLaunch::phases).
@@ -93,12 +105,15 @@ constexpr int kPhaseReduceScatter = 2;  // slice group_rank over members -> own 
 constexpr int kPhaseAllgather = 4;      // every member's slice -> out
 constexpr int kPhasePushResult = 8;     // reduced slice -> every member's data (in place)
 
-// One-shot: copy `in` into own data, barrier, every rank folds all members'
-// data into `out`. `peers.data` must point at the staging half of this call.
+// One-shot: copy `in` into own staging, barrier, every rank folds all members'
+// staging into `out`. `peers.data` points at staging half 0 of every member.
 Status LaunchOneShotAllreduce(const P2pLaunch& launch, cudaStream_t stream);
 // Two-shot (and the hierarchy's group steps): the phases named in `phases`,
 // pipelined in chunks when `chunk_units` > 0.
 Status LaunchTwoShotAllreduce(const P2pLaunch& launch, cudaStream_t stream);
+// Largest grid of the P2P kernels for `group_size` that is resident at once on
+// `device` (occupancy x multiprocessors, at most kMaxBlocks).
+StatusOr<int> ResidentP2pBlocks(int device, int group_size);
 
 // dst[i] = fold over g < num_sources of src[g * count + i] (g order), final
 // average division by `divisor`. Local, used for the fold over groups.

@@ -1,7 +1,10 @@
 // Launchers of the NV-group kernels: validate, pick the <T, G> instantiation,
-// launch, check the launch. The protocol lives in p2p_allreduce.cuh.
+// check that the grid can be resident, launch, check the launch. The protocol
+// lives in p2p_allreduce.cuh.
 #include "kernels/p2p_allreduce.cuh"
 
+#include <algorithm>
+#include <mutex>
 #include <string>
 
 #include "common/cuda_checks.h"
@@ -27,16 +30,11 @@ P2pKernel ForGroupSize(int g) {
 
 template <typename T, int G>
 struct OneShotOf {
-  static constexpr P2pKernel kernel = kernels::OneShotCopyInFoldKernel<T, G>;
+  static constexpr P2pKernel kernel = kernels::OneShotKernel<T, G>;
 };
 template <typename T, int G>
 struct TwoShotOf {
   static constexpr P2pKernel kernel = kernels::TwoShotKernel<T, G>;
-};
-
-template <typename T, int G>
-struct TwoShotPipelinedOf {
-  static constexpr P2pKernel kernel = kernels::TwoShotPipelinedKernel<T, G>;
 };
 
 template <template <typename, int> class Select>
@@ -52,14 +50,57 @@ P2pKernel KernelFor(DataType dtype, int g) {
   }
 }
 
+constexpr DataType kReducible[] = {DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32,
+                                   DataType::kFloat64, DataType::kInt32,    DataType::kInt64};
+
+// Blocks of `kernel` one multiprocessor of the current device holds at once.
+StatusOr<int> BlocksPerSm(P2pKernel kernel) {
+  int n = 0;
+  NVG_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreadsPerBlock, 0));
+  return n;
+}
+
+// Resident grid of every P2P kernel for group size g on device `device`,
+// cached (one process drives one device; the cache is keyed anyway).
+StatusOr<int> ResidentCap(int device, int g) {
+  static std::mutex mu;
+  static int cached[64][kMaxGroupSize + 1] = {};
+  if (device < 0 || device >= 64) return Status::InvalidArgument("device ordinal out of range");
+  std::lock_guard<std::mutex> lock(mu);
+  if (cached[device][g] > 0) return cached[device][g];
+  int sms = 0;
+  NVG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int per_sm = 1 << 20;
+  for (DataType d : kReducible) {
+    for (P2pKernel k : {KernelFor<OneShotOf>(d, g), KernelFor<TwoShotOf>(d, g)}) {
+      auto n = BlocksPerSm(k);
+      if (!n.ok()) return n.status();
+      per_sm = std::min(per_sm, n.value());
+    }
+  }
+  if (per_sm < 1)
+    return Status::Internal("a P2P kernel for group size " + std::to_string(g) +
+                            " cannot be resident on cuda:" + std::to_string(device));
+  cached[device][g] = std::min(kMaxBlocks, per_sm * sms);
+  return cached[device][g];
+}
+
 Status CheckLaunch(const P2pLaunch& a, const char* what) {
-  if (a.blocks < 1 || a.blocks > kMaxBlocks)
-    return Status::InvalidArgument(std::string(what) + ": block count " + std::to_string(a.blocks) +
-                                   " outside 1.." + std::to_string(kMaxBlocks));
   if (a.group_size < 2 || a.group_size > kMaxGroupSize)
     return Status::InvalidArgument(std::string(what) + ": group size " +
                                    std::to_string(a.group_size) + " outside 2.." +
                                    std::to_string(kMaxGroupSize));
+  int device = 0;
+  NVG_CUDA_CHECK(cudaGetDevice(&device));
+  auto cap = ResidentCap(device, a.group_size);
+  if (!cap.ok()) return cap.status();
+  // Every block must be resident at once: a block spinning on a barrier whose
+  // partner block is not scheduled would wait forever.
+  if (a.blocks < 1 || a.blocks > cap.value())
+    return Status::InvalidArgument(std::string(what) + ": block count " + std::to_string(a.blocks) +
+                                   " outside 1.." + std::to_string(cap.value()) +
+                                   " (the blocks that can be resident on cuda:" +
+                                   std::to_string(device) + ")");
   return Status::Ok();
 }
 
@@ -86,21 +127,33 @@ Status LaunchFoldTyped(const void* src, int n, void* dst, size_t count, ReduceOp
 
 }  // namespace
 
+StatusOr<int> ResidentP2pBlocks(int device, int group_size) {
+  if (group_size < 2 || group_size > kMaxGroupSize)
+    return Status::InvalidArgument("group size " + std::to_string(group_size) + " outside 2.." +
+                                   std::to_string(kMaxGroupSize));
+  return ResidentCap(device, group_size);
+}
+
 Status LaunchOneShotAllreduce(const P2pLaunch& a, cudaStream_t stream) {
   if (a.count == 0) return Status::Ok();
+  if (a.staging_half_bytes < a.count * DataTypeSize(a.dtype))
+    return Status::InvalidArgument("one-shot allreduce: " + std::to_string(a.count) +
+                                   " elements exceed the staging half of " +
+                                   std::to_string(a.staging_half_bytes) + " bytes");
   return Launch(KernelFor<OneShotOf>(a.dtype, a.group_size), a, stream, "one-shot allreduce");
 }
 
 Status LaunchTwoShotAllreduce(const P2pLaunch& a, cudaStream_t stream) {
   if (a.count == 0) return Status::Ok();
-  if (a.chunk_units == 0)
-    return Launch(KernelFor<TwoShotOf>(a.dtype, a.group_size), a, stream, "two-shot allreduce");
-  if (a.phases != (kPhasePushScatter | kPhaseReduceScatter | kPhaseAllgather))
-    return Status::InvalidArgument("pipelined two-shot allreduce: phases " +
-                                   std::to_string(a.phases) +
-                                   " given, only push + reduce-scatter + allgather is pipelined");
-  return Launch(KernelFor<TwoShotPipelinedOf>(a.dtype, a.group_size), a, stream,
-                "pipelined two-shot allreduce");
+  const int p = a.phases;
+  const bool valid = p == (kPhasePushScatter | kPhaseReduceScatter | kPhaseAllgather) ||
+                     p == (kPhaseReduceScatter | kPhaseAllgather) ||
+                     p == (kPhaseReduceScatter | kPhasePushResult) || p == kPhaseReduceScatter ||
+                     p == kPhaseAllgather;
+  if (!valid)
+    return Status::InvalidArgument("two-shot allreduce: phase set " + std::to_string(p) +
+                                   " is not one the kernel runs");
+  return Launch(KernelFor<TwoShotOf>(a.dtype, a.group_size), a, stream, "two-shot allreduce");
 }
 
 Status LaunchFoldSources(const void* src, int n, void* dst, size_t count, DataType dtype,

@@ -7,6 +7,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <arpa/inet.h>
+
 #include <cctype>
 #include <cstdint>
 #include <memory>
@@ -14,6 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "algorithms/cross_exchange.h"
+#include "device/peer_access_advice.h"
+#include "transport/liveness_address.h"
 #include "nvgroup/communicator.h"
 
 namespace py = pybind11;
@@ -107,6 +112,24 @@ void RegisterCommunicatorBindings(py::module_& m) {
              ThrowIfError(c.Broadcast(Ptr(ptr), nbytes, root, Ptr(stream)));
            },
            py::arg("ptr"), py::arg("nbytes"), py::arg("root"), py::arg("stream") = 0)
+      .def("reduce_scatter",
+           [](Communicator& c, uintptr_t in, uintptr_t out, const std::vector<size_t>& counts,
+              const std::string& dtype, const std::string& op, uintptr_t stream) {
+             DataType t = ParseDataType(dtype);
+             ReduceOp o = ParseReduceOp(op);
+             py::gil_scoped_release release;
+             ThrowIfError(c.ReduceScatter(Ptr(in), Ptr(out), counts, t, o, Ptr(stream)));
+           },
+           py::arg("in_ptr"), py::arg("out_ptr"), py::arg("counts"), py::arg("dtype"), py::arg("op"),
+           py::arg("stream") = 0)
+      .def("alltoallv",
+           [](Communicator& c, uintptr_t in, const std::vector<size_t>& send_bytes, uintptr_t out,
+              const std::vector<size_t>& recv_bytes, uintptr_t stream) {
+             py::gil_scoped_release release;
+             ThrowIfError(c.Alltoallv(Ptr(in), send_bytes, Ptr(out), recv_bytes, Ptr(stream)));
+           },
+           py::arg("in_ptr"), py::arg("send_bytes"), py::arg("out_ptr"), py::arg("recv_bytes"),
+           py::arg("stream") = 0)
       .def("synchronize",
            [](Communicator& c, uintptr_t stream) {
              py::gil_scoped_release release;
@@ -134,6 +157,48 @@ void RegisterCommunicatorBindings(py::module_& m) {
       .def("registered_buffer",
            [](Communicator& c) { return reinterpret_cast<uintptr_t>(c.registered_buffer()); })
       .def("registered_capacity", &Communicator::registered_capacity);
+  // Bytes this process posted to other ranks in cross-group exchanges
+  // (cc/algorithms/cross_exchange.h), for tests of the traffic volume.
+  m.def("cross_bytes_sent", [] { return CrossExchange::BytesSent(); });
+  // Rank 0's liveness addresses, best first (cc/transport/liveness_address.h):
+  // interfaces as [(name, "a.b.c.d")], the settings spelled out.
+  m.def("choose_liveness_addresses",
+        [](const std::vector<std::pair<std::string, std::string>>& interfaces,
+           const std::string& address, const std::string& interface,
+           const std::vector<std::string>& mpi_interfaces,
+           const std::vector<std::string>& hostname_addresses) {
+          auto ip = [](const std::string& t) {
+            in_addr a{};
+            if (inet_pton(AF_INET, t.c_str(), &a) != 1) throw std::invalid_argument("bad IPv4 " + t);
+            return a.s_addr;
+          };
+          std::vector<NetInterface> ifs;
+          for (const auto& i : interfaces) ifs.push_back({i.first, ip(i.second)});
+          LivenessAddressSettings s;
+          s.address = address;
+          s.interface = interface;
+          s.mpi_interfaces = mpi_interfaces;
+          for (const std::string& h : hostname_addresses) s.hostname_addresses.push_back(ip(h));
+          StatusOr<std::vector<uint32_t>> chosen = ChooseLivenessAddresses(ifs, s);
+          ThrowIfError(chosen.status());
+          std::vector<std::string> out;
+          for (uint32_t a : chosen.value()) {
+            char buf[INET_ADDRSTRLEN] = {};
+            in_addr x{};
+            x.s_addr = a;
+            inet_ntop(AF_INET, &x, buf, sizeof(buf));
+            out.push_back(buf);
+          }
+          return out;
+        });
+  // The CUDA communicator's no-peer-access warning (cc/device/peer_access_advice.h).
+  m.def("no_peer_access_warning",
+        [](int node, const std::vector<int>& visible, const std::vector<std::string>& bus_ids,
+           py::object cuda_visible_devices) {
+          std::string v = cuda_visible_devices.is_none() ? "" : py::str(cuda_visible_devices);
+          return NoPeerAccessWarning(node, visible, bus_ids,
+                                     cuda_visible_devices.is_none() ? nullptr : v.c_str());
+        });
 }
 
 }  // namespace nvgroup

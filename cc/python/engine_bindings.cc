@@ -62,24 +62,31 @@ std::string Lower(std::string s) {
   return s;
 }
 
+bool EqualsIgnoreCase(const std::string& a, const char* b) {
+  size_t i = 0;
+  for (; i < a.size() && b[i] != '\0'; ++i)
+    if (std::tolower(static_cast<unsigned char>(a[i])) != std::tolower(static_cast<unsigned char>(b[i])))
+      return false;
+  return i == a.size() && b[i] == '\0';
+}
+
+// The parsers run for every enqueue: no allocation unless the name is bad.
 DataType ParseDataType(const std::string& name) {
-  const std::string n = Lower(name);
   for (int i = 0; i < kNumDataTypes; ++i)
-    if (n == DataTypeName(static_cast<DataType>(i))) return static_cast<DataType>(i);
+    if (EqualsIgnoreCase(name, DataTypeName(static_cast<DataType>(i)))) return static_cast<DataType>(i);
   throw EngineError("INVALID_ARGUMENT: unknown dtype '" + name + "'");
 }
 
 ReduceOp ParseReduceOp(const std::string& name) {
-  const std::string n = Lower(name);
   for (int i = 0; i <= static_cast<int>(ReduceOp::kProduct); ++i)
-    if (n == Lower(ReduceOpName(static_cast<ReduceOp>(i)))) return static_cast<ReduceOp>(i);
+    if (EqualsIgnoreCase(name, ReduceOpName(static_cast<ReduceOp>(i)))) return static_cast<ReduceOp>(i);
   throw EngineError("INVALID_ARGUMENT: unknown reduce op '" + name +
                     "' (expected sum, average, min, max or product)");
 }
 
 Device ParseDevice(const std::string& name) {
+  if (EqualsIgnoreCase(name, "cpu")) return Device::Cpu();
   const std::string n = Lower(name);
-  if (n == "cpu") return Device::Cpu();
   if (n == "cuda" || n == "gpu") return Device::Cuda(0);
   for (const char* prefix : {"cuda:", "gpu:"}) {
     const size_t p = std::string(prefix).size();
@@ -103,6 +110,12 @@ struct Handle {
   std::vector<int64_t> out_shape;
   std::shared_ptr<std::vector<char>> host_out;
   void* cuda_out = nullptr;
+  // Alltoall: rows received from each rank (filled before the output is
+  // allocated); join: the last rank to join.
+  bool is_alltoall = false;
+  std::vector<int64_t> received_splits;
+  bool is_join = false;
+  int32_t join_result = -1;
 };
 
 // Objects the caller asked us to keep alive until wait() (its arrays), by
@@ -217,8 +230,43 @@ py::object Wait(int64_t id, py::object timeout) {
   Forget(id);
   if (KeepAlive().contains(py::int_(id))) KeepAlive().attr("pop")(py::int_(id));
   ThrowIfError(h->status);
+  if (h->is_join) return py::int_(h->join_result);
+  if (h->is_alltoall) return py::make_tuple(AllgatherResult(*h), h->received_splits);
   if (h->is_allgather) return AllgatherResult(*h);
   return py::none();
+}
+
+// Waits for every handle with one release of the GIL (a step's 214 gradients
+// cost one call instead of 214), then resolves them in order like wait():
+// returns the list of results; the first failure raises after every handle
+// was waited for and forgotten (none is left behind).
+py::list WaitAll(const std::vector<int64_t>& ids) {
+  std::vector<std::shared_ptr<Handle>> hs;
+  hs.reserve(ids.size());
+  for (int64_t id : ids) hs.push_back(Lookup(id));
+  {
+    py::gil_scoped_release release;
+    for (const std::shared_ptr<Handle>& h : hs) {
+      std::unique_lock<std::mutex> lock(h->mu);
+      h->cv.wait(lock, [&] { return h->done; });
+    }
+  }
+  py::list out;
+  Status first_error;
+  py::dict& keep = KeepAlive();
+  const bool any_kept = keep.size() > 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    Forget(ids[i]);
+    if (any_kept && keep.contains(py::int_(ids[i]))) keep.attr("pop")(py::int_(ids[i]));
+    if (!hs[i]->status.ok()) {
+      if (first_error.ok()) first_error = hs[i]->status;
+      out.append(py::none());
+      continue;
+    }
+    out.append(hs[i]->is_allgather ? AllgatherResult(*hs[i]) : py::none());
+  }
+  ThrowIfError(first_error);
+  return out;
 }
 
 bool Poll(int64_t id) {
@@ -246,14 +294,45 @@ CollectiveRequest MakeAllreduce(const std::string& name, uintptr_t in, uintptr_t
   return q;
 }
 
+// A request whose output the engine asks us to allocate (allgather,
+// reducescatter, alltoall).
+CollectiveRequest MakeAllocated(CollectiveType type, const std::string& name, uintptr_t in,
+                                std::vector<int64_t> shape, const std::string& dtype,
+                                const std::string& device, uintptr_t ready_event,
+                                int32_t process_set, const std::shared_ptr<Handle>& h) {
+  h->is_allgather = true;
+  h->dtype = ParseDataType(dtype);
+  h->device = ParseDevice(device);
+  CollectiveRequest q;
+  q.name = name;
+  q.type = type;
+  q.input = reinterpret_cast<const void*>(in);
+  q.shape = std::move(shape);
+  q.dtype = h->dtype;
+  q.device = h->device;
+  q.ready_event = reinterpret_cast<void*>(ready_event);
+  q.allocate_output = AllocatorFor(h);
+  q.process_set_id = process_set;
+  return q;
+}
+
+std::vector<int64_t> SubmitGroup(std::vector<CollectiveRequest> qs, std::vector<std::shared_ptr<Handle>> hs,
+                                 py::object keepalive) {
+  for (size_t i = 0; i < qs.size(); ++i) qs[i].done = DoneFor(hs[i]);
+  ThrowIfError(EnqueueGroup(std::move(qs)));  // GIL held: see SubmitOne
+  std::vector<int64_t> ids;
+  for (auto& h : hs) ids.push_back(Register(h));
+  if (!keepalive.is_none())
+    for (int64_t id : ids) KeepAlive()[py::int_(id)] = keepalive;
+  return ids;
+}
+
 int64_t SubmitOne(CollectiveRequest q, std::shared_ptr<Handle> h, py::object keepalive) {
   q.done = DoneFor(h);
-  Status s;
-  {
-    py::gil_scoped_release release;
-    s = Enqueue(std::move(q));
-  }
-  ThrowIfError(s);
+  // The GIL stays held: Enqueue only validates and appends under a mutex that
+  // no thread holds for long (releasing and retaking the GIL cost more than
+  // the call), and done callbacks never take the GIL.
+  ThrowIfError(Enqueue(std::move(q)));
   const int64_t id = Register(std::move(h));
   if (!keepalive.is_none()) KeepAlive()[py::int_(id)] = keepalive;
   return id;
@@ -282,6 +361,7 @@ py::dict RequestToDict(const RequestMessage& q) {
   d["shape"] = q.shape;
   d["group_id"] = q.group_id;
   d["group_size"] = q.group_size;
+  d["splits"] = q.splits;
   return d;
 }
 
@@ -298,6 +378,7 @@ RequestMessage RequestFromDict(const py::dict& d) {
   q.shape = d["shape"].cast<std::vector<int64_t>>();
   q.group_id = d["group_id"].cast<uint64_t>();
   q.group_size = d["group_size"].cast<uint32_t>();
+  if (d.contains("splits")) q.splits = d["splits"].cast<std::vector<int64_t>>();
   return q;
 }
 
@@ -420,6 +501,9 @@ void RegisterTestingBindings(py::module_& t) {
     py::gil_scoped_release release;
     AbortEngine(Status::Unavailable(message));
   }, "Calls AbortEngine(kUnavailable `message`) as the liveness monitor would.");
+  t.def("perturb_state_digest", [] { PerturbStateDigestForTesting(); },
+        "Makes this rank's response-cache digest differ from the other ranks' (the next cycle "
+        "must fail on every rank).");
   t.def("build_response", [](const std::vector<py::dict>& by_rank) {
     if (by_rank.empty()) throw EngineError("INVALID_ARGUMENT: build_response needs one request per rank");
     std::vector<RequestMessage> qs;
@@ -470,18 +554,20 @@ void RegisterEngineBindings(py::module_& m) {
   m.def("allreduce_async",
         [](const std::string& name, uintptr_t in_ptr, uintptr_t out_ptr, std::vector<int64_t> shape,
            const std::string& dtype, const std::string& op, double prescale, double postscale,
-           const std::string& device, uintptr_t ready_event, py::object keepalive) {
+           const std::string& device, uintptr_t ready_event, py::object keepalive, int32_t process_set) {
           auto h = std::make_shared<Handle>();
-          return SubmitOne(MakeAllreduce(name, in_ptr, out_ptr, std::move(shape), dtype, op, prescale,
-                                         postscale, device, ready_event),
-                           h, std::move(keepalive));
+          CollectiveRequest q = MakeAllreduce(name, in_ptr, out_ptr, std::move(shape), dtype, op, prescale,
+                                              postscale, device, ready_event);
+          q.process_set_id = process_set;
+          return SubmitOne(std::move(q), h, std::move(keepalive));
         },
         py::arg("name"), py::arg("in_ptr"), py::arg("out_ptr"), py::arg("shape"), py::arg("dtype"),
         py::arg("op") = "sum", py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
-        py::arg("device") = "cpu", py::arg("ready_event") = 0, py::arg("keepalive") = py::none());
+        py::arg("device") = "cpu", py::arg("ready_event") = 0, py::arg("keepalive") = py::none(),
+        py::arg("process_set") = 0);
 
   m.def("grouped_allreduce_async",
-        [](const std::vector<py::tuple>& items, py::object keepalive) {
+        [](const std::vector<py::tuple>& items, py::object keepalive, int32_t process_set) {
           // Each item: (name, in_ptr, out_ptr, shape, dtype[, op, prescale, postscale, device, ready_event]).
           std::vector<CollectiveRequest> qs;
           std::vector<std::shared_ptr<Handle>> hs;
@@ -496,48 +582,140 @@ void RegisterEngineBindings(py::module_& m) {
                                        get_s(5, "sum"), get_d(6), get_d(7), get_s(8, "cpu"),
                                        t.size() > 9 ? t[9].cast<uintptr_t>() : 0));
             hs.push_back(std::make_shared<Handle>());
-            qs.back().done = DoneFor(hs.back());
+            qs.back().process_set_id = process_set;
           }
-          Status s;
-          {
-            py::gil_scoped_release release;
-            s = EnqueueGroup(std::move(qs));
-          }
-          ThrowIfError(s);
-          std::vector<int64_t> ids;
-          for (auto& h : hs) ids.push_back(Register(h));
-          if (!keepalive.is_none())
-            for (int64_t id : ids) KeepAlive()[py::int_(id)] = keepalive;
-          return ids;
+          return SubmitGroup(std::move(qs), std::move(hs), std::move(keepalive));
         },
-        py::arg("items"), py::arg("keepalive") = py::none());
+        py::arg("items"), py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
 
   m.def("allgather_async",
         [](const std::string& name, uintptr_t in_ptr, std::vector<int64_t> shape, const std::string& dtype,
-           const std::string& device, uintptr_t ready_event, py::object keepalive) {
+           const std::string& device, uintptr_t ready_event, py::object keepalive, int32_t process_set) {
           auto h = std::make_shared<Handle>();
-          h->is_allgather = true;
-          h->dtype = ParseDataType(dtype);
-          h->device = ParseDevice(device);
-          CollectiveRequest q;
-          q.name = name;
-          q.type = CollectiveType::kAllgather;
-          q.input = reinterpret_cast<const void*>(in_ptr);
-          q.shape = std::move(shape);
-          q.dtype = h->dtype;
-          q.device = h->device;
-          q.ready_event = reinterpret_cast<void*>(ready_event);
-          q.allocate_output = AllocatorFor(h);
+          CollectiveRequest q = MakeAllocated(CollectiveType::kAllgather, name, in_ptr, std::move(shape), dtype,
+                                              device, ready_event, process_set, h);
           return SubmitOne(std::move(q), h, std::move(keepalive));
         },
         py::arg("name"), py::arg("in_ptr"), py::arg("shape"), py::arg("dtype"), py::arg("device") = "cpu",
-        py::arg("ready_event") = 0, py::arg("keepalive") = py::none());
+        py::arg("ready_event") = 0, py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
+
+  m.def("grouped_allgather_async",
+        [](const std::vector<py::tuple>& items, py::object keepalive, int32_t process_set) {
+          // Each item: (name, in_ptr, shape, dtype[, device, ready_event]).
+          std::vector<CollectiveRequest> qs;
+          std::vector<std::shared_ptr<Handle>> hs;
+          for (const py::tuple& t : items) {
+            if (t.size() < 4 || t.size() > 6)
+              throw EngineError("INVALID_ARGUMENT: grouped_allgather_async items are (name, in_ptr, shape, dtype"
+                                "[, device, ready_event])");
+            hs.push_back(std::make_shared<Handle>());
+            qs.push_back(MakeAllocated(CollectiveType::kAllgather, t[0].cast<std::string>(), t[1].cast<uintptr_t>(),
+                                       t[2].cast<std::vector<int64_t>>(), t[3].cast<std::string>(),
+                                       t.size() > 4 ? t[4].cast<std::string>() : std::string("cpu"),
+                                       t.size() > 5 ? t[5].cast<uintptr_t>() : 0, process_set, hs.back()));
+          }
+          return SubmitGroup(std::move(qs), std::move(hs), std::move(keepalive));
+        },
+        py::arg("items"), py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
+
+  m.def("reducescatter_async",
+        [](const std::string& name, uintptr_t in_ptr, std::vector<int64_t> shape, const std::string& dtype,
+           const std::string& op, double prescale, double postscale, const std::string& device,
+           uintptr_t ready_event, py::object keepalive, int32_t process_set) {
+          auto h = std::make_shared<Handle>();
+          CollectiveRequest q = MakeAllocated(CollectiveType::kReducescatter, name, in_ptr, std::move(shape), dtype,
+                                              device, ready_event, process_set, h);
+          q.op = ParseReduceOp(op);
+          q.prescale_factor = prescale;
+          q.postscale_factor = postscale;
+          return SubmitOne(std::move(q), h, std::move(keepalive));
+        },
+        py::arg("name"), py::arg("in_ptr"), py::arg("shape"), py::arg("dtype"), py::arg("op") = "sum",
+        py::arg("prescale") = 1.0, py::arg("postscale") = 1.0, py::arg("device") = "cpu",
+        py::arg("ready_event") = 0, py::arg("keepalive") = py::none(), py::arg("process_set") = 0,
+        "wait() returns this rank's rows (numpy on the CPU; (address, shape) on CUDA).");
+
+  m.def("grouped_reducescatter_async",
+        [](const std::vector<py::tuple>& items, const std::string& op, double prescale, double postscale,
+           py::object keepalive, int32_t process_set) {
+          // Each item: (name, in_ptr, shape, dtype[, device, ready_event]).
+          std::vector<CollectiveRequest> qs;
+          std::vector<std::shared_ptr<Handle>> hs;
+          for (const py::tuple& t : items) {
+            if (t.size() < 4 || t.size() > 6)
+              throw EngineError("INVALID_ARGUMENT: grouped_reducescatter_async items are (name, in_ptr, shape, "
+                                "dtype[, device, ready_event])");
+            hs.push_back(std::make_shared<Handle>());
+            qs.push_back(MakeAllocated(CollectiveType::kReducescatter, t[0].cast<std::string>(),
+                                       t[1].cast<uintptr_t>(), t[2].cast<std::vector<int64_t>>(),
+                                       t[3].cast<std::string>(),
+                                       t.size() > 4 ? t[4].cast<std::string>() : std::string("cpu"),
+                                       t.size() > 5 ? t[5].cast<uintptr_t>() : 0, process_set, hs.back()));
+            qs.back().op = ParseReduceOp(op);
+            qs.back().prescale_factor = prescale;
+            qs.back().postscale_factor = postscale;
+          }
+          return SubmitGroup(std::move(qs), std::move(hs), std::move(keepalive));
+        },
+        py::arg("items"), py::arg("op") = "sum", py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
+        py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
+
+  m.def("alltoall_async",
+        [](const std::string& name, uintptr_t in_ptr, std::vector<int64_t> shape, const std::string& dtype,
+           std::vector<int64_t> splits, const std::string& device, uintptr_t ready_event, py::object keepalive,
+           int32_t process_set) {
+          auto h = std::make_shared<Handle>();
+          CollectiveRequest q = MakeAllocated(CollectiveType::kAlltoall, name, in_ptr, std::move(shape), dtype,
+                                              device, ready_event, process_set, h);
+          h->is_alltoall = true;
+          q.splits = std::move(splits);
+          q.received_splits = &h->received_splits;  // h outlives the request (held by its done callback)
+          return SubmitOne(std::move(q), h, std::move(keepalive));
+        },
+        py::arg("name"), py::arg("in_ptr"), py::arg("shape"), py::arg("dtype"),
+        py::arg("splits") = std::vector<int64_t>(), py::arg("device") = "cpu", py::arg("ready_event") = 0,
+        py::arg("keepalive") = py::none(), py::arg("process_set") = 0,
+        "wait() returns (output, received_splits).");
+
+  m.def("join_async",
+        [](int32_t process_set) {
+          auto h = std::make_shared<Handle>();
+          h->is_join = true;
+          CollectiveRequest q;
+          q.type = CollectiveType::kJoin;
+          q.output = &h->join_result;  // h outlives the request (held by its done callback)
+          q.process_set_id = process_set;
+          return SubmitOne(std::move(q), h, py::none());
+        },
+        py::arg("process_set") = 0, "wait() returns the last rank to join.");
+
+  m.def("add_process_set", [](const std::vector<int>& ranks) {
+    StatusOr<int32_t> id = Status::Ok();
+    {
+      py::gil_scoped_release release;
+      id = AddProcessSet(ranks);
+    }
+    return ValueOrThrow(std::move(id));
+  }, py::arg("ranks"), "Collective over all ranks: registers a process set, returns its id.");
+  m.def("remove_process_set", [](int32_t id) {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = RemoveProcessSet(id);
+    }
+    ThrowIfError(s);
+  }, py::arg("process_set_id"));
+  m.def("process_set_ranks", [](int32_t id) { return ValueOrThrow(ProcessSetRanks(id)); });
+  m.def("process_set_ids", &ProcessSetIds);
+  m.def("process_set_rank", [](int32_t id) { return ValueOrThrow(ProcessSetRank(id)); });
+  m.def("process_set_size", [](int32_t id) { return ValueOrThrow(ProcessSetSize(id)); });
 
   m.def("broadcast_async",
         [](const std::string& name, uintptr_t in_ptr, uintptr_t out_ptr, std::vector<int64_t> shape,
            const std::string& dtype, int root, const std::string& device, uintptr_t ready_event,
-           py::object keepalive) {
+           py::object keepalive, int32_t process_set) {
           CollectiveRequest q;
+          q.process_set_id = process_set;
           q.name = name;
           q.type = CollectiveType::kBroadcast;
           q.input = reinterpret_cast<const void*>(in_ptr);
@@ -551,12 +729,32 @@ void RegisterEngineBindings(py::module_& m) {
         },
         py::arg("name"), py::arg("in_ptr"), py::arg("out_ptr"), py::arg("shape"), py::arg("dtype"),
         py::arg("root"), py::arg("device") = "cpu", py::arg("ready_event") = 0,
-        py::arg("keepalive") = py::none());
+        py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
 
+  m.def("stats", [] {
+    EngineStats st = ValueOrThrow(GetEngineStats());
+    py::dict d;
+    d["cycles"] = st.cycles;
+    d["negotiation_rounds"] = st.negotiation_rounds;
+    d["cached_responses"] = st.cached_responses;
+    d["negotiated_responses"] = st.negotiated_responses;
+    d["plan_launches"] = st.plan_launches;
+    d["buckets"] = st.buckets;
+    d["bucket_tensors"] = st.bucket_tensors;
+    d["ready_event_waits"] = st.ready_event_waits;
+    d["idle_s"] = st.idle_s;
+    d["agree_s"] = st.agree_s;
+    d["negotiate_s"] = st.negotiate_s;
+    d["execute_s"] = st.execute_s;
+    return d;
+  }, "Engine counters since init (nvgroup/engine.h EngineStats) as a dict.");
   m.def("wait", &Wait, py::arg("handle"), py::arg("timeout") = py::none(),
         "Blocks until the collective is done (GIL released). Returns None, or the allgather output "
         "(numpy array on the CPU; (address, shape) on CUDA). Raises EngineError on failure, "
         "TimeoutError if `timeout` seconds pass first (the handle stays valid).");
+  m.def("wait_all", &WaitAll, py::arg("handles"),
+        "Blocks until every collective is done (one GIL release). Returns the list of wait() results; "
+        "raises EngineError for the first failure, after every handle was resolved.");
   m.def("poll", &Poll, py::arg("handle"));
   m.def("free_cuda", [](uintptr_t ptr) {
 #ifdef NVGROUP_WITH_CUDA

@@ -17,14 +17,27 @@
 // Allreduce on the registered buffer -> BatchedScaledCopy (postscale), as the
 // engine does; Allgatherv; Broadcast; bad input (a clear error on every rank);
 // and a dead peer (a barrier that times out, then Abort()).
+// Streams and graphs: one-shot and two-shot allreduces captured in CUDA graphs
+// (an odd number of calls per graph) replayed back to back and mixed with
+// eager calls, every round checked; calls issued on two caller streams at
+// once, every result checked. --peer_exit_test instead runs only this: the
+// last rank exits with its memory mapped by the others while calls are in
+// flight; the others must fail with kUnavailable naming it, within seconds.
+//
+// One GPU: --one_gpu_group (or NVGROUP_ONE_GPU_GROUP=1) lets the ranks share
+// one GPU as one NV-group; run it under MPS (scripts/device/run_all.sh).
 //
 // Usage: allreduce_check [--mode auto|oneshot|twoshot] [--max_elems N]
 //                        [--large] [--quick] [--no_timeout_test]
 //                        [--twoshot_chunk BYTES]  (0: un-pipelined two-shot)
 //                        [--twoshot_blocks N]     (grid cap of --mode twoshot, 64)
+//                        [--one_gpu_group] [--only_streams] [--peer_exit_test]
+//                        [--time BYTES]  (only: time float32 sums of BYTES)
 // Exit code 0 only if every check passed; prints one summary line per section.
 #include <cuda_runtime.h>
 #include <mpi.h>
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -32,6 +45,7 @@
 #include <vector>
 
 #include "device/cuda_communicator.h"
+#include "tools/round_kernels.h"
 #include "tools/tool_common.h"
 #include "topology/topology.h"
 
@@ -47,6 +61,10 @@ struct Args {
   bool timeout_test = true;
   long long twoshot_chunk = -1;  // -1: the communicator's default
   int twoshot_blocks = 64;       // --mode twoshot: small caps give many chunks
+  bool one_gpu_group = false;    // ranks share one GPU as one NV-group (MPS)
+  bool only_streams = false;     // run only the graph and two-stream sections
+  bool peer_exit_test = false;   // run only the peer-exit case
+  size_t time_bytes = 0;         // > 0: only time allreduces of this size
 };
 
 Args ParseArgs(int argc, char** argv) {
@@ -64,6 +82,10 @@ Args ParseArgs(int argc, char** argv) {
     else if (s == "--no_timeout_test") a.timeout_test = false;
     else if (s == "--twoshot_chunk") a.twoshot_chunk = std::stoll(next());
     else if (s == "--twoshot_blocks") a.twoshot_blocks = std::stoi(next());
+    else if (s == "--one_gpu_group") a.one_gpu_group = true;
+    else if (s == "--only_streams") a.only_streams = true;
+    else if (s == "--peer_exit_test") a.peer_exit_test = true;
+    else if (s == "--time") a.time_bytes = std::stoull(next());
     else Die("unknown argument " + s);
   }
   return a;
@@ -74,6 +96,7 @@ struct Suite {
   Layout layout;
   bool hierarchical;
   int rank;
+  bool one_gpu_group = false;
   long long cases = 0;
   long long wrong = 0;  // elements (or checks) that failed on this rank
 };
@@ -325,7 +348,17 @@ void RunBadInput(Suite& s) {
   char* d = nullptr;
   CheckCuda(cudaMalloc(&d, 1024), "cudaMalloc");
   std::vector<float> host(16);
-  expect_invalid(s.comm->Allreduce(d, d, 16, DataType::kUint8, ReduceOp::kSum, nullptr), "uint8 allreduce");
+  expect_invalid(s.comm->Allreduce(d, d, 16, DataType::kBool, ReduceOp::kSum, nullptr), "bool allreduce");
+  // Reducible, but the CUDA kernels have no uint8 instantiation: kUnimplemented.
+  {
+    const Status st = s.comm->Allreduce(d, d, 16, DataType::kUint8, ReduceOp::kSum, nullptr);
+    if (st.code() != StatusCode::kUnimplemented) {
+      std::fprintf(stderr, "[rank %d] uint8 allreduce gave %s\n", s.rank, st.ToString().c_str());
+      ++bad;
+    } else if (s.rank == 0) {
+      std::printf("#   bad input 'uint8 allreduce' -> %s\n", st.ToString().c_str());
+    }
+  }
   expect_invalid(s.comm->Allreduce(host.data(), d, 16, DataType::kFloat32, ReduceOp::kSum, nullptr),
                  "host input pointer");
   expect_invalid(s.comm->Allreduce(nullptr, d, 16, DataType::kFloat32, ReduceOp::kSum, nullptr),
@@ -350,6 +383,7 @@ void RunTimeout(Suite& s, const Topology& host) {
   CommunicatorOptions opt;
   opt.timeout_seconds = 2.0;
   opt.registered_bytes = 1 << 20;
+  opt.one_gpu_group = s.one_gpu_group;
   auto c = CreateCudaCommunicator(MPI_COMM_WORLD, -1, opt, host);
   Check(c.status(), "second communicator");
   std::unique_ptr<Communicator> comm = c.consume();
@@ -379,6 +413,276 @@ void RunTimeout(Suite& s, const Topology& host) {
   s.wrong += bad;
 }
 
+
+
+// --time: mean time of float32 sum allreduces of `bytes` (CUDA events on a
+// caller stream, 5 warm-up calls, 20 timed), out of place on user buffers and
+// in place on the registered buffer; printed by rank 0. For comparing builds
+// of the kernels on one machine, not a benchmark of the product.
+void RunTiming(Suite& s, size_t bytes) {
+  const size_t count = bytes / 4;
+  char *in, *out;
+  CheckCuda(cudaMalloc(&in, bytes), "cudaMalloc");
+  CheckCuda(cudaMalloc(&out, bytes), "cudaMalloc");
+  std::vector<char> mine(bytes);
+  FillInput(5, s.rank, DataType::kFloat32, ReduceOp::kSum, count, mine.data());
+  ToDevice(in, mine.data(), bytes);
+  cudaStream_t st;
+  cudaEvent_t t0, t1;
+  CheckCuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+  CheckCuda(cudaEventCreate(&t0), "event");
+  CheckCuda(cudaEventCreate(&t1), "event");
+  void* reg = s.comm->registered_buffer();
+  auto time_it = [&](const void* a, void* b) {
+    for (int i = 0; i < 5; ++i)
+      Check(s.comm->Allreduce(a, b, count, DataType::kFloat32, ReduceOp::kSum, st), "time");
+    CheckCuda(cudaEventRecord(t0, st), "record");
+    for (int i = 0; i < 20; ++i)
+      Check(s.comm->Allreduce(a, b, count, DataType::kFloat32, ReduceOp::kSum, st), "time");
+    CheckCuda(cudaEventRecord(t1, st), "record");
+    Check(s.comm->Synchronize(st), "time");
+    float ms = 0;
+    CheckCuda(cudaEventElapsedTime(&ms, t0, t1), "elapsed");
+    return ms * 1000.0 / 20;
+  };
+  const double user_us = time_it(in, out);
+  const double reg_us = bytes <= s.comm->registered_capacity() ? time_it(reg, reg) : 0;
+  if (s.rank == 0)
+    std::printf("# time %zu bytes: out of place %.1f us (%.1f GB/s algbw), registered in place "
+                "%.1f us\n", bytes, user_us, bytes / user_us / 1e3, reg_us);
+  CheckCuda(cudaFree(in), "cudaFree");
+  CheckCuda(cudaFree(out), "cudaFree");
+  CheckCuda(cudaStreamDestroy(st), "stream");
+}
+
+// A soft check: a failed call counts as wrong instead of ending the run, so
+// the sections after it still report.
+bool Soft(Suite& s, const Status& st, const std::string& what, long long* bad) {
+  if (st.ok()) return true;
+  std::fprintf(stderr, "[rank %d] %s: %s\n", s.rank, what.c_str(), st.ToString().c_str());
+  ++*bad;
+  return false;
+}
+
+std::unique_ptr<Communicator> SideCommunicator(const Suite& s, const Topology& host,
+                                               double timeout_s, size_t registered) {
+  CommunicatorOptions opt;
+  opt.timeout_seconds = timeout_s;
+  opt.registered_bytes = registered;
+  opt.one_gpu_group = s.one_gpu_group;
+  auto c = CreateCudaCommunicator(MPI_COMM_WORLD, -1, opt, host);
+  Check(c.status(), "side communicator");
+  return c.consume();
+}
+
+// CUDA graphs. A round: select this round's input by a device round counter,
+// Allreduce(in -> out) on a caller stream, keep out as the round's result,
+// advance the counter. Graph A holds one round (an odd number of allreduces),
+// graph B three; the schedule replays them back to back and mixes them with
+// eager rounds, with no host synchronization in between; then every round's
+// result is compared bitwise with the host fold. Run with the one-shot kernel
+// forced (its staging half must alternate between consecutive calls, whoever
+// issues them) and with the two-shot kernel.
+void RunGraphReplay(Suite& s, const Topology& host, bool oneshot, uint64_t seed) {
+  const DataType dtype = DataType::kFloat32;
+  const ReduceOp op = ReduceOp::kSum;
+  const size_t count = (1u << 20) + 3, bytes = count * 4;
+  const std::string schedule = "eAAAeAeeBAeBBAAAAeAeA";
+  size_t rounds = 0;
+  for (char c : schedule) rounds += c == 'B' ? 3 : 1;
+  std::unique_ptr<Communicator> comm = SideCommunicator(s, host, 20.0, 16u << 20);
+  if (oneshot) Check(SetCudaKernelTuning(comm.get(), 16u << 20, 32, 64), "tuning");
+  else Check(SetCudaKernelTuning(comm.get(), 0, 32, 64), "tuning");
+  const std::string label = std::string("graph replay ") + (oneshot ? "one-shot" : "two-shot");
+
+  std::vector<std::vector<char>> expected(rounds);
+  std::vector<char> bank_host(rounds * bytes);
+  for (size_t k = 0; k < rounds; ++k) {
+    std::vector<std::vector<char>> inputs(s.layout.size, std::vector<char>(bytes));
+    for (int r = 0; r < s.layout.size; ++r)
+      FillInput(seed * 1000 + k, r, dtype, op, count, inputs[r].data());
+    ExpectedResult(s.layout, s.hierarchical, dtype, op, inputs, count, &expected[k]);
+    std::memcpy(bank_host.data() + k * bytes, inputs[s.rank].data(), bytes);
+  }
+  char *bank, *history, *in, *out;
+  uint32_t* round;
+  CheckCuda(cudaMalloc(&bank, rounds * bytes), "cudaMalloc");
+  CheckCuda(cudaMalloc(&history, rounds * bytes), "cudaMalloc");
+  CheckCuda(cudaMalloc(&in, bytes), "cudaMalloc");
+  CheckCuda(cudaMalloc(&out, bytes), "cudaMalloc");
+  CheckCuda(cudaMalloc(&round, sizeof(uint32_t)), "cudaMalloc");
+  ToDevice(bank, bank_host.data(), rounds * bytes);
+  Poison(history, rounds * bytes);
+  CheckCuda(cudaMemset(round, 0, sizeof(uint32_t)), "memset");
+  CheckCuda(cudaDeviceSynchronize(), "sync");
+  cudaStream_t stream;
+  CheckCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  long long bad = 0;
+  auto enqueue_round = [&]() {
+    CheckCuda(LaunchSelectRound(bank, in, bytes, round, stream), "select round");
+    Soft(s, comm->Allreduce(in, out, count, dtype, op, stream), label, &bad);
+    CheckCuda(LaunchStoreRound(out, history, bytes, round, stream), "store round");
+    CheckCuda(LaunchNextRound(round, stream), "next round");
+  };
+  auto capture = [&](int n) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CheckCuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    for (int i = 0; i < n; ++i) enqueue_round();
+    CheckCuda(cudaStreamEndCapture(stream, &graph), "end capture");
+    CheckCuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    CheckCuda(cudaGraphDestroy(graph), "graph destroy");
+    return exec;
+  };
+  // The first eager round also caches the pointer checks before capture.
+  enqueue_round();
+  Soft(s, comm->Synchronize(stream), label, &bad);
+  CheckCuda(cudaStreamSynchronize(stream), "sync");
+  cudaGraphExec_t graph_a = capture(1), graph_b = capture(3);
+  for (size_t i = 1; i < schedule.size(); ++i) {
+    if (schedule[i] == 'e') enqueue_round();
+    else CheckCuda(cudaGraphLaunch(schedule[i] == 'A' ? graph_a : graph_b, stream), "graph launch");
+  }
+  CheckCuda(cudaStreamSynchronize(stream), "sync");
+  Soft(s, comm->Synchronize(stream), label, &bad);
+  uint32_t done = 0;
+  CheckCuda(cudaMemcpy(&done, round, sizeof(done), cudaMemcpyDeviceToHost), "D2H");
+  if (done != rounds) {
+    std::fprintf(stderr, "[rank %d] %s: %u rounds ran, %zu expected\n", s.rank, label.c_str(),
+                 done, rounds);
+    ++bad;
+  }
+  std::vector<char> got(rounds * bytes);
+  CheckCuda(cudaMemcpy(got.data(), history, rounds * bytes, cudaMemcpyDeviceToHost), "D2H");
+  long long wrong_rounds = 0;
+  for (size_t k = 0; k < rounds; ++k) {
+    const long long b = Compare(s, label + " round " + std::to_string(k), dtype,
+                                got.data() + k * bytes, expected[k].data(), count);
+    wrong_rounds += b > 0;
+    bad += b;
+  }
+  bad += CheckRanksEqual(s, got.data(), got.size());
+  if (s.rank == 0)
+    std::printf("#   %s: %zu rounds (%s), %lld wrong rounds on rank 0\n", label.c_str(), rounds,
+                schedule.c_str(), wrong_rounds);
+  CheckCuda(cudaGraphExecDestroy(graph_a), "graph destroy");
+  CheckCuda(cudaGraphExecDestroy(graph_b), "graph destroy");
+  CheckCuda(cudaStreamDestroy(stream), "stream destroy");
+  for (void* p : {static_cast<void*>(bank), static_cast<void*>(history), static_cast<void*>(in),
+                  static_cast<void*>(out), static_cast<void*>(round)})
+    CheckCuda(cudaFree(p), "cudaFree");
+  if (bad > 0) comm->Abort();
+  comm.reset();
+  Report(s, label.c_str(), bad);
+  s.cases += 1;
+  s.wrong += bad;
+}
+
+// Two caller streams: allreduces issued alternately on two streams with no
+// synchronization between them (one-shot and two-shot sizes); the
+// communicator must order them itself. Every result is checked.
+void RunTwoStreams(Suite& s, const Topology& host, uint64_t seed) {
+  const DataType dtype = DataType::kFloat32;
+  const ReduceOp op = ReduceOp::kSum;
+  const size_t counts[] = {65539, 3145729};
+  const int kCalls = 4;  // per stream
+  std::unique_ptr<Communicator> comm = SideCommunicator(s, host, 2.0, 16u << 20);
+  cudaStream_t streams[2];
+  for (cudaStream_t& st : streams)
+    CheckCuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+  struct Call {
+    size_t count;
+    char *in, *out;
+    std::vector<char> expected;
+  };
+  std::vector<Call> calls(2 * kCalls);
+  for (int i = 0; i < 2 * kCalls; ++i) {
+    Call& c = calls[i];
+    c.count = counts[(i / 2) % 2];
+    const size_t bytes = c.count * 4;
+    std::vector<std::vector<char>> inputs(s.layout.size, std::vector<char>(bytes));
+    for (int r = 0; r < s.layout.size; ++r)
+      FillInput(seed * 1000 + i, r, dtype, op, c.count, inputs[r].data());
+    ExpectedResult(s.layout, s.hierarchical, dtype, op, inputs, c.count, &c.expected);
+    CheckCuda(cudaMalloc(&c.in, bytes), "cudaMalloc");
+    CheckCuda(cudaMalloc(&c.out, bytes), "cudaMalloc");
+    ToDevice(c.in, inputs[s.rank].data(), bytes);
+    Poison(c.out, bytes);
+  }
+  long long bad = 0;
+  for (int i = 0; i < 2 * kCalls; ++i) {
+    Call& c = calls[i];
+    if (!Soft(s, comm->Allreduce(c.in, c.out, c.count, dtype, op, streams[i % 2]),
+              "two streams, call " + std::to_string(i), &bad))
+      break;
+  }
+  for (cudaStream_t st : streams) Soft(s, comm->Synchronize(st), "two streams", &bad);
+  for (int i = 0; i < 2 * kCalls && bad == 0; ++i) {
+    Call& c = calls[i];
+    std::vector<char> got(c.count * 4);
+    CheckCuda(cudaMemcpy(got.data(), c.out, got.size(), cudaMemcpyDeviceToHost), "D2H");
+    bad += Compare(s, "two streams, call " + std::to_string(i), dtype, got.data(),
+                   c.expected.data(), c.count);
+  }
+  for (Call& c : calls) {
+    CheckCuda(cudaFree(c.in), "cudaFree");
+    CheckCuda(cudaFree(c.out), "cudaFree");
+  }
+  for (cudaStream_t st : streams) CheckCuda(cudaStreamDestroy(st), "stream destroy");
+  // Agree on the verdict first: a rank whose peer failed must not wait for it
+  // in the communicator's closing barrier.
+  long long any = 0;
+  NVG_TOOL_MPI(MPI_Allreduce(&bad, &any, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
+  if (any > 0) comm->Abort();
+  comm.reset();
+  if (s.rank == 0)
+    std::printf("#   two caller streams: %d calls each, %s\n", kCalls, any ? "FAILED" : "ok");
+  Report(s, "two streams", bad);
+  s.cases += 1;
+  s.wrong += bad;
+}
+
+// Peer exit: the last rank issues allreduces and exits (no MPI_Finalize) with
+// them in flight and its memory mapped by the others; every other rank keeps
+// calling Allreduce + Synchronize and must fail with kUnavailable naming that
+// rank within a few seconds (before mpirun tears the job down). Ends the
+// process: prints "peer exit: PASSED" or "FAILED" per surviving rank.
+[[noreturn]] void RunPeerExit(Suite& s, const Topology& host) {
+  std::unique_ptr<Communicator> comm = SideCommunicator(s, host, 20.0, 16u << 20);
+  const int victim = s.layout.size - 1;
+  const size_t count = 1u << 20;
+  float* d = nullptr;
+  CheckCuda(cudaMalloc(&d, count * 4), "cudaMalloc");
+  std::vector<char> mine(count * 4);
+  FillInput(77, s.rank, DataType::kFloat32, ReduceOp::kMax, count, mine.data());
+  ToDevice(d, mine.data(), mine.size());
+  NVG_TOOL_MPI(MPI_Barrier(MPI_COMM_WORLD));
+  if (s.rank == victim) {
+    for (int i = 0; i < 20; ++i)
+      (void)comm->Allreduce(d, d, count, DataType::kFloat32, ReduceOp::kMax, nullptr);
+    usleep(20000);  // some of them are running
+    std::printf("# peer exit: rank %d exits now\n", s.rank);
+    std::fflush(stdout);
+    _exit(0);
+  }
+  const double t0 = MPI_Wtime();
+  Status st;
+  int calls = 0;
+  while (st.ok() && MPI_Wtime() - t0 < 60) {
+    st = comm->Allreduce(d, d, count, DataType::kFloat32, ReduceOp::kMax, nullptr);
+    if (st.ok()) st = comm->Synchronize(nullptr);
+    ++calls;
+  }
+  const double waited = MPI_Wtime() - t0;
+  const std::string text = st.ToString();
+  const bool named = text.find("rank " + std::to_string(victim)) != std::string::npos;
+  const bool pass = st.code() == StatusCode::kUnavailable && named && waited < 10;
+  std::printf("# peer exit: rank %d after %d calls, %.3f s: %s -> %s\n", s.rank, calls, waited,
+              text.c_str(), pass ? "PASSED" : "FAILED");
+  std::fflush(stdout);
+  _exit(pass ? 0 : 1);
+}
+
 }  // namespace
 }  // namespace tools
 }  // namespace nvgroup
@@ -395,6 +699,7 @@ int main(int argc, char** argv) {
   CommunicatorOptions opt;
   opt.registered_bytes = 256u << 20;  // the 1 GiB case runs in 4 pieces
   opt.timeout_seconds = 30;
+  opt.one_gpu_group = args.one_gpu_group;
   auto created = CreateCudaCommunicator(MPI_COMM_WORLD, -1, opt, host);
   Check(created.status(), "CreateCudaCommunicator");
   std::unique_ptr<Communicator> comm = created.consume();
@@ -406,6 +711,7 @@ int main(int argc, char** argv) {
     Check(SetCudaTwoShotChunk(comm.get(), static_cast<size_t>(args.twoshot_chunk)), "chunk");
 
   Suite s{comm.get(), GatherLayout(comm->topology()), false, host.rank};
+  s.one_gpu_group = args.one_gpu_group;
   const char* algo = std::getenv("NVGROUP_ALLREDUCE_ALGORITHM");
   s.hierarchical = s.layout.group_count > 1 || (algo != nullptr && std::string(algo) == "hierarchical");
   const Topology& t = comm->topology();
@@ -429,7 +735,22 @@ int main(int argc, char** argv) {
                                65539, 262149, 1048583, 3145729};
   if (args.quick) sizes = {1, 3, 8, 17, 1000, 65539};
   uint64_t seed = 1;
+  if (args.peer_exit_test) {
+    comm.reset();
+    RunPeerExit(s, host);
+  }
+  if (args.time_bytes > 0) {
+    RunTiming(s, args.time_bytes);
+    comm.reset();
+    NVG_TOOL_MPI(MPI_Finalize());
+    return 0;
+  }
+  if (args.only_streams) {
+    sizes.clear();
+    args.large = false;
+  }
   for (DataType d : dtypes) {
+    if (sizes.empty()) break;
     const long long before = s.wrong;
     for (ReduceOp op : ops)
       for (size_t i = 0; i < sizes.size(); ++i)
@@ -445,12 +766,19 @@ int main(int argc, char** argv) {
     RunCase(s, DataType::kFloat32, ReduceOp::kAverage, 256u << 20, seed++, false);
     if (host.rank == 0) std::printf("#   large sizes up to 1 GiB: done\n");
   }
-  RunFused(s, DataType::kFloat32, seed++);
-  RunFused(s, DataType::kFloat16, seed++);
-  RunFused(s, DataType::kInt32, seed++);
-  RunAllgatherBroadcast(s);
-  RunBadInput(s);
+  if (!args.only_streams) {
+    RunFused(s, DataType::kFloat32, seed++);
+    RunFused(s, DataType::kFloat16, seed++);
+    RunFused(s, DataType::kInt32, seed++);
+    RunAllgatherBroadcast(s);
+    RunBadInput(s);
+  }
   comm.reset();
+  if (!s.hierarchical) {  // graphs and streams: the NV-group kernels
+    RunGraphReplay(s, host, true, seed++);
+    RunGraphReplay(s, host, false, seed++);
+    RunTwoStreams(s, host, seed++);
+  }
   if (args.timeout_test) RunTimeout(s, host);
 
   long long totals[2] = {s.cases, s.wrong}, sum[2];

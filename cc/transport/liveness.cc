@@ -1,8 +1,10 @@
 #include "transport/liveness.h"
+#include "transport/liveness_address.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -137,15 +139,29 @@ Status Listen(int size, int* fd, RootAddress* out) {
   NVG_SYS_CHECK(getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len));
   out->port = ntohs(addr.sin_port);
   out->count = 0;
+  // Which addresses the other ranks try, best first: transport/liveness_address.h.
+  std::vector<NetInterface> interfaces;
   ifaddrs* list = nullptr;
   NVG_SYS_CHECK(getifaddrs(&list));
-  for (ifaddrs* i = list; i != nullptr && out->count < kMaxAddresses - 1; i = i->ifa_next) {
+  for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
     if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
-    uint32_t a = reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr;
-    if (ntohl(a) >> 24 == 127) continue;
-    out->addresses[out->count++] = a;
+    interfaces.push_back({i->ifa_name != nullptr ? i->ifa_name : "",
+                          reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr});
   }
   freeifaddrs(list);
+  LivenessAddressSettings settings = LivenessAddressSettingsFromEnvironment();
+  char host[kHostBytes] = {};
+  addrinfo hints{}, *found = nullptr;
+  hints.ai_family = AF_INET;
+  if (gethostname(host, sizeof(host) - 1) == 0 && getaddrinfo(host, nullptr, &hints, &found) == 0) {
+    for (addrinfo* f = found; f != nullptr; f = f->ai_next)
+      settings.hostname_addresses.push_back(reinterpret_cast<sockaddr_in*>(f->ai_addr)->sin_addr.s_addr);
+    freeaddrinfo(found);
+  }
+  StatusOr<std::vector<uint32_t>> chosen = ChooseLivenessAddresses(interfaces, settings);
+  if (!chosen.ok()) return chosen.status();
+  for (uint32_t a : chosen.value())
+    if (out->count < kMaxAddresses - 1) out->addresses[out->count++] = a;
   out->addresses[out->count++] = htonl(INADDR_LOOPBACK);
   return Status::Ok();
 }

@@ -15,6 +15,14 @@ import tensorflow as tf
 class _DistributedLegacyMixin:
     _nvg_is_distributed = True
 
+    @property
+    def _nvg_local_vars(self):
+        return list(self._nvg_sync.reducer.local_vars)
+
+    def register_local_var(self, var):
+        """Horovod: the gradient of `var` stays this rank's own (not reduced)."""
+        self._nvg_sync.reducer.register_local_var(var)
+
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:

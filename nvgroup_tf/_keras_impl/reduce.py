@@ -8,16 +8,32 @@ reduced gradients (Average by default) of all ranks:
   * Dense gradients are taken in backprop order (the reverse of the variable
     order) and split into fusion buckets by `nvgroup_tf.bucketing.assign_buckets`
     (or by the Horovod-style `groups` / `num_groups` when given). Each bucket is
-    ONE grouped_allreduce named after its index and its variables' paths, so
-    the name is the same on every rank and stable across steps (the engine's
-    response cache hits from the second step on). Inside a tf.function each
-    bucket's collective depends only on its own gradients, so TF starts it as
-    soon as backprop has produced them, while later layers' gradients are still
-    being computed.
+    ONE grouped_allreduce, built inside the name scope
+    "<prefix>_Allreduce/<bucket_name>" (bucket index + hash of its variables'
+    paths) and left unnamed, so its engine name is the graph op name (Note
+    [Collective names] in mpi_ops.py): the same on every rank, stable across
+    steps and retraces (the engine's response cache hits from the second step
+    on), and unique per reduction -- TF uniquifies name scopes inside a graph,
+    so two tapes, a persistent tape asked twice, or two optimizers over the
+    same variables in one function get distinct names ("..._Allreduce_1/...")
+    and can never pair one rank's bucket with another rank's different one.
+    Inside a tf.function each bucket's collective depends only on its own
+    gradients, so TF starts it as soon as backprop has produced them, while
+    later layers' gradients are still being computed.
+  * Called eagerly (a custom loop without tf.function), the whole reduction
+    runs as one traced tf.function per list of variables (as Horovod does), so
+    the buckets are in flight together and fused by the engine instead of
+    running one blocking op after another.
   * tf.IndexedSlices (embedding gradients) go through nvgroup_tf.allreduce,
     which allgathers values and indices (cheaper than a dense reduce when few
     rows are touched); with sparse_as_dense=True they are densified first and
     fused with the dense ones.
+  * Local variables (register_local_var / local_layers, Horovod's
+    PartialDistributed*): their gradients are not communicated; with
+    scale_local_gradients (default) they are divided by size(), as Horovod does.
+  * gradient_predivide_factor f (Horovod): Average becomes prescale 1/f,
+    postscale f (the engine divides by size()): the same average, with the
+    division split around the sum.
   * None gradients stay None. With one rank nothing is communicated (as Horovod).
 
 `LocalAggregator` implements backward_passes_per_step=N (Horovod semantics):
@@ -91,9 +107,22 @@ class GradientReducer:
 
     def __init__(self, op=None, compression=None, sparse_as_dense=False, device_dense="",
                  device_sparse="", num_groups=0, groups=None, bucket_cap_bytes=None,
-                 name_prefix="DistributedOptimizer"):
+                 name_prefix="DistributedOptimizer", gradient_predivide_factor=1.0, process_set=None,
+                 scale_local_gradients=True):
         core = _core()
         self.op = core.Average if op is None else op
+        if self.op == core.Adasum:
+            raise NotImplementedError("nvgroup_tf does not implement Adasum; use op=Average or op=Sum")
+        if self.op not in (core.Average, core.Sum):
+            # Horovod's DistributedOptimizer/DistributedGradientTape accept these two only.
+            raise ValueError("op currently only supports Average and Sum (got %r): gradients are "
+                             "averaged or summed over ranks" % (self.op,))
+        check_process_set(process_set)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        if self.gradient_predivide_factor != 1.0 and self.op != core.Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if not self.gradient_predivide_factor > 0.0:
+            raise ValueError("gradient_predivide_factor must be > 0, got %r" % (gradient_predivide_factor,))
         self.compression = core.Compression.none if compression is None else compression
         self.sparse_as_dense = bool(sparse_as_dense)
         self.device_dense = device_dense
@@ -114,6 +143,13 @@ class GradientReducer:
         self.cap_bytes = resolve_bucket_cap_bytes(bucket_cap_bytes)
         self.first_cap_bytes = min(FIRST_BUCKET_CAP_BYTES, self.cap_bytes)
         self.name_prefix = name_prefix
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self.local_vars = []      # registered local variables (identity matters)
+        self._traced = {}         # eager path: variable paths -> tf.function
+
+    def register_local_var(self, var):
+        if not any(v is var for v in self.local_vars):
+            self.local_vars.append(var)
 
     def _buckets(self, sizes: List[int], dtypes: List[str], paths: List[str]) -> List[List[int]]:
         """Buckets of positions into the backprop-ordered dense list."""
@@ -151,42 +187,96 @@ class GradientReducer:
     def reduce(self, grads: Sequence, variables: Sequence) -> List:
         """Returns the reduced gradients, same length and order as `grads`."""
         grads = list(grads)
+        variables = list(variables)
         if len(grads) != len(variables):
             raise ValueError("%s: %d gradients for %d variables" % (self.name_prefix, len(grads), len(variables)))
         core = _core()
-        if core.size() == 1:
-            return grads
+        local = [any(v is lv for lv in self.local_vars) for v in variables]
         out = list(grads)
+        if self.scale_local_gradients and any(local):
+            size = float(core.size())
+            for i, g in enumerate(grads):
+                if local[i] and g is not None:
+                    out[i] = _scale(g, 1.0 / size)
+        if core.size() == 1:
+            return out
+        shared = [i for i, g in enumerate(grads) if g is not None and not local[i]]
+        if not shared:
+            return out
+        if tf.executing_eagerly():
+            reduced = self._traced_reduce([grads[i] for i in shared], [variables[i] for i in shared])
+        else:
+            reduced = self._reduce_in_graph([grads[i] for i in shared], [variables[i] for i in shared])
+        for i, r in zip(shared, reduced):
+            out[i] = r
+        return out
+
+    def _traced_reduce(self, grads, variables):
+        """Eager callers: the whole reduction as one tf.function (one per list
+        of variables, traced once per gradient signature)."""
+        key = tuple(variable_path(v, i) for i, v in enumerate(variables))
+        fn = self._traced.get(key)
+        if fn is None:
+            def nvg_reduce_gradients(*gs):
+                return self._reduce_in_graph(list(gs), variables)
+            fn = tf.function(nvg_reduce_gradients, autograph=False, reduce_retracing=True)
+            self._traced[key] = fn
+        return list(fn(*grads))
+
+    def _reduce_in_graph(self, grads, variables):
+        core = _core()
         paths = [variable_path(v, i) for i, v in enumerate(variables)]
-        dense = []   # positions into grads, backprop order
-        for i in reversed(range(len(grads))):
-            g = grads[i]
-            if g is None:
-                continue
-            if isinstance(g, tf.IndexedSlices):
-                if self.sparse_as_dense:
-                    with tf.device(self.device_dense):
-                        grads[i] = tf.convert_to_tensor(g)
-                    dense.append(i)
-                else:
-                    with tf.device(self.device_sparse):
-                        out[i] = core.allreduce(g, op=self.op, compression=self.compression,
-                                                name="nvg_sparse_grad_%s" % bucketing.bucket_name(i, [paths[i]]))
-                continue
-            dense.append(i)
-        sizes = [_num_bytes(grads[i], variables[i]) for i in dense]
-        dtypes = [tf.as_dtype(grads[i].dtype).name for i in dense]
-        dense_paths = [paths[i] for i in dense]
+        out = list(grads)
+        op, prescale, postscale = self.op, 1.0, 1.0
+        if self.gradient_predivide_factor != 1.0:  # Horovod: Average split around the sum
+            prescale, postscale = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         with tf.name_scope(self.name_prefix + "_Allreduce"):
+            dense = []   # positions into grads, backprop order
+            for i in reversed(range(len(grads))):
+                g = grads[i]
+                if isinstance(g, tf.IndexedSlices):
+                    if self.sparse_as_dense:
+                        with tf.device(self.device_dense):
+                            grads[i] = tf.convert_to_tensor(g)
+                        dense.append(i)
+                    else:
+                        with tf.device(self.device_sparse), tf.name_scope(
+                                "nvg_sparse_grad_" + bucketing.bucket_name(i, [paths[i]])):
+                            # (predivision only matters for dense sums; the average is the same)
+                            out[i] = core.allreduce(g, op=op, compression=self.compression)
+                    continue
+                dense.append(i)
+            sizes = [_num_bytes(grads[i], variables[i]) for i in dense]
+            dtypes = [tf.as_dtype(grads[i].dtype).name for i in dense]
+            dense_paths = [paths[i] for i in dense]
             for k, bucket in enumerate(self._buckets(sizes, dtypes, dense_paths)):
                 members = [dense[j] for j in bucket]
-                with tf.device(self.device_dense):
+                with tf.device(self.device_dense), tf.name_scope(
+                        bucketing.bucket_name(k, [paths[i] for i in members])):
                     reduced = core.grouped_allreduce(
-                        [grads[i] for i in members], op=self.op, compression=self.compression,
-                        name=bucketing.bucket_name(k, [paths[i] for i in members]))
+                        [grads[i] for i in members], op=op, compression=self.compression,
+                        prescale_factor=prescale, postscale_factor=postscale)
                 for i, r in zip(members, reduced):
                     out[i] = r
         return out
+
+
+def _scale(grad, factor):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
+
+
+def check_process_set(process_set):
+    """Horovod's process_set argument: only the global set exists so far (None
+    or an object with process_set_id 0, e.g. Horovod-style global_process_set)."""
+    if process_set is None:
+        return
+    if getattr(process_set, "process_set_id", None) == 0:
+        return
+    raise NotImplementedError(
+        "process_set=%r: gradients can only be reduced over the global process set so far "
+        "(pass process_set=None or the global set)" % (process_set,))
 
 
 class LocalAggregator:

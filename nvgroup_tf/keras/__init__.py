@@ -8,13 +8,38 @@ under TF_USE_LEGACY_KERAS=1, with tf_keras.
 """
 import tensorflow as tf
 
-from nvgroup_tf import (Average, Compression, Max, Min, Product, Sum, allgather,  # noqa: F401
-                        allgather_object, allreduce, broadcast, broadcast_object,
+import nvgroup_tf as _core
+from nvgroup_tf import (Average, Compression, Max, Min, Product, Sum,  # noqa: F401
+                        allgather_object, broadcast_object,
                         broadcast_variables, cross_rank, cross_size, grouped_allreduce, init,
                         is_initialized, local_rank, local_size, rank, shutdown, size)
-from nvgroup_tf.gradient_tape import DistributedGradientTape  # noqa: F401
+from nvgroup_tf.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
 from nvgroup_tf.keras import callbacks  # noqa: F401
-from nvgroup_tf.optimizer import DistributedOptimizer  # noqa: F401
+from nvgroup_tf.optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: F401
+
+
+# Horovod's Keras-level collectives take a value (numpy, Python or tensor) and
+# `name` names the constant made from it (as in horovod.tensorflow.keras).
+def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+              compression=Compression.none):
+    """Horovod's keras allreduce(value, name=None, average=None, ...): the value
+    reduced over ranks (Average unless op or average=False says otherwise)."""
+    if op is not None and average is not None:
+        raise ValueError("allreduce: pass either op or average, not both")
+    if op is None:
+        op = Average if average is None or average else Sum
+    return _core.allreduce(tf.constant(value, name=name), op=op, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor, compression=compression)
+
+
+def allgather(value, name=None):
+    """Horovod's keras allgather(value, name=None)."""
+    return _core.allgather(tf.constant(value, name=name))
+
+
+def broadcast(value, root_rank, name=None):
+    """Horovod's keras broadcast(value, root_rank, name=None)."""
+    return _core.broadcast(tf.constant(value, name=name), root_rank)
 
 
 def broadcast_global_variables(root_rank):
@@ -32,17 +57,34 @@ def broadcast_global_variables(root_rank):
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=None, **kwargs):
-    """Loads a Keras model saved with model.save() and makes its optimizer
-    distributed (Horovod's hvd.load_model). `kwargs` go to DistributedOptimizer."""
+    """Loads a Keras model saved with model.save() (Horovod's hvd.load_model):
+    its optimizer comes back distributed, with the saved state (iterations,
+    moments). A DistributedOptimizer saved by nvgroup_tf is rebuilt as one; a
+    plain optimizer is made distributed in place. `compression` and `kwargs`
+    (DistributedOptimizer's arguments) set its reduction; custom_optimizers are
+    classes of custom optimizers the file may contain."""
     import keras
+    from nvgroup_tf import optimizer as dist
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or []:
-        objects[cls.__name__] = cls
+        objects.setdefault(cls.__name__, cls)
+        distributed = dist.distributed_class(cls)
+        objects["nvgroup_tf>" + distributed.__name__] = distributed
     model = keras.models.load_model(filepath, custom_objects=objects)
-    if getattr(model, "optimizer", None) is not None:
-        model.optimizer = DistributedOptimizer(model.optimizer, compression=compression, **kwargs)
-        # load_model compiled the model before its optimizer became distributed:
-        # redo the XLA decision (see nvgroup_tf/optimizer.py, "XLA").
-        model.jit_compile = False
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        settings = dict(kwargs)
+        if compression is not None:
+            settings["compression"] = compression
+        dist.make_distributed_in_place(optimizer, **settings)
+        # load_model may have compiled the model before its optimizer became
+        # distributed: drop the train function built for the old optimizer.
         model.train_function = None
     return model
+
+
+# Issue 10 (api): the rest of horovod.tensorflow.keras's small names and hvd.elastic.
+from nvgroup_tf import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,  # noqa: E402,F401
+                        is_homogeneous, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                        rocm_built, start_timeline, stop_timeline)
+from nvgroup_tf.keras import elastic  # noqa: E402,F401

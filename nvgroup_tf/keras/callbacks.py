@@ -45,40 +45,94 @@ def _variables_to_broadcast(model):
 
 
 class BroadcastGlobalVariablesCallback(_Callback):
-    """Broadcasts the model's variables (and the optimizer's, once they exist)
-    from root_rank at the start of training.
+    """Makes every rank start from root_rank's model and optimizer state.
 
-    Keras 3 builds the optimizer before on_train_begin, so everything is
-    broadcast before the first step and all ranks take identical steps. tf_keras
-    creates optimizer slots in the first step: those are broadcast after it
-    (as Horovod does), the model's weights before it.
+    What exists at on_train_begin is broadcast then, so a model built before
+    fit (an `Input`, or built by hand) takes identical first steps on all
+    ranks. Keras 3 builds a subclassed model, a Sequential without `Input` and
+    an optimizer lazily inside the first train step: whatever was not yet
+    broadcast is broadcast at the end of the first batch (as Horovod does
+    there for everything), so from the second step on all ranks hold
+    root_rank's values. If no variable at all could be broadcast by then,
+    training stops with an error instead of letting ranks diverge silently.
+
+    local_variables: variables left per rank (Horovod's argument, e.g. the
+    weights of a PartialDistributedOptimizer's local layers); the optimizer's
+    slots of those variables stay local too.
     """
 
-    def __init__(self, root_rank=0, device=""):
+    def __init__(self, root_rank=0, device="", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
         self.device = device
-        self._model_done = False
-        self._optimizer_done = False
+        self.local_variables = list(local_variables or [])
+        self.broadcast_done = False
+        self._done_ids = set()   # id() of every variable broadcast so far
+        self._rounds = 0
+
+    def _local_ids(self):
+        ids = {id(v) for v in self.local_variables}
+        optimizer = getattr(self.model, "optimizer", None)
+        ids |= {id(v) for v in getattr(optimizer, "_nvg_local_vars", ())}
+        # The optimizer's slot variables of local variables are local as well.
+        for v in self._optimizer_slots_of(optimizer, [v for v in self.local_variables] +
+                                          list(getattr(optimizer, "_nvg_local_vars", ()))):
+            ids.add(id(v))
+        return ids
+
+    @staticmethod
+    def _optimizer_slots_of(optimizer, variables):
+        if optimizer is None or not variables:
+            return []
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        index = getattr(inner, "_get_variable_index", None)
+        slots = []
+        if index is not None and getattr(inner, "built", False):  # Keras 3: slots are kept per variable index
+            trainable = list(getattr(inner, "_trainable_variables", []))
+            wanted = {id(v) for v in variables}
+            positions = [i for i, v in enumerate(trainable) if id(v) in wanted]
+            for attr in vars(inner).values():
+                if isinstance(attr, list) and len(attr) == len(trainable) and attr is not trainable:
+                    slots.extend(attr[i] for i in positions if hasattr(attr[i], "assign"))
+        return slots
+
+    def _pending(self):
+        local = self._local_ids()
+        candidates = list(_variables_to_broadcast(self.model))
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and _optimizer_built(optimizer):
+            candidates += _optimizer_variables(optimizer)
+        seen, out = set(), []
+        for v in candidates:
+            if id(v) in seen or id(v) in self._done_ids or id(v) in local:
+                continue
+            seen.add(id(v))
+            out.append(v)
+        return out
 
     def _broadcast(self):
-        with tf.device(self.device):
-            if not self._model_done:
-                core.broadcast_variables(_variables_to_broadcast(self.model), self.root_rank,
-                                         name="nvg_bcast_model_variables")
-                self._model_done = True
-            optimizer = getattr(self.model, "optimizer", None)
-            if not self._optimizer_done and optimizer is not None and _optimizer_built(optimizer):
-                core.broadcast_variables(_optimizer_variables(optimizer), self.root_rank,
-                                         name="nvg_bcast_optimizer_variables")
-                self._optimizer_done = True
+        pending = self._pending()
+        if pending:
+            with tf.device(self.device):
+                core.broadcast_variables(pending, self.root_rank,
+                                         name="nvg_bcast_variables.round%d" % self._rounds)
+            self._rounds += 1
+            self._done_ids.update(id(v) for v in pending)
 
     def on_train_begin(self, logs=None):
-        self._broadcast()
+        if not self.broadcast_done:
+            self._broadcast()
 
     def on_train_batch_end(self, batch, logs=None):
-        if not self._optimizer_done:
-            self._broadcast()
+        if self.broadcast_done:
+            return
+        self._broadcast()
+        if not self._done_ids:
+            raise RuntimeError(
+                "BroadcastGlobalVariablesCallback: nothing was broadcast (the model has no "
+                "variables after its first batch, or all of them are local_variables); ranks "
+                "would train different models")
+        self.broadcast_done = True
 
 
 class MetricAverageCallback(_Callback):
@@ -200,3 +254,33 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose > 0 and core.rank() == 0:
             print("\nEpoch %d: finished gradual learning rate warmup to %g." % (epoch + 1, _get_lr(self.model.optimizer)))
+
+
+# ---- BestModelCheckpoint (issue 10; the rest of this file is the Keras front end's) ----
+
+class BestModelCheckpoint(tf.keras.callbacks.ModelCheckpoint):
+    """ModelCheckpoint that keeps only the best model (save_best_only=True),
+    Horovod's hvd.callbacks.BestModelCheckpoint. Horovod leaves `filepath` unset
+    for its Spark estimator to fill in; here it may also be given (a keyword
+    Horovod lacks), or assigned to `.filepath` before fit. Every rank that
+    runs it writes: pass it on rank 0 only unless the path differs per rank.
+    """
+
+    def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto",
+                 save_freq="epoch", filepath=None):
+        # Keras 3 checks the file suffix in the constructor; an unset path is
+        # checked when training starts instead.
+        placeholder = "best_model.weights.h5" if save_weights_only else "best_model.keras"
+        super().__init__(filepath=filepath if filepath is not None else placeholder,
+                         monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        if filepath is None:
+            self.filepath = None
+
+    def on_train_begin(self, logs=None):
+        if self.filepath is None:
+            raise ValueError("BestModelCheckpoint: set filepath (BestModelCheckpoint(filepath=...) "
+                             "or callback.filepath = ...) before training")
+        parent = getattr(super(), "on_train_begin", None)
+        if parent is not None:
+            parent(logs)

@@ -15,6 +15,18 @@
 #   bench   nccl-tests tables vs NCCL and MPI + ResNet-50 gradient set
 #   engine  the engine's full path (Enqueue) on the ResNet-50 gradient set
 #   pytest  build the pybind11 module with CUDA, run tests/gpu
+#   streams CUDA graphs (odd number of calls per graph, replays back to back and
+#           mixed with eager calls) and two caller streams (REPEAT times)
+#   peerexit  a rank exits with its memory mapped by the others: kUnavailable
+#           naming it on every survivor
+#   groups  (one GPU) quick check as groups of 3, 4 and 8 ranks on the one GPU
+#   bounds  two-shot launch bounds (512, 1) vs the old (512, 2): times both
+#           builds (scripts/device/bounds_variant.sh builds the second one; may
+#           already run in the background)
+# On a one-GPU machine every stage runs in the one-GPU group mode: NP ranks
+# (default 2) share the GPU as one NV-group (NVGROUP_ONE_GPU_GROUP=1) under MPS
+# (pipe/log folders under /tmp/nvgroup_mps; stopped on exit). The sanitizer
+# stage runs without MPS (the contexts time-slice: slow but schedulable).
 # Logs and JSON go to $OUT (at most 8 files); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -53,6 +65,20 @@ fi
 CHECK=build/tools/allreduce_check
 PERF=build/tools/allreduce_perf
 NP=$NGPU
+REPEAT=${REPEAT:-3}
+mps_start() { :; }
+mps_stop() { :; }
+if [[ $NGPU == 1 ]]; then
+  NP=${NP_ONE_GPU:-2}
+  export NVGROUP_ONE_GPU_GROUP=1
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvgroup_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nvgroup_mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  mps_start() { nvidia-cuda-mps-control -d && echo "MPS started" || { echo "!!! MPS did not start"; STATUS=1; }; sleep 1; }
+  mps_stop() { echo quit | nvidia-cuda-mps-control > /dev/null 2>&1; sleep 2; echo "MPS stopped"; }
+  trap 'mps_stop' EXIT
+  step "one-GPU group mode: $NP ranks share cuda:0 as one NV-group (MPS)"
+  mps_start
+fi
 
 for stage in "$@"; do
   case $stage in
@@ -81,14 +107,49 @@ for stage in "$@"; do
       run timeout 300 mpirun -np $NP --bind-to none -x NVGROUP_GROUP_SIZE=1 -x NVGROUP_PIPELINE_CHUNK=65536 $CHECK --no_timeout_test --max_elems 1048583
       step "check: $((2*NP)) ranks on $NP GPUs as $NP-GPU groups x 2 (NVLink + MPI + pipeline)"
       run timeout 600 mpirun -np $((2*NP)) --bind-to none -x NVGROUP_GROUP_SIZE=$NP -x NVGROUP_PIPELINE_CHUNK=65536 $CHECK --no_timeout_test --max_elems 1048583 ;;
+    streams)
+      for i in $(seq 1 "$REPEAT"); do
+        step "graphs + two caller streams, try $i"
+        run timeout 200 mpirun -np $NP --bind-to none $CHECK --only_streams --no_timeout_test
+      done ;;
+    peerexit)
+      step "peer exit with mapped memory ($NP ranks)"
+      # the exiting rank must not make mpirun end the job before the others report
+      OMPI_MCA_orte_allowed_exit_without_sync=1 timeout 120 mpirun -np $NP --bind-to none $CHECK --peer_exit_test > "$OUT/peerexit.txt" 2>&1
+      grep "peer exit" "$OUT/peerexit.txt"
+      if [[ $(grep -c "peer exit: rank .* -> PASSED" "$OUT/peerexit.txt") != $((NP - 1)) ]]; then
+        echo "!!! FAILED: peer exit"; tail -20 "$OUT/peerexit.txt"; STATUS=1
+      fi ;;
+    groups)
+      if [[ $NGPU == 1 ]]; then
+        for g in 3 4 8; do
+          step "check: $g ranks as one group on the one GPU, quick"
+          run timeout 300 mpirun -np $g --bind-to none $CHECK --quick --no_timeout_test --max_elems 65539
+        done
+      fi ;;
+    bounds)
+      step "launch bounds: default build vs build/variant (two-shot at (512, 2))"
+      for i in $(seq 1 300); do [[ -x build/variant/allreduce_check ]] && break; sleep 1; done
+      [[ -x build/variant/allreduce_check ]] || scripts/device/bounds_variant.sh > "$OUT/ptxas_variant.txt" 2>&1
+      for bytes in ${BOUNDS_BYTES:-268435456}; do
+        for bin in $CHECK build/variant/allreduce_check $CHECK build/variant/allreduce_check; do
+          echo "$bin"; run timeout 60 mpirun -np $NP --bind-to none $bin --time $bytes
+        done
+      done ;;
     sanitize)
-      step "compute-sanitizer memcheck"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 4097
+      mps_stop
+      step "compute-sanitizer memcheck (one-shot and two-shot, auto)"
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
       step "compute-sanitizer racecheck"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
+      step "compute-sanitizer synccheck"
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool synccheck --error-exitcode 9 $CHECK --quick --no_timeout_test --max_elems 1000
       step "compute-sanitizer memcheck + racecheck: pipelined two-shot, 1 block, smallest chunk"
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
-      run timeout 400 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539 ;;
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool racecheck --error-exitcode 9 $CHECK --quick --no_timeout_test --mode twoshot --twoshot_blocks 1 --twoshot_chunk 1 --max_elems 65539
+      step "compute-sanitizer memcheck: graphs + two streams"
+      run timeout 300 mpirun -np $NP --bind-to none compute-sanitizer --tool memcheck --error-exitcode 9 $CHECK --only_streams --no_timeout_test
+      mps_start ;;
     sweep)
       step "sweep"
       run timeout 150 mpirun -np $NP --bind-to none $PERF --sweep --max_bytes 256M --nccl_lib "$NCCL_LIB" --json "$OUT/sweep.json" ;;

@@ -83,6 +83,15 @@ def test_hierarchical_equals_flat_on_dyadic_data():
     run("comm_algorithms.py", 4, ["dyadic"], env={"NVGROUP_GROUP_SIZE": 2})
 
 
+def test_cross_step_groups_of_one_and_two_match_flat_and_send_rs_ag_bytes():
+    """4 ranks as 4 groups of 1 and as 2 groups of 2: the cross-group step
+    (reduce-scatter + allgather among peers) gives the flat result bit for bit on
+    dyadic data, float64-close on random data, and posts exactly the
+    reduce-scatter + allgather byte count (workers/comm_cross_step.py)."""
+    res = run("comm_cross_step.py", 4, timeout=400)
+    assert "g1: " in res.output and "g2: " in res.output, res.output
+
+
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_one_group_paths_compute_the_same_fold(np_):
     run("comm_algorithms.py", np_, ["same-fold"])

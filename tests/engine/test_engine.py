@@ -66,6 +66,22 @@ def test_malformed_environment_fails_init_on_every_rank(mode, env):
     assert_all_ranks_ok(run_mpi(worker("engine_bad_env.py"), 2, args=[mode], env=env, timeout=60), 2)
 
 
+@pytest.mark.parametrize("np", [2, 3])
+def test_fast_path_plans_events_and_state_digest(np):
+    """Cached plans of grouped collectives (and their invalidation), lone tensors on
+    the fused path, one wait per distinct ready event, bursts + wait_all, and a
+    diverged cache failing on every rank (engine_fast_path.py)."""
+    assert_all_ranks_ok(run_mpi(worker("engine_fast_path.py"), np, timeout=120), np)
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_every_algorithm_knob_must_agree_across_ranks(np):
+    """One rank with a different NVGROUP_ONESHOT_MAX_BYTES, _PIPELINE_CHUNK,
+    _ALLREDUCE_ALGORITHM, _FUSION_THRESHOLD, _CACHE_CAPACITY or _BUCKET_CAP_MB
+    (in turn, one launch): init fails on every rank naming the knob and the values."""
+    assert_all_ranks_ok(run_mpi(worker("engine_bad_env.py"), np, args=["knobs"], timeout=90), np)
+
+
 def test_stall_inspector_warns_then_fails():
     result = run_mpi(worker("engine_stall.py"), 2, timeout=90,
                      env={"NVGROUP_STALL_WARNING_TIME": "1", "NVGROUP_STALL_SHUTDOWN_TIME": "3"})

@@ -20,14 +20,15 @@ ELEMENT_SIZE = {UINT8: 1, INT8: 1, BOOL: 1, F16: 2, BF16: 2, F32: 4, F64: 8, I32
 
 
 def request(name="t", type=ALLREDUCE, dtype=F32, device_kind=CPU, op=SUM, prescale=1.0,
-            postscale=1.0, root=0, shape=(2, 3), group_id=0, group_size=0):
+            postscale=1.0, root=0, shape=(2, 3), group_id=0, group_size=0, splits=()):
     return dict(name=name, type=type, dtype=dtype, device_kind=device_kind, op=op,
                 prescale=prescale, postscale=postscale, root=root, shape=list(shape),
-                group_id=group_id, group_size=group_size)
+                group_id=group_id, group_size=group_size, splits=list(splits))
 
 
 def response(name="t", error_code=OK, error_message="", first_dims=(), **kw):
     d = request(name=name, **kw)
+    d.pop("splits")  # requests only
     d.update(error_code=error_code, error_message=error_message, first_dims=list(first_dims))
     return d
 
@@ -35,15 +36,17 @@ def response(name="t", error_code=OK, error_message="", first_dims=(), **kw):
 def random_request(rng):
     return request(
         name="".join(rng.choice("abcxyz/_:0123456789\u00e9") for _ in range(rng.randint(0, 40))),
-        type=rng.randint(0, 2), dtype=rng.randint(0, 8), device_kind=rng.randint(0, 1),
+        type=rng.randint(0, 5), dtype=rng.randint(0, 10), device_kind=rng.randint(0, 1),
         op=rng.randint(0, 4), prescale=rng.uniform(-4, 4), postscale=rng.choice([1.0, 0.25, -1e300]),
         root=rng.randint(-2**31, 2**31 - 1),
         shape=[rng.randint(-2**63, 2**63 - 1) for _ in range(rng.randint(0, 5))],
-        group_id=rng.randint(0, 2**64 - 1), group_size=rng.randint(0, 2**32 - 1))
+        group_id=rng.randint(0, 2**64 - 1), group_size=rng.randint(0, 2**32 - 1),
+        splits=[rng.randint(-2**63, 2**63 - 1) for _ in range(rng.randint(0, 4))])
 
 
 def random_response(rng):
     d = random_request(rng)
+    d.pop("splits")  # requests only
     d.update(error_code=rng.randint(0, 7), error_message="x" * rng.randint(0, 100),
              first_dims=[rng.randint(0, 1000) for _ in range(rng.randint(0, 6))])
     return d
@@ -259,3 +262,55 @@ def test_coordinator_stall_shutdown_fails_the_stalled_name_and_its_group():
     assert failed["late"]["error_message"].startswith(
         "Stalled ranks: tensor 'late' is ready on ranks [0, 2] but missing on [1] for 2 s")
     assert "member of a group with stalled tensor" in failed["m1"]["error_message"]
+
+
+# --- join (Coordinator) ---------------------------------------------------------
+
+REDUCESCATTER, ALLTOALL, JOIN = 3, 4, 5
+
+
+def test_coordinator_join_counts_joined_ranks_in():
+    """Rank 2 joins: names the others submit complete without it (allreduce,
+    reducescatter), other collectives and CUDA tensors become errors naming the
+    joined ranks; a name pending before the join completes at the join; the join
+    answers once everyone joined with the last rank to join, then the state resets."""
+    join = request(name="nvgroup.join", type=JOIN, shape=())
+    out = T.run_coordinator(3, 0.0, 0.0, [
+        ("add", 0, request(name="early"), 0.0),
+        ("add", 1, request(name="early"), 0.0),
+        ("take",),                                   # early waits for rank 2
+        ("add", 2, join, 0.1),
+        ("take",),                                   # early completes at the join
+        ("add", 0, request(name="x"), 0.2),
+        ("add", 1, request(name="x"), 0.2),
+        ("add", 0, request(name="rs", type=REDUCESCATTER), 0.2),
+        ("add", 1, request(name="rs", type=REDUCESCATTER), 0.2),
+        ("add", 0, request(name="g", type=ALLGATHER), 0.2),
+        ("add", 1, request(name="g", type=ALLGATHER), 0.2),
+        ("add", 0, request(name="cuda", device_kind=CUDA), 0.2),
+        ("add", 1, request(name="cuda", device_kind=CUDA), 0.2),
+        ("take",),
+        ("add", 1, join, 0.3),
+        ("add", 0, join, 0.4),
+        ("take",),                                   # everyone joined: rank 0 was last
+        ("add", 0, request(name="y"), 0.5),
+        ("take",),                                   # no longer joined: y waits
+    ])
+    assert out[0] == []
+    assert [(r["name"], r["error_code"]) for r in out[1]] == [("early", OK)]
+    by_name = {r["name"]: r for r in out[2]}
+    assert by_name["x"]["error_code"] == OK and by_name["rs"]["error_code"] == OK
+    for name in ("g", "cuda"):
+        assert by_name[name]["error_code"] == FAILED_PRECONDITION
+        assert "ranks [2] have joined" in by_name[name]["error_message"], by_name[name]
+    assert [(r["name"], r["type"], r["root"]) for r in out[3]] == [("nvgroup.join", JOIN, 0)]
+    assert out[4] == []
+
+
+def test_build_response_alltoall_splits_matrix():
+    by_rank = [request(type=ALLTOALL, shape=(3, 2), splits=(1, 2)), request(type=ALLTOALL, shape=(4, 2), splits=(4, 0))]
+    r = T.build_response(by_rank)
+    assert r["error_code"] == OK and r["first_dims"] == [1, 2, 4, 0]
+    bad = T.build_response([request(type=ALLTOALL, shape=(3, 2), splits=(1, 2)),
+                            request(type=ALLTOALL, shape=(3, 5), splits=(1, 2))])
+    assert bad["error_code"] == FAILED_PRECONDITION and "all but the first dimension" in bad["error_message"]

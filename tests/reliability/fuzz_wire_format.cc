@@ -68,7 +68,7 @@ class Fuzzer {
   RequestMessage Request() {
     RequestMessage q;
     q.name = Name();
-    q.type = static_cast<CollectiveType>(Below(3));
+    q.type = static_cast<CollectiveType>(Below(kNumCollectiveTypes));
     q.dtype = static_cast<DataType>(Below(kNumDataTypes));
     q.device_kind = static_cast<DeviceKind>(Below(2));
     q.op = static_cast<ReduceOp>(Below(5));
@@ -78,6 +78,7 @@ class Fuzzer {
     q.shape = Dims();
     q.group_id = Coin() ? 0 : rng_();
     q.group_size = static_cast<uint32_t>(Below(100));
+    q.splits = Dims();
     return q;
   }
 

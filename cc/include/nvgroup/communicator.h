@@ -53,6 +53,8 @@ struct Topology {
   int group_size = 1;
 };
 
+struct Knobs;  // cc/common/env.h
+
 struct CommunicatorOptions {
   // Group size override; 0 = detect (NVGROUP_GROUP_SIZE when set).
   int group_size = 0;
@@ -61,22 +63,36 @@ struct CommunicatorOptions {
   size_t registered_bytes = 0;
   // Pipeline chunk for the hierarchical path; 0 = default (NVGROUP_PIPELINE_CHUNK).
   size_t pipeline_chunk_bytes = 0;
-  // Spin waits (cross-rank barriers) give up after this long with kUnavailable.
+  // A call whose kernels cannot finish because a peer does not arrive gives up
+  // after this long (from the kernel's start, over all its barriers) with
+  // kUnavailable naming the peer.
   double timeout_seconds = 30.0;
+  // CUDA, tests only: ranks on one GPU may form an NV-group (also
+  // NVGROUP_ONE_GPU_GROUP=1); see cc/device/device_topology.h.
+  bool one_gpu_group = false;
+  // Settings already parsed (and agreed across ranks) by the engine's Init,
+  // used instead of reading the NVGROUP_* environment again; must outlive
+  // creation. nullptr: parse the environment here (tools, benchmarks and the
+  // pybind Communicator create communicators directly).
+  const Knobs* knobs = nullptr;
 };
 
-class Communicator {
+// The collectives: every rank calls them in the same order. Per-call state
+// (barrier counters, the one-shot staging epoch, copy slots, cross-step
+// events) belongs to the implementation and lives where the work runs (CUDA:
+// in device memory, used by one call at a time on the communicator's own
+// stream), so none of it shows here.
+class Collectives {
  public:
-  virtual ~Communicator() = default;
-
-  virtual const Topology& topology() const = 0;
-  virtual Device device() const = 0;
+  virtual ~Collectives() = default;
 
   // out[i] = op over ranks of in[i], i < count. in == out is allowed.
   // CPU: host pointers, complete on return. CUDA: device pointers of device(),
   // ordered after prior work on `stream` (a cudaStream_t, nullptr = the
   // communicator's own stream), returns once enqueued; results are valid when
-  // `stream` reaches this point.
+  // `stream` reaches this point. Calls on different streams are serialized by
+  // the communicator; a call may be captured in a CUDA graph (one NV-group),
+  // whose replays the caller orders with the communicator's other calls.
   virtual Status Allreduce(const void* in, void* out, size_t count, DataType dtype,
                            ReduceOp op, void* stream) = 0;
 
@@ -87,12 +103,35 @@ class Communicator {
   // buf on every rank = buf on `root`.
   virtual Status Broadcast(void* buf, size_t bytes, int root, void* stream) = 0;
 
+  // Reduce-scatter: the reduction over ranks (op as Allreduce; Average divides
+  // by size, integers truncating) of the sum(counts) elements of `in`, of which
+  // this rank receives elements [sum(counts[:rank]), sum(counts[:rank+1])) into
+  // `out`. Every element gets the bits Allreduce would give it (same fold
+  // order). CPU: with one group of several ranks this is the skeleton's group
+  // reduce-scatter step itself (each rank folds only its own rows, reading the
+  // members' registered buffers); otherwise the allreduce's fold, then the
+  // rank's rows. `out` must not overlap the registered buffer.
+  virtual Status ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
+                               DataType dtype, ReduceOp op, void* stream) = 0;
+
+  // All-to-all on bytes: send_bytes[r] bytes (consecutive in `in`, rank order)
+  // go to rank r; recv_bytes[r] bytes from rank r land consecutively in `out`.
+  // The ranks' counts are cross-checked first: a disagreement is the same
+  // kInvalidArgument on every rank.
+  virtual Status Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
+                           const std::vector<size_t>& recv_bytes, void* stream) = 0;
+
   // Registered buffer of this rank (see header comment). Stable for the
   // communicator's lifetime.
   virtual void* registered_buffer() = 0;
   virtual size_t registered_capacity() const = 0;
+};
 
-  // --- Helpers the engine runs around Allreduce on the same stream. ---
+// Local stream helpers the engine runs around the collectives on the same
+// stream (nothing collective about them).
+class StreamHelpers {
+ public:
+  virtual ~StreamHelpers() = default;
 
   // Makes later work on `stream` wait for `event` (a cudaEvent_t recorded by the
   // framework) without blocking the host. CPU: no-op. nullptr event: no-op.
@@ -111,8 +150,20 @@ class Communicator {
   virtual Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
                                    double scale, void* stream) = 0;
 
-  // Blocks the calling host thread until all work on `stream` is done.
+  // Blocks the calling host thread until all work on `stream` is done; reports
+  // a failure of the collectives queued on it (a dead or hung peer) as their
+  // Status.
   virtual Status Synchronize(void* stream) = 0;
+};
+
+// One communicator = the collectives + the helpers on one device, plus what
+// both need to know. Callers use it from one host thread at a time.
+class Communicator : public Collectives, public StreamHelpers {
+ public:
+  ~Communicator() override = default;
+
+  virtual const Topology& topology() const = 0;
+  virtual Device device() const = 0;
 
   // CUDA: records the communicator's completion event on `stream` (nullptr =
   // its own) and returns it (a cudaEvent_t): a stream that waits on it is

@@ -59,9 +59,22 @@ struct CollectiveRequest {
   ReduceOp op = ReduceOp::kSum;     // allreduce only
   double prescale_factor = 1.0;     // allreduce only: applied to input before reduction
   double postscale_factor = 1.0;    // allreduce only: applied to the result
-  int root_rank = 0;                // broadcast only
+  int root_rank = 0;                // broadcast only (a rank of the process set)
   void* ready_event = nullptr;      // CUDA only: cudaEvent_t, may be nullptr
   DoneCallback done;
+
+  // --- Added collectives (see types.h for their semantics). ---
+  // reducescatter: allocate_output is called with this rank's share of
+  // dimension 0 (Horovod's split); op Sum or Average, scale factors as allreduce.
+  // alltoall: rows of dimension 0 sent to each rank of the process set (one
+  // entry per rank, summing to shape[0]); empty = shape[0] split evenly (it must
+  // divide). allocate_output is called with the received shape after
+  // *received_splits (when non-null) holds the rows received from each rank.
+  std::vector<int64_t> splits;
+  std::vector<int64_t>* received_splits = nullptr;
+  // join: `output` points to one int32 that receives the last rank to join.
+  // Process set the collective runs in (0 = all ranks; see AddProcessSet).
+  int32_t process_set_id = 0;
   // CUDA only, optional (see the contract above). A non-OK return becomes the
   // status passed to `done`.
   std::function<Status(void* completion_event)> wait_on_completion;
@@ -98,10 +111,86 @@ StatusOr<int> LocalSize();
 StatusOr<int> CrossRank();
 StatusOr<int> CrossSize();
 
+// MPI provides MPI_THREAD_MULTIPLE (Horovod's mpi_threads_supported): 1 or 0.
+StatusOr<int> MpiThreadsSupported();
+// Every node runs the same number of ranks (Horovod's is_homogeneous): 1 or 0,
+// agreed by all ranks at Init.
+StatusOr<int> IsHomogeneous();
+
+// Run-time timeline control (Horovod's start_timeline/stop_timeline). Rank 0
+// (the one that writes, as with NVGROUP_TIMELINE) opens `path`, replacing any
+// open timeline; the other ranks return OK and write nothing. `mark_cycles`
+// adds a CYCLE_START instant event for every cycle that executes collectives.
+// Both return once the background loop has applied the change (the file is
+// open, or closed and valid JSON), bounded by NVGROUP_TIMEOUT.
+Status StartTimeline(const std::string& path, bool mark_cycles);
+Status StopTimeline();
+
 Status Enqueue(CollectiveRequest request);
 
 // All requests are negotiated and fused as one unit: none runs until all are
-// ready on every rank (Horovod's grouped_allreduce).
+// ready on every rank (Horovod's grouped_allreduce). All members must name the
+// same process set.
 Status EnqueueGroup(std::vector<CollectiveRequest> requests);
+
+// Blocking form, for callers that cannot take a callback (XLA custom calls,
+// ops/xla_*.cc): submits `requests` (one: Enqueue; several: EnqueueGroup) with
+// done callbacks of its own (any `done` set by the caller is replaced) and
+// returns once every request has completed, with the first error. The wait is
+// bounded by the engine's own bounds (NVGROUP_TIMEOUT, dead-rank detection,
+// shutdown): every accepted request's done runs in bounded time. Must not be
+// called from an engine thread (a done callback or allocate_output).
+Status EnqueueAndWait(std::vector<CollectiveRequest> requests);
+// Join (Horovod's hvd.join()): submit a CollectiveRequest of type kJoin. Until
+// every rank of the process set has joined, the allreduces and reducescatters
+// the other ranks submit complete with this rank contributing zeros (Average
+// still divides by the full size); any other collective submitted meanwhile
+// fails with kFailedPrecondition on every rank. The join's `done` runs once
+// every rank joined; `output` then holds the last rank to join.
+
+// Process sets (Horovod's ProcessSet). Set 0 is every rank. Each added set
+// gets its own engine over an MPI sub-communicator: its own background
+// thread, negotiation, response cache, communicators and NV-groups. Both calls
+// are collective over ALL ranks of the job (every rank passes the same ranks,
+// members and non-members alike; a disagreement fails on every rank naming
+// each rank's list). `ranks` are ranks of set 0, sorted and unique. Returns the
+// new set's id (the same on every rank: ids count registrations).
+StatusOr<int32_t> AddProcessSet(const std::vector<int>& ranks);
+// Stops the set's engine (its in-flight requests fail with kAborted) and frees
+// its communicators. Collective over all ranks.
+Status RemoveProcessSet(int32_t process_set_id);
+// Ranks of a registered set (ranks of set 0), or kInvalidArgument.
+StatusOr<std::vector<int>> ProcessSetRanks(int32_t process_set_id);
+// Ids of the registered sets, ascending (0 first).
+std::vector<int32_t> ProcessSetIds();
+// This rank's rank/size within a set; rank is -1 when this rank is not a member.
+StatusOr<int> ProcessSetRank(int32_t process_set_id);
+StatusOr<int> ProcessSetSize(int32_t process_set_id);
+
+}  // namespace nvgroup
+
+// --- Engine counters (for benchmarks and tests; never needed for correctness) ---
+namespace nvgroup {
+
+// Cumulative since Init, read without stopping the engine (each field is read
+// atomically; fields are not a consistent snapshot of one instant).
+struct EngineStats {
+  uint64_t cycles = 0;                // background-loop cycles (one agreement allreduce each)
+  uint64_t negotiation_rounds = 0;    // cycles that went through rank 0 (gather + broadcast)
+  uint64_t cached_responses = 0;      // requests agreed through the response cache
+  uint64_t negotiated_responses = 0;  // requests (and errors) decided by rank 0
+  uint64_t plan_launches = 0;         // grouped collectives run from a cached plan
+  uint64_t buckets = 0;               // allreduce buckets run (fused or one tensor)
+  uint64_t bucket_tensors = 0;        // tensors in those buckets
+  uint64_t ready_event_waits = 0;     // CUDA: WaitEvent calls (one per distinct event per bucket)
+  // Seconds the background thread spent, per phase.
+  double idle_s = 0;       // waiting for requests (the cycle wait and admission batching)
+  double agree_s = 0;      // the cycle's agreement allreduce (cache bits, plan ids, flags)
+  double negotiate_s = 0;  // negotiation rounds through rank 0
+  double execute_s = 0;    // communicator calls, fusion copies and done callbacks
+};
+
+// Fails with kFailedPrecondition before Init.
+StatusOr<EngineStats> GetEngineStats();
 
 }  // namespace nvgroup

@@ -22,14 +22,18 @@ enum class DataType : uint8_t {
   kFloat64 = 6,
   kInt32 = 7,
   kInt64 = 8,
+  kUint16 = 9,
+  kInt16 = 10,
 };
-constexpr int kNumDataTypes = 9;
+constexpr int kNumDataTypes = 11;
 
 size_t DataTypeSize(DataType dtype);
 const char* DataTypeName(DataType dtype);
 bool IsFloatingPoint(DataType dtype);  // float16, bfloat16, float32, float64
-// Allreduce is defined for numeric types; uint8/int8/bool only travel through
-// broadcast and allgather.
+// Reductions (allreduce, reducescatter) are defined for every numeric type;
+// bool only travels through broadcast, allgather and alltoall (as Horovod).
+// The CUDA kernels cover float16/bfloat16/float32/float64/int32/int64; other
+// dtypes on CUDA fail with kUnimplemented naming the dtype.
 bool SupportsReduction(DataType dtype);
 
 // kAverage is Sum followed by a division by the number of ranks that took part
@@ -38,7 +42,20 @@ bool SupportsReduction(DataType dtype);
 enum class ReduceOp : uint8_t { kSum = 0, kAverage = 1, kMin = 2, kMax = 3, kProduct = 4 };
 const char* ReduceOpName(ReduceOp op);
 
-enum class CollectiveType : uint8_t { kAllreduce = 0, kAllgather = 1, kBroadcast = 2 };
+// kReducescatter: the reduction of every rank's tensor, dimension 0 split
+// across ranks as Horovod splits it (ranks below dim0 % size get one more row).
+// kAlltoall: each rank sends rows [sum(splits[:r]), sum(splits[:r+1])) of its
+// tensor to rank r and receives the concatenation in rank order.
+// kJoin: this rank has run out of data (Horovod's join; see engine.h).
+enum class CollectiveType : uint8_t {
+  kAllreduce = 0,
+  kAllgather = 1,
+  kBroadcast = 2,
+  kReducescatter = 3,
+  kAlltoall = 4,
+  kJoin = 5,
+};
+constexpr int kNumCollectiveTypes = 6;
 const char* CollectiveTypeName(CollectiveType type);
 
 enum class DeviceKind : uint8_t { kCpu = 0, kCuda = 1 };

@@ -50,7 +50,7 @@ def bad_group(check):
 def bad_args(check):
     comm = cc.make_communicator()
     a = np.ones(16, np.uint8)
-    for dtype in ("uint8", "int8", "bool"):
+    for dtype in ("bool",):  # every numeric dtype reduces
         expect_error(check, dtype + " allreduce", ["INVALID_ARGUMENT", "does not support dtype " + dtype],
                      lambda: comm.allreduce(a.ctypes.data, a.ctypes.data, 16, dtype, "sum"))
     f = np.ones(4, np.float32)

@@ -31,10 +31,8 @@ expect_error(lambda: E.broadcast_async("b", x.ctypes.data, y.ctypes.data, [12], 
 expect_error(lambda: E.broadcast_async("b", x.ctypes.data, y.ctypes.data, [12], "float32", -1),
              "out of range", code="INVALID_ARGUMENT")
 expect_error(lambda: E.allgather_async("g", x.ctypes.data, [], "float32"), "rank >= 1", code="INVALID_ARGUMENT")
-expect_error(lambda: E.allreduce_async("u", x.ctypes.data, y.ctypes.data, [12], "uint8"),
-             "allreduce does not support dtype uint8", code="UNIMPLEMENTED")
-expect_error(lambda: E.allreduce_async("i", x.ctypes.data, y.ctypes.data, [3], "int32", "sum", 2.0),
-             "need a floating-point dtype", code="INVALID_ARGUMENT")
+expect_error(lambda: E.allreduce_async("u", x.ctypes.data, y.ctypes.data, [12], "bool"),
+             "allreduce does not support dtype bool", code="UNIMPLEMENTED")
 expect_error(lambda: E.allreduce_async("", x.ctypes.data, y.ctypes.data, [12], "float32"), "non-empty name",
              code="INVALID_ARGUMENT")
 expect_error(lambda: E.allreduce_async("n", x.ctypes.data, y.ctypes.data, [-1], "float32"), "negative dimension",

@@ -23,8 +23,8 @@ from rel_common import DTYPES, STORAGE, say, wait_bounded
 
 SETTINGS = settings(max_examples=int(os.environ.get("REL_EXAMPLES", "400")), deadline=None,
                     derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
-MOVABLE = DTYPES + ["uint8", "int8", "bool"]
-NP_TYPES = dict(STORAGE, uint8=np.uint8, int8=np.int8, bool=np.bool_)
+MOVABLE = DTYPES + ["uint8", "int8", "uint16", "int16", "bool"]
+NP_TYPES = dict(STORAGE, uint8=np.uint8, int8=np.int8, uint16=np.uint16, int16=np.int16, bool=np.bool_)
 _count = {"refused": 0, "completed": 0}
 
 
@@ -89,12 +89,10 @@ def prop_requests(kind, name, shape, dtype, op, prescale, device, root, null_inp
     if null_input and count > 0:
         return refused(call, "INVALID_ARGUMENT", "input pointer is null")
     if kind == "allreduce":
-        if dtype.lower() not in DTYPES:
+        if dtype.lower() == "bool":  # every numeric dtype reduces (integers scale as Horovod's)
             return refused(call, "UNIMPLEMENTED", dtype.lower())
         if not math.isfinite(prescale):
             return refused(call, "INVALID_ARGUMENT", "finite")
-        if dtype.lower() in ("int32", "int64") and prescale != 1.0:
-            return refused(call, "INVALID_ARGUMENT", "floating-point")
     if kind == "allgather" and not shape:
         return refused(call, "INVALID_ARGUMENT", "scalar")
     if kind == "broadcast" and root != 0:

@@ -16,8 +16,8 @@ def main():
     engine.init()
     rank, size = engine.rank(), engine.size()
     for step in range(3):
-        # A group is fused whole (one bucket: fusion copies); "lone" alone in
-        # its bucket goes straight through the communicator.
+        # A group is fused whole (one bucket: fusion copies); "lone", alone in
+        # its bucket, takes the same path (one bucket of one tensor).
         items, checks, keep = [], [], []
         for k in range(4):
             xs = [np.random.default_rng([step, k, r]).standard_normal(64 + k) for r in range(size)]

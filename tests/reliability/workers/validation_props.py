@@ -117,8 +117,9 @@ def prop_scale_factors(factor, which):
 
 ALL_DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.int8, tf.uint8,
               tf.int16, tf.uint16, tf.uint32, tf.uint64, tf.bool, tf.complex64, tf.string]
-REDUCIBLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64}
-MOVABLE = REDUCIBLE | {tf.int8, tf.uint8, tf.bool}
+REDUCIBLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.int8, tf.uint8,
+             tf.int16, tf.uint16}
+MOVABLE = REDUCIBLE | {tf.bool}
 
 
 def tensor_of(dtype):

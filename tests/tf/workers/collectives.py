@@ -201,8 +201,9 @@ def check_gradients(c, use_function):
             loss = tf.reduce_sum(y * tf.constant(gw[me]))
         return tape.gradient(loss, x)
     start = sum(rows[:me])
-    c.close(grad_allgather(xg).numpy(), gw_sum[start:start + rows[me]], np.abs(gw_sum[start:start + rows[me]]) + 1,
-            tf.float64, tag + " gradient of allgather = my rows of the summed gradient")
+    gw_avg = gw_sum / n  # Horovod's allgather gradient averages over ranks
+    c.close(grad_allgather(xg).numpy(), gw_avg[start:start + rows[me]], np.abs(gw_avg[start:start + rows[me]]) + 1,
+            tf.float64, tag + " gradient of allgather = my rows of the averaged gradient (Horovod)")
 
     for root in range(n):
         @maybe
@@ -212,7 +213,7 @@ def check_gradients(c, use_function):
                 y = hvd.broadcast(x, root, name="grad.broadcast.%s.%d" % (tag, root))
                 loss = tf.reduce_sum(y * w)
             return tape.gradient(loss, x)
-        want = w_sum if me == root else np.zeros_like(w_sum)
+        want = w_sum / n if me == root else np.zeros_like(w_sum)  # Horovod: averaged at the root
         c.close(grad_broadcast(x).numpy(), want, np.abs(w_sum) + 1, tf.float64,
                 "%s gradient of broadcast from root %d" % (tag, root))
 

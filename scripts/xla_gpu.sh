@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# XLA on one GPU, through the TF GPU kit (../shared/tfgpu, TFGPU_FULL=1 for
+# ResNet-50: real cuBLAS/cuDNN). On the GPU machine, project root, after the
+# kit's last part installed TF:
+#
+#   bash .tfgpu/carry/device.sh && bash scripts/xla_gpu.sh [tests] [fp32] [mixed]
+#
+#   tests  tests/tf/workers/xla.py (every lowered collective under
+#          jit_compile=True on GPU:0 vs the non-XLA result and a float64
+#          reference, mismatch errors, Keras fit with jit_compile=True) on 1
+#          and 2 ranks (sharing the GPU), and a killed rank inside an XLA
+#          program (2 ranks)
+#   fp32   ResNet-50 batch 128 fp32: nvgroup_tf with XLA, plain Keras with
+#          XLA, nvgroup_tf without XLA (scripts/xla_resnet.py)
+#   mixed  the same at batch 256 with --mixed-precision (without the no-XLA run)
+# Default: all three. Logs and the NVG_RESULT lines go to $OUT (default /tmp/out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+. /tmp/tfgpu/env.sh || { echo "xla_gpu: /tmp/tfgpu/env.sh missing: install the kit first"; exit 2; }
+export NCCL_NVLS_ENABLE=0 TF_FORCE_GPU_ALLOW_GROWTH=true
+X="$MPIRUN_X -x TF_FORCE_GPU_ALLOW_GROWTH"
+STAGES=${*:-tests fp32 mixed}
+STATUS=0
+LOG="$OUT/xla_gpu.log"
+exec > >(tee -a "$LOG") 2>&1
+step() { echo "=== $* ($(date -u +%H:%M:%S))"; }
+run() { "$@"; local rc=$?; [ $rc -eq 0 ] || { echo "!!! FAILED rc=$rc: $*"; STATUS=1; }; return 0; }
+
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+for stage in $STAGES; do
+  case $stage in
+    tests)
+      for np in 1 2; do
+        step "xla worker, $np rank(s)"
+        run timeout 400 mpirun -np $np $X python3 tests/tf/workers/xla.py collectives errors fit
+      done
+      step "xla worker, rank 1 killed inside an XLA program"
+      timeout 200 mpirun -np 2 $X -x NVGROUP_TIMEOUT=60 python3 tests/tf/workers/xla.py dead 1 \
+        | tee "$OUT/dead.log"
+      grep -q "rank 0: CAUGHT UnavailableError .*rank 1" "$OUT/dead.log" || { echo "!!! no UnavailableError on rank 0"; STATUS=1; }
+      ;;
+    fp32|mixed)
+      if [ "$stage" = fp32 ]; then args="--batch-size 128"; modes="nvgroup plain nvgroup-nojit"
+      else args="--batch-size 256 --mixed-precision"; modes="nvgroup plain"; fi
+      for mode in $modes; do
+        step "ResNet-50 $stage $mode"
+        run timeout 300 mpirun -np 1 $X python3 scripts/xla_resnet.py $mode $args --image-size 224 \
+          --steps 60 --warmup-steps 10 --log-every 20 | tee -a "$OUT/resnet_$stage.log"
+      done
+      ;;
+    *) echo "unknown stage $stage"; STATUS=1 ;;
+  esac
+done
+step "summary"
+grep -h "NVG_MODE\|NVG_RESULT\|checks, .* failures" "$OUT"/*.log
+exit $STATUS

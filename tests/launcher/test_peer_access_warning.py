@@ -1,0 +1,33 @@
+"""The CUDA communicator's warning when a node's GPUs form no NV-group
+(cc/device/peer_access_advice.cc, printed once per node by topology_cuda.cc):
+ranks restricted to their own GPU by the launcher get the cause and the fix,
+not the generic "lack peer access" line. Pure function, tested through the
+pybind module (no GPU needed)."""
+import pytest
+
+engine = pytest.importorskip("nvgroup_tf._engine")
+
+BUS = ["0004:04:00.0", "0004:05:00.0", "0004:06:00.0", "0035:03:00.0", "0035:04:00.0", "0035:05:00.0"]
+
+
+def test_each_rank_sees_only_its_gpu_names_the_cause_and_the_fix():
+    # jsrun with one GPU per resource set: every rank sees 1 device, all different.
+    msg = engine.no_peer_access_warning(3, [1] * 6, BUS, "0")
+    assert msg.startswith("nvgroup WARNING: node 3: each of the 6 local ranks sees only its own GPU")
+    assert "CUDA_VISIBLE_DEVICES=0 here" in msg
+    for fix in ("one resource set per node", "jsrun -r1 -a6 -g6", "--gpus-per-task/--gpu-bind",
+                "do not set CUDA_VISIBLE_DEVICES per rank", "nvgrouprun"):
+        assert fix in msg, fix
+    assert "lack mutual peer access" not in msg
+    assert "<unset>" in engine.no_peer_access_warning(0, [1, 1], BUS[:2], None)
+
+
+@pytest.mark.parametrize("visible,bus", [
+    ([6] * 6, BUS),            # all GPUs visible, no NVLink between them: really no peer access
+    ([1, 6], BUS[:2]),         # mixed visibility: not the launcher pattern
+    ([1, 1], [BUS[0]] * 2),    # two ranks on the same GPU (one-GPU sharing): not a restriction
+])
+def test_other_cases_keep_the_generic_warning(visible, bus):
+    msg = engine.no_peer_access_warning(0, visible, bus, None)
+    assert msg == ("nvgroup WARNING: node 0: the %d local GPUs lack mutual peer access (NVLink); "
+                   "using host-staged MPI between single-GPU groups (slow)" % len(visible))

@@ -1,0 +1,32 @@
+"""The collectives under XLA (ops/xla_ops.cc): one launch per rank count runs
+every check of tests/tf/workers/xla.py (see its docstring); a second launch
+kills a rank inside an XLA program."""
+import os
+import re
+
+import pytest
+
+from mpi_util import REPO, run_mpi
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "xla.py")
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(os.path.join(REPO, "nvgroup_tf", "lib", "libnvgroup_tf_ops.so")),
+    reason="TF op library not built (python setup.py build_ext --inplace)")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_collectives_errors_and_fit_under_xla(ranks):
+    result = run_mpi(WORKER, ranks, args=["collectives", "errors", "fit"], timeout=600)
+    assert result.output.count(" 0 failures") == ranks, result.output[-20000:]
+
+
+def test_dead_peer_fails_the_xla_program():
+    result = run_mpi(WORKER, 3, args=["dead", 1], env={"NVGROUP_TIMEOUT": 60}, timeout=300,
+                     check=False)
+    assert not result.timed_out, result
+    assert result.returncode != 0, result
+    assert "rank 1: KILL" in result.output, result
+    for survivor in (0, 2):
+        assert re.search(r"rank %d: CAUGHT UnavailableError .*rank 1" % survivor, result.output), result
+        assert "[rank %d/3 xla]" % survivor in result.output and " 0 failures" in result.output, result

@@ -1,0 +1,364 @@
+"""The collectives under XLA (tf.function(jit_compile=True), XLA CPU here, XLA
+GPU through the kit), in one launch per rank count:
+
+    xla.py collectives   every lowered collective (allreduce per dtype and op with
+                         scale factors, grouped allreduce of mixed dtypes, allgather
+                         with rank-dependent first dimensions, broadcast per dtype
+                         and root, gradients) compiled by XLA -- the HLO holds our
+                         custom call -- and bit for bit equal to the same collective
+                         without XLA, both checked against a float64 / exact integer
+                         reference, identical on every rank.
+    xla.py errors        cross-rank mismatches inside an XLA program raise
+                         FailedPreconditionError naming the tensor on every rank
+                         within seconds; the engine keeps working afterwards.
+    xla.py fit           Keras fit with jit_compile=True and a DistributedOptimizer
+                         (Keras keeps jit_compile True; default buckets and one
+                         collective per gradient) and a DistributedGradientTape step
+                         under tf.function(jit_compile=True): ranks end bitwise
+                         equal and match one process fitting the concatenated
+                         batches; fit with mixed precision and with
+                         backward_passes_per_step=2 under XLA: ranks bitwise equal.
+    xla.py dead VICTIM   rank VICTIM is SIGKILLed while the others wait inside an
+                         XLA program: they raise UnavailableError naming it.
+
+Several sections may be given; each rank prints "... N checks, 0 failures".
+"""
+import hashlib
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from common import (ALL_DTYPES, FLOAT_DTYPES, REDUCE_DTYPES, Checker, hvd, random_array,
+                    reference, run, tf, to_numpy)
+
+OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
+       "product": hvd.Product}
+MAX_SECONDS = 20.0  # "within seconds" for a mismatch error
+
+
+def hlo_of(fn, *args):
+    return fn.experimental_get_compiler_ir(*args)(stage="hlo")
+
+
+class Digest:
+    """Every result's bytes, so ranks can compare all of them at the end."""
+
+    def __init__(self):
+        self.h = hashlib.sha256()
+
+    def add(self, array):
+        self.h.update(np.ascontiguousarray(array).tobytes())
+
+
+def same_bytes(c, got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    c.check(got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes(),
+            "%s: XLA result differs from the non-XLA result (%s vs %s)" % (what, got.ravel()[:4],
+                                                                           want.ravel()[:4]))
+
+
+def check_value(c, got, want, inputs, dtype, op, what):
+    if dtype.is_integer or op in ("min", "max"):
+        c.equal(got, np.asarray(want).astype(np.asarray(got).dtype), what)
+    else:
+        magnitude = np.sum([np.abs(tf.cast(a, tf.float64).numpy()) for a in inputs], axis=0)
+        if op == "product":
+            magnitude = np.abs(want)
+        c.close(got, want, magnitude, dtype, what)
+
+
+def section_collectives(c, digest):
+    me, n = hvd.rank(), hvd.size()
+    shape = (5, 7)
+
+    c.section("allreduce: every dtype and op, XLA vs non-XLA vs reference")
+    for dtype in REDUCE_DTYPES:
+        for op_name, op in OPS.items():
+            scales = [(1.0, 1.0)]
+            if dtype.is_floating and op_name in ("sum", "average"):
+                scales.append((0.5, 3.0))
+            for pre, post in scales:
+                inputs = [random_array(np.random.default_rng(1000 * r + len(op_name)), dtype, shape, op_name)
+                          for r in range(n)]
+                x = tf.constant(inputs[me])
+                tag = "ar.%s.%s.%g.%g" % (dtype.name, op_name, pre, post)
+
+                def f(t, tag=tag, op=op, pre=pre, post=post, suffix=""):
+                    return hvd.allreduce(t, op=op, prescale_factor=pre, postscale_factor=post,
+                                         name=tag + suffix)
+                xla = tf.function(lambda t: f(t, suffix=".xla"), jit_compile=True)
+                plain = tf.function(lambda t: f(t, suffix=".tf"), jit_compile=False)
+                got_xla, got_tf = to_numpy(xla(x)), to_numpy(plain(x))
+                same_bytes(c, got_xla, got_tf, tag)
+                want = reference(inputs, op_name, dtype)
+                if dtype.is_floating:
+                    want = want * pre * post if op_name in ("sum", "average") else want
+                check_value(c, got_xla, want, inputs, dtype, op_name, tag)
+                digest.add(got_xla)
+
+    c.section("the HLO holds the custom call (XLA compiled it, no fallback)")
+    probe = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="hlo.probe"), jit_compile=True)
+    text = hlo_of(probe, tf.ones([3]))
+    if tf.config.list_physical_devices("GPU"):  # through the GPU kit: XLA GPU, the CUDA handler
+        c.check("GPU" in probe(tf.ones([3])).device, "the XLA program did not run on the GPU")
+    c.check("custom-call" in text and "nvgroup_collective" in text and "hlo.probe" in text,
+            "allreduce HLO lacks the nvgroup custom call:\n%s" % text[:2000])
+
+    c.section("grouped allreduce: mixed dtypes and shapes in one call")
+    shapes = [(3,), (4, 5), (1,), (2, 3, 2)]
+    dtypes = [tf.float32, tf.float64, tf.int32, tf.bfloat16]
+    per_rank = [[random_array(np.random.default_rng(50 + 10 * r + i), d, s) for i, (d, s) in
+                 enumerate(zip(dtypes, shapes))] for r in range(n)]
+    xs = [tf.constant(a) for a in per_rank[me]]
+
+    def grouped(ts, suffix):
+        return hvd.grouped_allreduce(ts, op=hvd.Sum, name="grouped" + suffix)
+    got_xla = tf.function(lambda ts: grouped(ts, ".xla"), jit_compile=True)(xs)
+    got_tf = tf.function(lambda ts: grouped(ts, ".tf"))(xs)
+    for i, d in enumerate(dtypes):
+        a, b = to_numpy(got_xla[i]), to_numpy(got_tf[i])
+        same_bytes(c, a, b, "grouped[%d]" % i)
+        check_value(c, a, reference([p[i] for p in per_rank], "sum", d), [p[i] for p in per_rank], d, "sum",
+                    "grouped[%d] %s" % (i, d.name))
+        digest.add(a)
+    text = hlo_of(tf.function(lambda ts: grouped(ts, ".hlo"), jit_compile=True), xs)
+    c.check(text.count("custom_call_target=\"nvgroup_collective\"") == 1,
+            "a grouped allreduce must lower to one custom call:\n%s" % text[:2000])
+
+    c.section("allgather: rank-dependent first dimensions, every dtype")
+    for dtype in ALL_DTYPES:
+        rows = [r + 1 for r in range(n)]
+        inputs = [random_array(np.random.default_rng(300 + r), dtype, (rows[r], 3)) for r in range(n)]
+        x = tf.constant(inputs[me])
+        tag = "ag." + dtype.name
+        got_xla = tf.function(lambda t: hvd.allgather(t, name=tag + ".xla"), jit_compile=True)(x)
+        got_tf = tf.function(lambda t: hvd.allgather(t, name=tag + ".tf"))(x)
+        a, b = got_xla.numpy(), got_tf.numpy()
+        same_bytes(c, a, b, tag)
+        c.equal(a, np.concatenate(inputs), tag + " vs concatenation")
+        digest.add(a)
+
+    c.section("broadcast: every dtype, every root")
+    for dtype in ALL_DTYPES:
+        for root in range(n):
+            inputs = [random_array(np.random.default_rng(500 + r), dtype, (4, 2)) for r in range(n)]
+            x = tf.constant(inputs[me])
+            tag = "bc.%s.%d" % (dtype.name, root)
+            got_xla = tf.function(lambda t: hvd.broadcast(t, root, name=tag + ".xla"), jit_compile=True)(x)
+            got_tf = tf.function(lambda t: hvd.broadcast(t, root, name=tag + ".tf"))(x)
+            same_bytes(c, got_xla.numpy(), got_tf.numpy(), tag)
+            c.equal(got_xla.numpy(), inputs[root], tag + " vs root's tensor")
+            digest.add(got_xla.numpy())
+
+    c.section("gradients through the lowered collectives")
+    w_np = [random_array(np.random.default_rng(700 + r), tf.float32, (4, 3)) for r in range(n)]
+    w = tf.constant(w_np[me])
+
+    def grads(t, suffix):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            y = hvd.allreduce(t * t, op=hvd.Sum, name="g.ar" + suffix)
+            z = hvd.allgather(t, name="g.ag" + suffix)
+            loss = tf.reduce_sum(y) + tf.reduce_sum(z * z)
+        return tape.gradient(loss, t)
+    g_xla = tf.function(lambda t: grads(t, ".xla"), jit_compile=True)(w).numpy()
+    g_tf = tf.function(lambda t: grads(t, ".tf"))(w).numpy()
+    same_bytes(c, g_xla, g_tf, "gradient")
+    # d/dt [sum(allreduce_sum(t*t)) + sum(allgather(t)**2)] = 2t*n (allreduce's gradient is the
+    # same allreduce) + this rank's rows of the average over ranks of 2*allgather(t) (Horovod's
+    # allgather gradient), i.e. 2t.
+    want = 2.0 * (n + 1) * w_np[me].astype(np.float64)
+    c.close(g_xla, want, np.abs(want), tf.float32, "gradient vs 2*(n+1)*t")
+
+    c.section("the same compiled program run many times (response cache), every result checked")
+    step = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="loop"), jit_compile=True)
+    for i in range(20):
+        inputs = [random_array(np.random.default_rng(900 + 31 * i + r), tf.float64, (33,)) for r in range(n)]
+        got = step(tf.constant(inputs[me])).numpy()
+        c.close(got, reference(inputs, "sum", tf.float64), np.sum(np.abs(inputs), axis=0), tf.float64,
+                "loop step %d" % i)
+        digest.add(got)
+
+
+def expect_mismatch(c, what, name, fn):
+    start = time.monotonic()
+    message = c.raises(tf.errors.FailedPreconditionError, fn, what)
+    elapsed = time.monotonic() - start
+    c.check(elapsed < MAX_SECONDS, "%s: took %.1f s to fail" % (what, elapsed))
+    if message is not None:
+        c.check(name in message, "%s: message does not name %r: %s" % (what, name, message))
+    ok = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name="after." + name)
+    c.equal(ok.numpy(), [float(hvd.size())], "allreduce after " + what)
+
+
+def section_errors(c, digest):
+    me = hvd.rank()
+    odd = me == 0
+
+    def xla(fn):
+        return tf.function(fn, jit_compile=True)
+
+    shape = [2, 3] if odd else [3, 3]
+    expect_mismatch(c, "XLA allreduce shape mismatch", "xmm.shape",
+                    lambda: xla(lambda t: hvd.allreduce(t, op=hvd.Sum, name="xmm.shape"))(tf.ones(shape)))
+    expect_mismatch(c, "XLA allreduce op mismatch", "xmm.op", lambda: xla(
+        lambda t: hvd.allreduce(t, op=hvd.Max if odd else hvd.Sum, name="xmm.op"))(tf.ones([4])))
+    expect_mismatch(c, "XLA allreduce dtype mismatch", "xmm.dtype", lambda: xla(
+        lambda t: hvd.allreduce(t, op=hvd.Sum, name="xmm.dtype"))(
+            tf.ones([4], tf.float64 if odd else tf.float32)))
+    expect_mismatch(c, "XLA broadcast root mismatch", "xmm.root", lambda: xla(
+        lambda t: hvd.broadcast(t, 1 if odd else 0, name="xmm.root"))(tf.ones([4])))
+    expect_mismatch(c, "XLA grouped allreduce member mismatch", "xmm.grouped", lambda: xla(
+        lambda a, b: hvd.grouped_allreduce([a, b], op=hvd.Sum, name="xmm.grouped"))(
+            tf.ones([3]), tf.ones([2] if odd else [3])))
+    # Allgather's trailing dimensions are checked by the compile-time exchange's
+    # peer, the run-time negotiation.
+    expect_mismatch(c, "XLA allgather trailing-dimension mismatch", "xmm.gather", lambda: xla(
+        lambda t: hvd.allgather(t, name="xmm.gather"))(tf.ones([2, 4] if odd else [2, 3])))
+
+    digest.add(np.zeros(1))
+
+
+def section_fit(c, digest):
+    import keras
+    import nvgroup_tf.keras as hvdk
+    me, n = hvd.rank(), hvd.size()
+    B, STEPS, LR = 4, 5, 0.05
+    rng = np.random.default_rng(1234)
+    x = rng.standard_normal((STEPS * n * B, 6)).astype(np.float32)
+    y = rng.standard_normal((STEPS * n * B, 3)).astype(np.float32)
+
+    def rank_rows(a):
+        return np.concatenate([a[(s * n + me) * B:(s * n + me + 1) * B] for s in range(STEPS)])
+
+    def model_fn():
+        keras.utils.set_random_seed(7)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                 keras.layers.Dense(3)])
+
+    for cap in (None, 0):  # default buckets (one grouped allreduce), one collective per gradient
+        model = model_fn()
+        init = model.get_weights()
+        opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(LR), bucket_cap_bytes=cap)
+        model.compile(optimizer=opt, loss="mse", jit_compile=True)
+        c.check(model.jit_compile is True, "Keras turned jit_compile off for a distributed optimizer")
+        model.fit(rank_rows(x), rank_rows(y), batch_size=B, epochs=1, shuffle=False, verbose=0)
+        got = model.get_weights()
+        gathered = hvd.allgather_object([w.tobytes() for w in got])
+        c.check(all(g == gathered[0] for g in gathered), "cap %s: weights differ across ranks" % cap)
+        ref = model_fn()
+        ref.set_weights(init)
+        ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=True)
+        ref.fit(x, y, batch_size=n * B, epochs=1, shuffle=False, verbose=0)
+        for i, (a, e) in enumerate(zip(got, ref.get_weights())):
+            ok = np.allclose(a, e, rtol=2e-5, atol=1e-6)
+            c.check(ok, "cap %s weight %d: max |diff| %g vs the single-process fit" % (
+                cap, i, np.max(np.abs(a - e))))
+        c.check(any(not np.array_equal(a, b) for a, b in zip(got, init)), "cap %s: fit changed nothing" % cap)
+        for w in got:
+            digest.add(w)
+
+    def reference_weights(init):
+        ref = model_fn()
+        ref.set_weights(init)
+        ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=True)
+        ref.fit(x, y, batch_size=n * B, epochs=1, shuffle=False, verbose=0)
+        return ref.get_weights()
+
+    def agree(weights, init, what):
+        gathered = hvd.allgather_object([w.tobytes() for w in weights])
+        c.check(all(g == gathered[0] for g in gathered), "%s: weights differ across ranks" % what)
+        c.check(any(not np.array_equal(a, b) for a, b in zip(weights, init)), "%s: nothing changed" % what)
+        for w in weights:
+            digest.add(w)
+
+    c.section("DistributedGradientTape step under tf.function(jit_compile=True)")
+    model = model_fn()
+    init = model.get_weights()
+    opt = keras.optimizers.SGD(LR)
+    xr, yr = rank_rows(x), rank_rows(y)
+
+    @tf.function(jit_compile=True)
+    def tape_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+        tape = hvdk.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    for s in range(STEPS):
+        tape_step(xr[s * B:(s + 1) * B], yr[s * B:(s + 1) * B])
+    got = model.get_weights()
+    agree(got, init, "tape")
+    for i, (a, e) in enumerate(zip(got, reference_weights(init))):
+        c.check(np.allclose(a, e, rtol=2e-5, atol=1e-6), "tape weight %d: max |diff| %g vs the single-process fit"
+                % (i, np.max(np.abs(a - e))))
+
+    c.section("fit with jit_compile=True: mixed precision (loss scaling) and backward_passes_per_step=2")
+    for what, policy, passes in (("mixed_float16", "mixed_float16", 1), ("backward_passes_per_step=2", None, 2)):
+        if policy:
+            keras.mixed_precision.set_global_policy(policy)
+        try:
+            model = model_fn()
+            init = model.get_weights()
+            model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(LR),
+                                                              backward_passes_per_step=passes),
+                          loss="mse", jit_compile=True)
+            c.check(model.jit_compile is True, "%s: jit_compile turned off" % what)
+            model.fit(rank_rows(x), rank_rows(y), batch_size=B, epochs=1, shuffle=False, verbose=0)
+            weights = model.get_weights()
+            c.check(all(np.all(np.isfinite(np.asarray(w, np.float64))) for w in weights), what + ": non-finite")
+            agree(weights, init, what)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+
+
+def section_dead(c, victim):
+    me = hvd.rank()
+    step = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="dead.step"), jit_compile=True)
+    x = tf.constant(np.random.default_rng(me).standard_normal(64))
+    step(x)  # compiled and run once on every rank
+    hvd.allreduce(tf.ones([1]), op=hvd.Sum, name="dead.sync")
+    if me == victim:
+        print("rank %d: KILL %.6f" % (me, time.time()), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            step(x)
+        c.check(False, "XLA program kept running without rank %d" % victim)
+    except tf.errors.UnavailableError as e:
+        elapsed = time.monotonic() - start
+        print("rank %d: CAUGHT UnavailableError after %.2f s: %s" % (me, elapsed, e.message.splitlines()[0]),
+              flush=True)
+        c.check("rank %d" % victim in e.message, "the error does not name rank %d: %s" % (victim, e.message))
+    except Exception as e:  # noqa: BLE001
+        c.check(False, "raised %s instead of UnavailableError: %s" % (type(e).__name__, e))
+    c.finish()
+    sys.stdout.flush()
+    os._exit(3 if not c.failures else 1)  # as a training script would: non-zero
+
+
+def main():
+    # GPU: full fp32 matmuls, so the fit check's tolerance means the same as on CPU.
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    hvd.init()
+    args = sys.argv[1:]
+    c = Checker("xla")
+    digest = Digest()
+    if args[0] == "dead":
+        section_dead(c, int(args[1]))
+    for name in args:
+        {"collectives": section_collectives, "errors": section_errors, "fit": section_fit}[name](c, digest)
+    mine = digest.h.hexdigest()
+    every = hvd.allgather_object(mine)
+    c.check(all(d == mine for d in every), "results differ across ranks: digests %s" % every)
+    c.finish()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    run(main)
