@@ -42,8 +42,11 @@ for stage in $STAGES; do
       grep '^STEP' "$OUT/bench.log" | tee -a "$SUMMARY" ;;
     old)
       [ -f "$HERE/old/libnvgroup_tf_ops.so" ] || { note "old: no baseline library carried"; continue; }
-      rm -rf /tmp/tfgpu/old && mkdir -p /tmp/tfgpu/old && cp -r /tmp/tfgpu/proj/nvgroup_tf /tmp/tfgpu/old/
-      cp "$HERE/old/libnvgroup_tf_ops.so" /tmp/tfgpu/old/nvgroup_tf/lib/
+      rm -rf /tmp/tfgpu/old && mkdir -p /tmp/tfgpu/old
+      if [ -d "$HERE/old/nvgroup_tf" ]; then cp -r "$HERE/old/nvgroup_tf" /tmp/tfgpu/old/  # the baseline's own package
+      else cp -r /tmp/tfgpu/proj/nvgroup_tf /tmp/tfgpu/old/; fi
+      mkdir -p /tmp/tfgpu/old/nvgroup_tf/lib && cp "$HERE/old/libnvgroup_tf_ops.so" /tmp/tfgpu/old/nvgroup_tf/lib/
+      note "old: baseline $(cat "$HERE/old/ref" 2>/dev/null)"
       OLDPP=/tmp/tfgpu/old:/tmp/tfgpu/proj/tests/gpu/workers:/tmp/tfgpu/site
       W=/tmp/tfgpu/proj/tests/gpu/workers
       {

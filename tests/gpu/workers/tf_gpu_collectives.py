@@ -188,6 +188,17 @@ def check_new_collectives(c, d):
                 else:
                     close(c, got.numpy(), want, magnitude(arrays, "sum", 1)[starts[hvd.rank()]:starts[hvd.rank() + 1]],
                           dtype, what)
+    if hasattr(hvd, "grouped_allgather"):
+        for mode in MODES:
+            size = hvd.size()
+            per = [[random_array(np.random.default_rng([5200, i, r]), tf.float32, (r + i + 1, 3)) for r in range(size)]
+                   for i in range(3)]
+            got = call(mode, lambda *ts: hvd.grouped_allgather(list(ts), name="gag." + mode),
+                       *[gpu_tensor(p[hvd.rank()], tf.float32) for p in per])
+            for i in range(3):
+                what = "grouped_allgather %s [%d]" % (mode, i)
+                check_result(c, d, got[i], what, tf.float32)
+                c.equal(got[i].numpy(), np.concatenate(per[i]), what)
     if hasattr(hvd, "alltoall"):
         for mode in MODES:
             size = hvd.size()
