@@ -249,7 +249,9 @@ def check_gradients(c, d):
         got = call(mode, grad_allgather, gpu_tensor(gx[hvd.rank()], tf.float64),
                    gpu_tensor(gw[hvd.rank()], tf.float64))
         start = sum(rows[:hvd.rank()])
-        want = np.sum(gw, axis=0)[start:start + rows[hvd.rank()]]
+        # Horovod's gradient (nvgroup_tf/mpi_ops.py): the incoming gradients
+        # averaged over ranks, this rank's rows.
+        want = np.mean(gw, axis=0)[start:start + rows[hvd.rank()]]
         what = "gradient of allgather " + mode
         check_result(c, None, got, what, tf.float64)  # this rank's rows
         close(c, got.numpy(), want, np.sum(np.abs(gw), axis=0)[start:start + rows[hvd.rank()]], tf.float64, what)
@@ -261,7 +263,8 @@ def check_gradients(c, d):
             return tape.gradient(loss, x)
         got = call(mode, grad_broadcast, gpu_tensor(xs[hvd.rank()], tf.float64),
                    gpu_tensor(ws[hvd.rank()], tf.float64))
-        want = np.sum(ws, axis=0) if hvd.rank() == 0 else np.zeros((5, 3))
+        # Horovod's gradient: the average over ranks on the root, zero elsewhere.
+        want = np.mean(ws, axis=0) if hvd.rank() == 0 else np.zeros((5, 3))
         what = "gradient of broadcast " + mode
         check_result(c, None, got, what, tf.float64)  # zero off the root
         close(c, got.numpy(), want, np.sum(np.abs(ws), axis=0), tf.float64, what)
