@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from nvgroup_tf import basics
-from nvgroup_tf.mpi_ops import allgather, broadcast
+from nvgroup_tf.mpi_ops import allgather, broadcast, broadcast_
 from nvgroup_tf.util import _executing_eagerly
 
 try:
@@ -27,8 +27,11 @@ def _variable_name(variable):
     return getattr(variable, "path", None) or getattr(variable, "name", "variable")
 
 
-def broadcast_variables(variables, root_rank, name="broadcast_variables"):
-    """Assigns every variable the value it has on `root_rank`.
+def broadcast_variables(variables, root_rank, process_set=None, inplace=False,
+                        name="broadcast_variables"):
+    """Assigns every variable the value it has on `root_rank` (a global rank),
+    over `process_set` (default: all ranks); inplace=True goes through
+    broadcast_ (Horovod's in-place variant; the same values).
 
     Eager: runs the broadcasts and returns None. Graph (tf.function or a TF1
     graph): returns the grouped assign op. Variable i is named
@@ -36,10 +39,15 @@ def broadcast_variables(variables, root_rank, name="broadcast_variables"):
     identical on every rank as long as every rank passes the variables in the
     same order.
     """
+    variables = list(variables)
+    if inplace:
+        updated = broadcast_(variables, root_rank, name=name + ".inplace", process_set=process_set)
+        return None if tf.executing_eagerly() else tf.group(*updated)
     assigns = []
     for i, variable in enumerate(variables):
         value = broadcast(tf.convert_to_tensor(variable), root_rank,
-                          name="%s.%d.%s" % (name, i, _variable_name(variable)))
+                          name="%s.%d.%s" % (name, i, _variable_name(variable)),
+                          process_set=process_set)
         assigns.append(variable.assign(value))
     if tf.executing_eagerly():
         return None
@@ -82,8 +90,9 @@ def _loads(array):
     return _pickle.loads(np.asarray(array, dtype=np.uint8).tobytes())
 
 
-def broadcast_object(obj, root_rank=0, session=None, name=None):
-    """Any picklable object of `root_rank`, on every rank (Horovod's broadcast_object).
+def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=None):
+    """Any picklable object of `root_rank` (a global rank), on every rank of
+    `process_set` (default: all ranks). Horovod's broadcast_object.
 
     `name` defaults to the object's type name, as with Horovod; it names the two
     broadcasts ("<name>.sz", "<name>.t"), so concurrent calls need distinct names.
@@ -93,15 +102,18 @@ def broadcast_object(obj, root_rank=0, session=None, name=None):
     run = _session_runner(session)
     if basics.rank() == root_rank:
         payload = _dumps(obj)
-        run(broadcast(tf.constant([payload.size], dtype=tf.int64), root_rank, name=name + ".sz"))
+        run(broadcast(tf.constant([payload.size], dtype=tf.int64), root_rank, name=name + ".sz",
+                      process_set=process_set))
     else:
-        size = run(broadcast(tf.constant([0], dtype=tf.int64), root_rank, name=name + ".sz"))
+        size = run(broadcast(tf.constant([0], dtype=tf.int64), root_rank, name=name + ".sz",
+                             process_set=process_set))
         payload = np.zeros([int(size[0])], dtype=np.uint8)
-    data = run(broadcast(tf.constant(payload, dtype=tf.uint8), root_rank, name=name + ".t"))
+    data = run(broadcast(tf.constant(payload, dtype=tf.uint8), root_rank, name=name + ".t",
+                         process_set=process_set))
     return obj if basics.rank() == root_rank else _loads(data)
 
 
-def broadcast_object_fn(root_rank=0, session=None, name=None):
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=None):
     """A function obj -> broadcast_object(obj) whose collectives are built once.
 
     Graph mode (Horovod's use, e.g. TF1 elastic state): two broadcasts of
@@ -111,12 +123,12 @@ def broadcast_object_fn(root_rank=0, session=None, name=None):
     """
     name = name or "broadcast_object_fn"
     if _executing_eagerly():
-        return lambda obj: broadcast_object(obj, root_rank, name=name)
+        return lambda obj: broadcast_object(obj, root_rank, name=name, process_set=process_set)
 
     size_in = tf.compat.v1.placeholder(tf.int64, [1], name="bcast_object_size")
-    size_out = broadcast(size_in, root_rank, name=name + ".sz")
+    size_out = broadcast(size_in, root_rank, name=name + ".sz", process_set=process_set)
     data_in = tf.compat.v1.placeholder(tf.uint8, [None], name="bcast_object_data")
-    data_out = broadcast(data_in, root_rank, name=name + ".t")
+    data_out = broadcast(data_in, root_rank, name=name + ".t", process_set=process_set)
     session = session or tf.compat.v1.get_default_session()
     if session is None:
         raise ValueError("broadcast_object_fn in graph mode needs a session: pass session= or "
@@ -135,15 +147,18 @@ def broadcast_object_fn(root_rank=0, session=None, name=None):
     return _broadcast
 
 
-def allgather_object(obj, session=None, name=None):
-    """List of every rank's picklable `obj`, in rank order (Horovod's allgather_object).
-    `name` defaults to the object's type name ("<name>.sz", "<name>.t")."""
+def allgather_object(obj, session=None, name=None, process_set=None):
+    """List of the picklable `obj` of every rank of `process_set` (default: all
+    ranks), in rank order (Horovod's allgather_object). `name` defaults to the
+    object's type name ("<name>.sz", "<name>.t")."""
     if name is None:
         name = type(obj).__name__
     run = _session_runner(session)
     payload = _dumps(obj)
-    sizes = run(allgather(tf.constant([payload.size], dtype=tf.int64), name=name + ".sz"))
-    data = run(allgather(tf.constant(payload, dtype=tf.uint8), name=name + ".t"))
+    sizes = run(allgather(tf.constant([payload.size], dtype=tf.int64), name=name + ".sz",
+                          process_set=process_set))
+    data = run(allgather(tf.constant(payload, dtype=tf.uint8), name=name + ".t",
+                         process_set=process_set))
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     return [_loads(data[offsets[r]:offsets[r + 1]]) for r in range(len(sizes))]
 

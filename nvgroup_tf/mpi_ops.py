@@ -183,15 +183,16 @@ def _allgather(tensor, name=None, process_set=None):
     _check_initialized()
     engine_name, node_name, expected_node = _names("NvgroupAllgather", name)
     return _checked(basics.op_module().nvgroup_allgather(
-        tensor, tensor_name=engine_name, process_set_id=_process_sets._process_set_id(process_set), name=node_name), expected_node)
+        tensor, tensor_name=engine_name, process_set_id=_process_sets._process_set_id(process_set),
+        name=node_name), expected_node)
 
 
 def _broadcast(tensor, root_rank, name=None, process_set=None):
     _check_initialized()
     engine_name, node_name, expected_node = _names("NvgroupBroadcast", name)
     return _checked(basics.op_module().nvgroup_broadcast(
-        tensor, root_rank=root_rank, tensor_name=engine_name, process_set_id=_process_sets._process_set_id(process_set),
-        name=node_name), expected_node)
+        tensor, root_rank=root_rank, tensor_name=engine_name,
+        process_set_id=_process_sets._process_set_id(process_set), name=node_name), expected_node)
 
 
 def _sparse_allreduce(slices, op, prescale_factor, postscale_factor, name, process_set=None):
@@ -340,9 +341,9 @@ def _broadcast_grad(op, grad):
     """Horovod's gradient: only the root's input reaches the outputs; it gets
     the incoming gradients AVERAGED over ranks, the other ranks zero."""
     name = _attr_text(op, "tensor_name") + "/grad"
-    averaged = _checked(basics.op_module().nvgroup_allreduce(
-        grad, reduce_op="average", tensor_name=name, process_set_id=op.get_attr("process_set_id"),
-        name=_node_name(name)))
+    averaged = _checked(basics.op_module().nvgroup_allreduce(grad, reduce_op="average", tensor_name=name,
+                                                             process_set_id=op.get_attr("process_set_id"),
+                                                             name=_node_name(name)))
     if basics.rank() != op.get_attr("root_rank"):
         return averaged * tf.zeros([], averaged.dtype)  # as Horovod: grad * 0 (inf/NaN stay NaN)
     return averaged
@@ -473,7 +474,7 @@ def join():
 def process_set_included_op(process_set_id=0, name=None):
     """1 if this rank belongs to process set `process_set_id`, 0 if not; -1 before
     init and -3 for an unknown set (Horovod's error codes), at run time."""
-    return basics.op_module().nvgroup_process_set_included(process_set_id=process_set_id, name=name)
+    return _checked(basics.op_module().nvgroup_process_set_included(process_set_id=process_set_id, name=name))
 
 
 tf.no_gradient("NvgroupJoin")
@@ -534,11 +535,11 @@ def _grouped_allgather_grad(op, *grads):
     of the gradient averaged over the set's ranks."""
     base = _attr_text(op, "tensor_name")
     ps_id = op.get_attr("process_set_id")
-    ps = _process_set_of(ps_id)
+    me = _process_sets._process_set_rank_of(_process_set_of(ps_id))
     ops = basics.op_module()
     out = []
     for i, g in enumerate(grads):
-        if g is None:
+        if g is None:  # every rank must still contribute
             g = tf.zeros_like(op.outputs[i])
         averaged = _checked(ops.nvgroup_allreduce(
             g, reduce_op="average", tensor_name="%s/grad[%d]" % (base, i), process_set_id=ps_id,
@@ -547,7 +548,6 @@ def _grouped_allgather_grad(op, *grads):
         sizes = _checked(ops.nvgroup_allgather(
             shape[:1], tensor_name="%s/grad_sizes[%d]" % (base, i), process_set_id=ps_id,
             name=_node_name("%s/grad_sizes[%d]" % (base, i))))
-        me = _process_sets._process_set_rank_of(ps)
         begin = tf.concat([tf.reduce_sum(sizes[:me], keepdims=True), tf.zeros_like(shape)[1:]], 0)
         out.append(tf.slice(averaged, begin, shape))  # as allgather's gradient
     return out

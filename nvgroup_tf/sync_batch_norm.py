@@ -58,7 +58,8 @@ def global_moments(x, reduction_axes, weights=None, name=None):
     if weights is None:
         count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), reduction_axes)), x.dtype)
         local_n = tf.fill(tf.shape(tf.reduce_sum(x, reduction_axes, keepdims=True)), count)
-        local_mean = tf.reduce_mean(x, reduction_axes, keepdims=True)
+        # divide_no_nan: a rank with an empty batch contributes n = 0, not NaN.
+        local_mean = tf.math.divide_no_nan(tf.reduce_sum(x, reduction_axes, keepdims=True), local_n)
         local_m2 = tf.reduce_sum(tf.math.squared_difference(x, local_mean), reduction_axes,
                                  keepdims=True)
     else:

@@ -85,8 +85,10 @@ absl::Status ParseReduceOp(const std::string& text, ReduceOp* op);
 // sets (deterministic, see nvgroup_tf/mpi_ops.py), else "<OpType>_<node name>".
 std::string CollectiveName(const tf::OpKernel& kernel, const std::string& tensor_name_attr);
 
-// Shared by the requests of one op invocation; finishes the op when the last
-// request completes.
+// Shared by the requests of one op invocation; finishes the op toward TF
+// once: early, when the last request's completion event arrives (engine.h
+// completion_event_ready) and TF's stream waits on it; otherwise (an error, or
+// no event) when the last request's `done` arrives.
 template <typename Traits>
 class Completion {
  public:
@@ -95,45 +97,48 @@ class Completion {
       : context_(context), done_(std::move(done)), pending_(pending), device_pending_(pending),
         device_(device), event_(event) {}
 
-  // Device completion of one request (engine thread, before its Finish): TF's
-  // stream waits once, at the op's last request (see the header comment).
-  Status WaitOnDevice(void* completion_event) {
+  // completion_event_ready of one request (engine thread, before its `done`).
+  // One wait per op suffices: the engine runs an op's requests in order on one
+  // stream, so the event of the op's last request covers the earlier ones.
+  void OnDeviceEvent(void* completion_event) {
     std::lock_guard<std::mutex> lock(mu_);
-    last_completion_ = completion_event;
-    if (--device_pending_ != 0) return Status::Ok();
-    waited_ = true;
-    return FromTfStatus(Traits::WaitOnCompletion(context_, completion_event));
+    if (--device_pending_ != 0 || !first_error_.ok() || tf_done_) return;
+    absl::Status waited = Traits::WaitOnCompletion(context_, completion_event);
+    if (!waited.ok()) {
+      first_error_ = FromTfStatus(waited);
+      return;  // reported when the last `done` arrives
+    }
+    FinishTf();  // no host sync: TF's stream runs on the event
   }
 
   // Called once per request (engine callback) or once with the whole count
   // (synchronous rejection). The first non-OK status wins.
   void Finish(const Status& status, int count = 1) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!status.ok() && first_error_.ok()) first_error_ = status;
-    }
-    if (pending_.fetch_sub(count) != count) return;
-    // Last request: no other thread touches this object any more.
-    if (!first_error_.ok()) {
-      // Some requests failed after others were completed on the device: TF
-      // may free their memory at done(), so its stream still waits for the
-      // engine's work on them (a later record of the event covers more work).
-      if (last_completion_ != nullptr && !waited_)
-        (void)Traits::WaitOnCompletion(context_, last_completion_);
-      context_->SetStatus(ToTfStatus(first_error_));
-    }
-    Traits::Release(device_, event_);
-    done_();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!status.ok() && first_error_.ok()) first_error_ = status;
+    pending_ -= count;
+    if (pending_ != 0 || tf_done_) return;
+    // (A device-side failure after an early finish aborts the engine, so the
+    // next collectives fail naming it; this op's status is already given.)
+    if (!first_error_.ok()) context_->SetStatus(ToTfStatus(first_error_));
+    FinishTf();
   }
 
  private:
+  void FinishTf() {  // mu_ held; exactly once
+    tf_done_ = true;
+    Traits::Release(device_, event_);  // the engine's wait on it is enqueued (captured) already
+    // done_ may destroy the kernel's context (and TF may free the tensors):
+    // nothing touches them afterwards.
+    done_();
+  }
+
   tf::OpKernelContext* context_;
   tf::AsyncOpKernel::DoneCallback done_;
-  std::atomic<int> pending_;
-  std::mutex mu_;  // guards the four below
+  std::mutex mu_;  // guards everything below
+  int pending_;
   int device_pending_;
-  void* last_completion_ = nullptr;
-  bool waited_ = false;
+  bool tf_done_ = false;
   Status first_error_;
   const Device device_;
   void* event_;
@@ -181,7 +186,7 @@ void Submit(tf::OpKernelContext* context, std::vector<CollectiveRequest> request
     request.ready_event = event;
     request.done = [completion](const Status& status) { completion->Finish(status); };
     if (Traits::kDeviceCompletion)
-      request.wait_on_completion = [completion](void* e) { return completion->WaitOnDevice(e); };
+      request.completion_event_ready = [completion](void* e) { completion->OnDeviceEvent(e); };
     if (request.allocate_output) {  // readiness after the allocation (header comment)
       request.allocate_output = [allocate = std::move(request.allocate_output), context, event](
                                     const std::vector<int64_t>& shape, void** out) -> Status {

@@ -1,8 +1,7 @@
 // Op definitions and CPU kernels of the collectives added for Horovod parity
 // (kernels in adapter_extra.h; GPU registrations appended to
-// nvgroup_ops_gpu.cc). Like the original ops they are not stateful (see the
-// note in nvgroup_ops.cc); join and process_set_included are, since they have
-// no inputs and their value is only known when they run.
+// nvgroup_ops_gpu.cc). Stateful like the original ops (see the note in
+// nvgroup_ops.cc and Note [Stateful ops] in nvgroup_tf/mpi_ops.py).
 #include "ops/adapter_extra.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -48,6 +47,7 @@ REGISTER_OP("NvgroupReducescatter")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("reduced: T")
+    .SetIsStateful()
     .SetShapeFn(FirstDimUnknown)
     .Doc(R"doc(
 Reduction of `tensor` over the ranks of the process set, dimension 0 split
@@ -63,6 +63,7 @@ REGISTER_OP("NvgroupGroupedReducescatter")
     .Attr("process_set_id: int = 0")
     .Input("tensors: T")
     .Output("reduced: T")
+    .SetIsStateful()
     .SetShapeFn(FirstDimUnknown)
     .Doc(R"doc(
 Reducescatter of every tensor, negotiated as one unit; tensor i is matched as
@@ -77,6 +78,7 @@ REGISTER_OP("NvgroupAlltoall")
     .Input("splits: int32")
     .Output("output: T")
     .Output("received_splits: int32")
+    .SetIsStateful()
     .SetShapeFn(AlltoallShape)
     .Doc(R"doc(
 Rows [sum(splits[:r]), sum(splits[:r+1])) of `tensor` go to rank r; the output
@@ -90,6 +92,7 @@ REGISTER_OP("NvgroupGroupedAllgather")
     .Attr("process_set_id: int = 0")
     .Input("tensors: T")
     .Output("gathered: T")
+    .SetIsStateful()
     .SetShapeFn(FirstDimUnknown)
     .Doc(R"doc(
 Allgather of every tensor, negotiated as one unit; tensor i is matched as

@@ -3,7 +3,8 @@ the shell scripts (scripts/check_gpu_build.sh, scripts/device/build_tools.sh).
 
 A list of compute capabilities separated by ';', ',' or spaces: "90" (default),
 "70;80;90", "70 90a". Each gets SASS (code=sm_XX); the highest also gets PTX
-(code=compute_XX) so newer GPUs can JIT-compile it. Summit's V100 is 70.
+(code=compute_XX) so newer GPUs can JIT-compile it. Summit's V100 is 70, which
+needs CUDA <= 12.x (CUDA 13's nvcc starts at 75).
 
     python scripts/cuda_arch.py "70;80;90"   # prints the flags, one per line
 """

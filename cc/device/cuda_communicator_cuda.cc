@@ -149,7 +149,8 @@ class CudaCommunicator final : public Communicator {
   Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
                            double scale, void* stream) override;
   Status Synchronize(void* stream) override;
-  StatusOr<void*> RecordCompletion(void* stream) override;
+  Status RecordEvent(void* event, void* stream) override;
+  Status WaitRecordedEvent(void* event) override;
   void Abort() override;
 
   Status SetTuning(const KernelTuning& tuning);
@@ -193,7 +194,6 @@ class CudaCommunicator final : public Communicator {
   int dead_member_ = -1;            // a member found gone (sticky)
   cudaStream_t work_ = nullptr;     // Note [Internal stream]
   cudaEvent_t enter_ = nullptr, leave_ = nullptr, sync_ = nullptr;
-  cudaEvent_t completion_ = nullptr;  // RecordCompletion's event
   size_t chunk_bytes_ = 0;
   bool force_hierarchy_ = false;
   std::atomic<bool> aborted_{false};
@@ -304,7 +304,6 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.staged[k2], cudaEventDisableTiming));
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.returned[k2], cudaEventDisableTiming));
   }
-  NVG_CUDA_CHECK(cudaEventCreateWithFlags(&completion_, cudaEventDisableTiming));
   for (CopySlot& s : slots_)
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
 
@@ -364,7 +363,6 @@ CudaCommunicator::~CudaCommunicator() {
   for (cudaEvent_t e : {enter_, leave_, sync_})
     if (e != nullptr) (void)cudaEventDestroy(e);
   if (work_ != nullptr) (void)cudaStreamDestroy(work_);
-  if (completion_ != nullptr) (void)cudaEventDestroy(completion_);
   if (group_.control_host != nullptr) (void)cudaFreeHost(const_cast<DeviceControl*>(group_.control_host));
   (void)cudaGetLastError();
   if (comm_ != MPI_COMM_NULL && !MpiFinalized()) (void)MPI_Comm_free(&comm_);
@@ -642,7 +640,9 @@ Status CudaCommunicator::Allgatherv(const void* in, void* out,
 // ReduceScatter on the device: the whole Allreduce into a scratch buffer, then
 // this rank's rows (correct and bitwise equal to Allreduce; it moves the whole
 // message instead of 1/size of it -- the NV-group reduce-scatter kernel step
-// alone is the faster path still to wire in, cc/kernels).
+// alone is the faster path still to wire in, cc/kernels). Ordering: the
+// scratch is allocated, copied from and freed on the caller's stream, and
+// Allreduce joins work_ to that stream on entry and exit (Note [Internal stream]).
 Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
                                        DataType dtype, ReduceOp op, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
@@ -677,7 +677,9 @@ Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vec
 }
 
 // Alltoallv on the device: staged through host memory and MPI_Alltoallv
-// (correct, not tuned), after the same count cross-check as the CPU path.
+// (correct, not tuned), after the same count cross-check as the CPU path. It
+// touches no per-communicator device state (Note [Internal stream]): only the
+// caller's stream, which it drains, and MPI on comm_.
 Status CudaCommunicator::Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
                                    const std::vector<size_t>& recv_bytes, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
@@ -713,6 +715,12 @@ Status CudaCommunicator::Alltoallv(const void* in, const std::vector<size_t>& se
   }
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
   cudaStream_t stream = StreamOf(stream_arg);
+  // Host staging waits on the host: not capturable (checked before any MPI
+  // call, so this rank fails alone only if the caller captured on one rank).
+  auto capturing = Capturing(stream);
+  if (!capturing.ok()) return capturing.status();
+  if (capturing.value())
+    return Status::InvalidArgument("alltoallv waits on the host and cannot be captured in a CUDA graph");
   std::vector<char> send(std::max<size_t>(send_total, 1)), recv(std::max<size_t>(recv_total, 1));
   NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: `in` is produced
   if (send_total > 0) NVG_CUDA_CHECK(cudaMemcpy(send.data(), in, send_total, cudaMemcpyDeviceToHost));
@@ -859,9 +867,16 @@ Status CudaCommunicator::Synchronize(void* stream) {
   return CheckHealthy();
 }
 
-StatusOr<void*> CudaCommunicator::RecordCompletion(void* stream) {
-  NVG_CUDA_CHECK(cudaEventRecord(completion_, StreamOf(stream)));
-  return static_cast<void*>(completion_);
+Status CudaCommunicator::RecordEvent(void* event, void* stream) {
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  NVG_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), StreamOf(stream)));
+  return Status::Ok();
+}
+
+Status CudaCommunicator::WaitRecordedEvent(void* event) {
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  NVG_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  return CheckHealthy();
 }
 
 void CudaCommunicator::Abort() {

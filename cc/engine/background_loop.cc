@@ -100,10 +100,13 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
     Status s = timeline_.Open(knobs.timeline_path, MonotonicSeconds());
     if (!s.ok()) NVG_LOG(kWarning) << "NVGROUP_TIMELINE: " << s.message() << "; continuing without a timeline";
   }
-  if (cuda != nullptr) {
+  if (cuda != nullptr) {  // created by Init (EngineOptions::cuda_at_init)
     cuda_comm_ = std::move(cuda);
     cuda_comm_for_abort_ = cuda_comm_.get();
     cuda_ordinal_ = cuda_comm_->device().ordinal;
+#ifdef NVGROUP_WITH_CUDA
+    completion_events_ = std::make_unique<CompletionEvents>(cuda_ordinal_);
+#endif
     finalizer_ = std::make_unique<Finalizer>();
     finalizer_thread_ = finalizer_->thread_id();
   }
@@ -292,6 +295,9 @@ StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
     cuda_comm_ = c.consume();
     cuda_comm_for_abort_ = cuda_comm_.get();
     cuda_ordinal_ = device.ordinal;
+#ifdef NVGROUP_WITH_CUDA
+    completion_events_ = std::make_unique<CompletionEvents>(device.ordinal);
+#endif
     finalizer_ = std::make_unique<Finalizer>();
     finalizer_thread_ = finalizer_->thread_id();
   }
@@ -317,58 +323,64 @@ void Engine::CompleteAfterStream(Communicator* comm, std::vector<Pending*> done)
     for (Pending* p : done) Complete(p, Status::Ok());
     return;
   }
-  // Device completion (engine.h): one completion event for these requests,
-  // recorded after their last device work; each caller's stream waits on it
-  // before its `done` runs, here, with no host sync.
-  std::vector<Pending*> on_host;
-  StatusOr<void*> event = static_cast<void*>(nullptr);
-  bool recorded = false;
-  for (Pending* p : done) {
-    if (!p->entry.request.wait_on_completion) {
-      on_host.push_back(p);
-      continue;
+  // One event per bucket, recorded after its copy out: the finalizer waits for
+  // this bucket's work only, not for the buckets enqueued after it. Without an
+  // event (creation failed) it falls back to draining the whole stream.
+  void* event = nullptr;
+#ifdef NVGROUP_WITH_CUDA
+  if (completion_events_ != nullptr) {
+    StatusOr<void*> e = completion_events_->Acquire();
+    if (e.ok() && comm->RecordEvent(e.value(), nullptr).ok()) {
+      event = e.value();
+    } else if (e.ok()) {
+      completion_events_->Release(e.value());
     }
-    if (!recorded) {
-      event = comm->RecordCompletion(nullptr);
-      recorded = true;
-    }
-    Status s = event.ok() ? p->entry.request.wait_on_completion(event.value()) : event.status();
-    Complete(p, s);
   }
-  if (recorded) CheckDeviceHealthLater(comm);
-  if (on_host.empty()) return;
-  done = std::move(on_host);
+#endif
   // The Pending objects are owned by the Work list, which dies at the end of
-  // the cycle: move the callbacks into the job.
-  std::vector<std::pair<std::string, DoneCallback>> callbacks;
+  // the cycle: move the callbacks into the job. A request with
+  // completion_event_ready hears of the event now; its name leaves the
+  // in-flight set first, so the adapter may resubmit it at once (its `done`
+  // below then must not Finish the name again).
+  struct Callback {
+    std::string name;
+    DoneCallback done;
+    bool finished_early = false;
+  };
+  std::vector<Callback> callbacks;
+  bool any_early = false;
   for (Pending* p : done) {
-    callbacks.emplace_back(p->entry.request.name, std::move(p->entry.request.done));
-    p->entry.request.done = nullptr;
-  }
-  finalizer_->Add([this, comm, callbacks = std::move(callbacks)]() mutable {
-    // Orders `done` after the device finished the copy out (and everything
-    // enqueued before it on the communicator's stream).
-    Status s = comm->Synchronize(nullptr);
-    for (auto& [name, cb] : callbacks) {
-      queue_.Finish(name);
+    CollectiveRequest& q = p->entry.request;
+    Callback c{q.name, std::move(q.done), false};
+    q.done = nullptr;
+    if (event != nullptr && q.completion_event_ready) {
+      queue_.Finish(q.name);
+      c.finished_early = any_early = true;
       try {
-        cb(s);
+        q.completion_event_ready(event);
       } catch (...) {
-        NVG_LOG(kError) << "the done callback of '" << name << "' threw; ignored";
+        NVG_LOG(kError) << "the completion_event_ready callback of '" << q.name << "' threw; ignored";
       }
     }
-  });
-}
-
-void Engine::CheckDeviceHealthLater(Communicator* comm) {
-  if (health_check_queued_.exchange(true)) return;  // the queued job sees this work too
-  finalizer_->Add([this, comm]() {
-    health_check_queued_ = false;  // work enqueued from here on gets a job of its own
-    Status s = comm->Synchronize(nullptr);
-    // The outputs of the work just synchronized were handed to the framework
-    // as complete: a device-side failure (a barrier that timed out because a
-    // peer died) must stop every later collective on every rank.
-    if (!s.ok()) Abort(s.WithContext("a CUDA collective failed on the device after its completion was signalled"));
+    callbacks.push_back(std::move(c));
+  }
+  finalizer_->Add([this, comm, event, any_early, callbacks = std::move(callbacks)]() mutable {
+    // Orders `done` after the device finished the bucket's copy out.
+    Status s = event != nullptr ? comm->WaitRecordedEvent(event) : comm->Synchronize(nullptr);
+#ifdef NVGROUP_WITH_CUDA
+    if (event != nullptr) completion_events_->Release(event);
+#endif
+    // An adapter may already have let its stream run on the event: a
+    // device-side failure must then stop every later collective.
+    if (!s.ok() && any_early) Abort(s);
+    for (Callback& c : callbacks) {
+      if (!c.finished_early) queue_.Finish(c.name);
+      try {
+        c.done(s);
+      } catch (...) {
+        NVG_LOG(kError) << "the done callback of '" << c.name << "' threw; ignored";
+      }
+    }
   });
 }
 
@@ -901,6 +913,9 @@ Status Engine::Stop() {
   thread_.join();
   if (liveness_) liveness_->Close();  // BYE: this rank leaves on purpose, not a death
   finalizer_.reset();  // runs the remaining CUDA completions
+#ifdef NVGROUP_WITH_CUDA
+  completion_events_.reset();  // after the finalizer: no event is pending any more
+#endif
   {
     std::lock_guard<std::mutex> lock(abort_mu_);  // no Abort() inside a communicator being freed
     comms_freed_ = true;

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "common/env.h"
+#include "engine/completion_events.h"
 #include "engine/controller.h"
 #include "engine/fusion.h"
 #include "engine/mpi_wait.h"
@@ -173,14 +174,9 @@ class Engine {
   void SetJoinedCacheBits(std::vector<uint64_t>* bits);
   StatusOr<Communicator*> GetCommunicator(const Device& device);
   void Complete(Pending* p, const Status& status);
-  // CPU: completes at once. CUDA: requests with wait_on_completion complete
-  // at once after their stream wait is enqueued (device completion, engine.h);
-  // the others after the communicator's stream drains.
+  // CPU: completes at once. CUDA: after the bucket's completion event
+  // (completion_event_ready hears of it first, engine.h).
   void CompleteAfterStream(Communicator* comm, std::vector<Pending*> done);
-  // Device completion: a finalizer job syncs the stream off the loop and aborts
-  // the engine if the device reported a failure (at most one job queued).
-  void CheckDeviceHealthLater(Communicator* comm);
-  std::atomic<bool> health_check_queued_{false};
   // `what` names the operation in a timeout or abort message (of this cycle).
   Status Wait(MPI_Request* request, const char* what) {
     return WaitMpi(request, what, knobs_.peer_timeout_s, abort_, static_cast<int64_t>(cycle_));
@@ -195,6 +191,7 @@ class Engine {
   std::unique_ptr<Communicator> cuda_comm_;  // created by the first CUDA response
   int cuda_ordinal_ = -1;
   std::unique_ptr<Finalizer> finalizer_;  // with cuda_comm_
+  std::unique_ptr<CompletionEvents> completion_events_;  // with cuda_comm_ (CUDA builds)
   std::atomic<std::thread::id> finalizer_thread_{};
 
   TensorQueue queue_;

@@ -16,7 +16,7 @@ double MonotonicSeconds() {
 Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
                const std::atomic<bool>& abort, int64_t cycle) {
   constexpr double kBusyPollSeconds = 50e-6;
-  constexpr double kYieldPollSeconds = 1e-3;
+  constexpr double kYieldPollSeconds = 250e-6;
   constexpr int kMaxSleepUs = 200;
   int done = 0;
   NVG_MPI_CHECK(MPI_Test(request, &done, MPI_STATUS_IGNORE));

@@ -27,8 +27,9 @@ double MonotonicSeconds();
 // The wait first polls MPI_Test without pausing for kBusyPollSeconds (50 us:
 // a small collective between ranks of one host completes in 5-30 us, so the
 // common case never leaves this phase), then yields the core between polls up
-// to kYieldPollSeconds (1 ms: a peer that is a step behind, e.g. still
-// enqueueing its burst, on a host with fewer cores than runnable threads),
+// to kYieldPollSeconds (250 us: a peer slightly behind, on a host with fewer
+// cores than runnable threads; longer yield-polling took CPU from the peers
+// on an oversubscribed host),
 // and only then sleeps in growing steps up to 200 us, so a long wait for a
 // slow peer costs no CPU. Sleeping early was the old behaviour: the kernel's
 // timer slack (50 us by default) turned each 1-2-4 us sleep into ~55 us, which

@@ -28,6 +28,10 @@
 #include <string>
 #include <vector>
 
+#if defined(OPEN_MPI) && OPEN_MPI
+#include <mpi-ext.h>
+#endif
+
 #include "algorithms/cross_exchange.h"
 #include "device/cuda_communicator.h"
 #include "tools/tool_common.h"
@@ -86,9 +90,14 @@ int main(int argc, char** argv) {
   const Topology& t = comm->topology();
   const Layout layout = GatherLayout(t);
   const bool hierarchical = t.group_count > 1;
+  int cuda_aware = 0;  // the communicator's own test (cuda_communicator_cuda.cc MpiIsCudaAware)
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  cuda_aware = MPIX_Query_cuda_support();
+#endif
   if (t.rank == 0)
-    std::printf("# cross_step_bench: %d ranks, %d groups of %d, MPI_THREAD_MULTIPLE=%d\n", t.size,
-                t.group_count, t.group_size, provided == MPI_THREAD_MULTIPLE);
+    std::printf("# cross_step_bench: %d ranks, %d groups of %d, MPI_THREAD_MULTIPLE=%d, cross step %s\n",
+                t.size, t.group_count, t.group_size, provided == MPI_THREAD_MULTIPLE,
+                cuda_aware ? "on device buffers (CUDA-aware MPI)" : "host-staged (pinned, double-buffered)");
   cudaStream_t stream = nullptr;
   CheckCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   float *d_in = nullptr, *d_out = nullptr, *pinned = nullptr;

@@ -10,7 +10,17 @@
 // float64 reference, every element. Compare with allreduce_perf's NCCL time
 // for the same bytes from the same run (docs/PERFORMANCE.md).
 //
-// Usage: mpirun -np 2 engine_perf benchmarks/resnet50_gradients.txt [steps]
+// Per-phase breakdown (issue 11), means per step over the timed steps:
+//   enqueue   host time of the step's Enqueue calls (validation, queueing)
+//   drain     last Enqueue -> last done callback
+//   and the engine's own counters (nvgroup::GetEngineStats): cycles and
+//   buckets per step, background-thread seconds idle / in the agreement
+//   allreduce / negotiating / executing (communicator calls, copies,
+//   completions), ready-event waits and plan launches.
+// With `grouped` the step is one EnqueueGroup of every gradient (the
+// DistributedOptimizer's bucket), else one Enqueue per gradient.
+//
+// Usage: mpirun -np 2 engine_perf benchmarks/resnet50_gradients.txt [steps] [grouped]
 #include <cuda_runtime.h>
 #include <mpi.h>
 
@@ -32,6 +42,7 @@ int main(int argc, char** argv) {
   NVG_TOOL_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided));
   if (argc < 2) Die("usage: engine_perf GRADIENT_TABLE [steps]");
   const int steps = argc > 2 ? std::stoi(argv[2]) : 20;
+  const bool grouped = argc > 3 && std::string(argv[3]) == "grouped";
   Check(Init(EngineOptions{}), "engine Init");
   const int rank = Rank().value(), size = Size().value(), local = LocalRank().value();
   int devices = 0;
@@ -72,12 +83,15 @@ int main(int argc, char** argv) {
   std::condition_variable cv;
   int pending = 0;
   Status first_error;
+  double enqueue_s = 0, drain_s = 0;  // summed over steps
   auto step = [&] {
     CheckCuda(cudaEventRecord(ready, stream), "record");  // "the gradients are produced"
     {
       std::lock_guard<std::mutex> l(mu);
       pending = n;
     }
+    const double t0 = MPI_Wtime();
+    std::vector<CollectiveRequest> group;
     for (int t = n - 1; t >= 0; --t) {
       CollectiveRequest q;
       q.name = "grad_" + std::to_string(t);
@@ -94,18 +108,43 @@ int main(int argc, char** argv) {
         if (!s.ok() && first_error.ok()) first_error = s;
         if (--pending == 0) cv.notify_all();
       };
-      Check(Enqueue(std::move(q)), "Enqueue");
+      if (grouped) group.push_back(std::move(q));
+      else Check(Enqueue(std::move(q)), "Enqueue");
     }
+    if (grouped) Check(EnqueueGroup(std::move(group)), "EnqueueGroup");
+    const double t1 = MPI_Wtime();
     std::unique_lock<std::mutex> l(mu);
     cv.wait(l, [&] { return pending == 0; });
+    enqueue_s += t1 - t0;
+    drain_s += MPI_Wtime() - t1;
     Check(first_error, "allreduce");
   };
   for (int i = 0; i < 3; ++i) step();
   NVG_TOOL_MPI(MPI_Barrier(MPI_COMM_WORLD));
+  enqueue_s = drain_s = 0;
+  StatusOr<EngineStats> before = GetEngineStats();
+  Check(before.status(), "GetEngineStats");
   const double t0 = MPI_Wtime();
   for (int i = 0; i < steps; ++i) step();
   double us = (MPI_Wtime() - t0) * 1e6 / steps, sum = 0;
+  StatusOr<EngineStats> after = GetEngineStats();
+  Check(after.status(), "GetEngineStats");
   NVG_TOOL_MPI(MPI_Allreduce(&us, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  // Per-phase breakdown, rank 0's view (means per step).
+  const EngineStats& a = before.value();
+  const EngineStats& b = after.value();
+  auto per_step = [&](double v) { return v / steps; };
+  if (rank == 0)
+    std::printf("# engine_perf phases (rank 0, per step, %s): enqueue %.1f us, enqueue->last done %.1f us | "
+                "engine thread: idle %.1f us, agreement %.1f us, negotiation %.1f us, execution %.1f us | "
+                "%.2f cycles, %.2f buckets, %.2f ready-event waits, %.2f plan launches, %.2f negotiation rounds\n",
+                grouped ? "one EnqueueGroup" : "one Enqueue per tensor", per_step(enqueue_s) * 1e6,
+                per_step(drain_s) * 1e6, per_step(b.idle_s - a.idle_s) * 1e6, per_step(b.agree_s - a.agree_s) * 1e6,
+                per_step(b.negotiate_s - a.negotiate_s) * 1e6, per_step(b.execute_s - a.execute_s) * 1e6,
+                per_step(static_cast<double>(b.cycles - a.cycles)), per_step(static_cast<double>(b.buckets - a.buckets)),
+                per_step(static_cast<double>(b.ready_event_waits - a.ready_event_waits)),
+                per_step(static_cast<double>(b.plan_launches - a.plan_launches)),
+                per_step(static_cast<double>(b.negotiation_rounds - a.negotiation_rounds)));
 
   // Verify the last step: every element of every gradient vs float64 / size.
   long long wrong = 0;

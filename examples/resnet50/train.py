@@ -14,7 +14,18 @@ with img/s per rank and in total (ranks step in lockstep under synchronous
 SGD, so total = per-rank x ranks) and at the end a summary plus one line
 "NVG_RESULT {json}" that scaling.py parses.
 
-Checkpoints (--checkpoint-dir) are written by rank 0 only (weights, .h5).
+Keras' progress bar is shown on rank 0 only (verbose=1 if rank == 0), and the
+loss it and the progress lines show at epoch ends and log steps is averaged over
+ranks (MetricAverageCallback; an allreduce at each log step).
+
+Checkpoints (--checkpoint-dir) are whole models (.keras: weights and optimizer
+state), written by rank 0 only after each epoch; --resume loads the newest one
+on every rank with hvd.load_model (the optimizer comes back distributed with
+its iterations and momenta) and continues from the epoch after it.
+
+--cores-per-rank K pins each rank to its own K cores (local rank r gets cores
+r*K .. r*K+K-1), so a 1-rank baseline and each of N ranks get the same CPU
+share (with --intra-op-threads K).
 """
 import argparse
 import json
@@ -41,7 +52,11 @@ def parse_args(argv=None):
     p.add_argument("--fusion-threshold-mb", type=float, default=None, help="sets NVGROUP_FUSION_THRESHOLD")
     p.add_argument("--cycle-time-ms", type=float, default=None, help="sets NVGROUP_CYCLE_TIME")
     p.add_argument("--data-dir", default=None, help="TFRecords or class-per-directory images (default: synthetic)")
-    p.add_argument("--checkpoint-dir", default=None, help="rank 0 saves weights here after each epoch")
+    p.add_argument("--checkpoint-dir", default=None, help="rank 0 saves the model here after each epoch")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir (all ranks load it)")
+    p.add_argument("--cores-per-rank", type=int, default=0,
+                   help="pin each rank to its own this many cores (0: no pinning)")
     p.add_argument("--reduce-only", action="store_true",
                    help="time only the gradient reduction (random gradients of ResNet-50's shapes, "
                         "bucketed as in training): isolates what --bucket-cap-mb changes")
@@ -55,11 +70,48 @@ def parse_args(argv=None):
         p.error("--warmup-steps must be >= 0")
     if args.image_size < 32:
         p.error("--image-size must be >= 32 (ResNet-50 downsamples by 32)")
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
     return args
+
+
+def pin_cores(cores_per_rank):
+    """Pins this process (before TF starts its threads) to the cores of its
+    local rank; returns the cores, or None when not pinning."""
+    if cores_per_rank <= 0:
+        return None
+    local_rank = 0
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(var, "").isdigit():
+            local_rank = int(os.environ[var])
+            break
+    available = sorted(os.sched_getaffinity(0))
+    first = local_rank * cores_per_rank
+    if first + cores_per_rank > len(available):
+        raise SystemExit("--cores-per-rank %d: local rank %d needs cores %d-%d, this host has %d"
+                         % (cores_per_rank, local_rank, first, first + cores_per_rank - 1, len(available)))
+    cores = set(available[first:first + cores_per_rank])
+    os.sched_setaffinity(0, cores)
+    return sorted(cores)
+
+
+CHECKPOINT_PATTERN = "resnet50-%03d.keras"
+
+
+def newest_checkpoint(directory):
+    """(path, epoch) of the newest resnet50-NNN.keras in directory, or (None, 0)."""
+    import re
+    best = (None, 0)
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        m = re.fullmatch(r"resnet50-(\d{3})\.keras", name)
+        if m and int(m.group(1)) > best[1]:
+            best = (os.path.join(directory, name), int(m.group(1)))
+    return best
 
 
 def main(argv=None):
     args = parse_args(argv)
+    cores = pin_cores(args.cores_per_rank)
     # Engine knobs must be in the environment before init (cc/common/env.h reads them once).
     if args.fusion_threshold_mb is not None:
         os.environ["NVGROUP_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * (1 << 20)))
@@ -91,13 +143,35 @@ def main(argv=None):
     steps_per_epoch = untimed + args.steps
     dataset = make_dataset(args, rank, size, tf, np)
 
-    keras.utils.set_random_seed(1000 + rank)  # different init per rank: the broadcast fixes it
-    model = keras.applications.ResNet50(weights=None, input_shape=(args.image_size, args.image_size, 3),
-                                        classes=args.num_classes)
+    if rank == 0 and cores is not None:
+        print("# each rank pinned to %d core(s) (this one: %s), %d intra-op thread(s)"
+              % (args.cores_per_rank, cores, tf.config.threading.get_intra_op_parallelism_threads() or -1),
+              flush=True)
     bucket_cap = None if args.bucket_cap_mb is None else int(args.bucket_cap_mb * (1 << 20))
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(args.lr * size, momentum=0.9),
-                                   bucket_cap_bytes=bucket_cap)
-    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    initial_epoch = 0
+    resume_path = None
+    if args.resume:
+        resume_path, initial_epoch = newest_checkpoint(args.checkpoint_dir)
+    if resume_path is not None:
+        # Every rank loads rank 0's checkpoint: weights, and an optimizer that
+        # comes back distributed with its saved iterations and momenta.
+        model = hvd.load_model(resume_path, bucket_cap_bytes=bucket_cap)
+        if rank == 0:
+            print("# resumed from %s (epoch %d, optimizer iterations %d)"
+                  % (resume_path, initial_epoch, int(model.optimizer.iterations.numpy())), flush=True)
+    else:
+        if args.resume and rank == 0:
+            print("# --resume: no checkpoint in %s, starting fresh" % args.checkpoint_dir, flush=True)
+        keras.utils.set_random_seed(1000 + rank)  # different init per rank: the broadcast fixes it
+        model = keras.applications.ResNet50(weights=None, input_shape=(args.image_size, args.image_size, 3),
+                                            classes=args.num_classes)
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(args.lr * size, momentum=0.9),
+                                       bucket_cap_bytes=bucket_cap)
+        model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    if initial_epoch >= args.epochs:
+        if rank == 0:
+            print("# nothing to do: checkpoint epoch %d >= --epochs %d" % (initial_epoch, args.epochs))
+        return 0
 
     timer = ThroughputTimer(args, rank, size, untimed, steps_per_epoch)
     callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
@@ -108,12 +182,12 @@ def main(argv=None):
     if args.checkpoint_dir and rank == 0:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         callbacks.append(keras.callbacks.ModelCheckpoint(
-            os.path.join(args.checkpoint_dir, "resnet50-{epoch:03d}.weights.h5"), save_weights_only=True))
+            os.path.join(args.checkpoint_dir, "resnet50-{epoch:03d}.keras")))
 
     if args.reduce_only:
         return reduce_only(args, model, rank, size, untimed, bucket_cap, np, tf)
-    model.fit(dataset, epochs=args.epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-              shuffle=False, verbose=0)
+    model.fit(dataset, epochs=args.epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+              callbacks=callbacks, shuffle=False, verbose=1 if rank == 0 else 0)
     timer.report()
     return 0
 
@@ -184,6 +258,9 @@ def make_dataset(args, rank, size, tf, np):
 
 def ThroughputTimer(args, rank, size, untimed, steps_per_epoch):
     import keras
+    import numpy as np
+
+    import nvgroup_tf.keras as hvd
 
     class Timer(keras.callbacks.Callback):
         """Times the steps after the first `untimed` of every epoch (rank 0 prints)."""
@@ -194,6 +271,7 @@ def ThroughputTimer(args, rank, size, untimed, steps_per_epoch):
             self.epoch_rates = []
             self._t0 = self._t_last = None
             self._epoch = 0
+            self.last_loss = None
 
         def on_epoch_begin(self, epoch, logs=None):
             self._epoch = epoch
@@ -210,9 +288,14 @@ def ThroughputTimer(args, rank, size, untimed, steps_per_epoch):
             self.step_times.append(now - self._t_last)
             self._t_last = now
             timed = done - untimed
-            if rank == 0 and (timed % args.log_every == 0 or done == steps_per_epoch):
-                rate = timed * args.batch_size / (now - self._t0)
+            if timed % args.log_every == 0 or done == steps_per_epoch:  # same steps on every rank
                 loss = (logs or {}).get("loss")
+                if loss is not None:  # every rank takes part; rank 0 prints the average
+                    loss = float(hvd.allreduce(np.float64(loss), op=hvd.Average).numpy())
+                self.last_loss = loss
+                if rank != 0:
+                    return
+                rate = timed * args.batch_size / (now - self._t0)
                 print("epoch %d step %4d/%d  loss %s  img/s per rank %8.2f  total %9.2f"
                       % (self._epoch + 1, done, steps_per_epoch,
                          "-" if loss is None else "%.4f" % float(loss), rate, rate * size), flush=True)
@@ -234,6 +317,8 @@ def ThroughputTimer(args, rank, size, untimed, steps_per_epoch):
                 "img_per_sec_per_rank": per_rank, "img_per_sec_total": per_rank * size,
                 "step_time_ms_mean": 1e3 * sum(times) / len(times),
                 "step_time_ms_median": 1e3 * times[len(times) // 2],
+                "loss_averaged_over_ranks": self.last_loss,
+                "intra_op_threads": args.intra_op_threads, "cores_per_rank": args.cores_per_rank,
             }
             print("# ResNet-50: %d rank(s) x batch %d, %dx%d images, %d timed steps x %d epoch(s)"
                   % (size, args.batch_size, args.image_size, args.image_size, args.steps, args.epochs))

@@ -88,3 +88,12 @@ from nvgroup_tf import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabl
                         is_homogeneous, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
                         rocm_built, start_timeline, stop_timeline)
 from nvgroup_tf.keras import elastic  # noqa: E402,F401
+from nvgroup_tf.process_sets import (ProcessSet, add_process_set,  # noqa: E402,F401
+                                     global_process_set, remove_process_set)
+
+
+def reducescatter(value, name=None, op=Average):
+    """Horovod's keras reducescatter(value, name=None, op=Average): `value`
+    (numpy, Python or tensor; `name` names its constant) reduced over ranks,
+    this rank's share of dimension 0."""
+    return _core.reducescatter(tf.constant(value, name=name), op=op)

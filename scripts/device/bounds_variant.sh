@@ -13,7 +13,8 @@ nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -DNVGROUP_WITH_CUDA=1 -I
   -DNVGROUP_TWOSHOT_MIN_BLOCKS_PER_SM=2 -Xptxas -v -c cc/kernels/p2p_allreduce.cu -o "$V/p2p.o" 2>&1
 OBJS=""
 for s in cc/kernels/batched_copy.cu cc/common/env.cc cc/common/status.cc cc/common/types.cc \
-         cc/topology/topology.cc cc/cpu/host_reduce.cc $(ls cc/device/*_cuda.cc); do
+         cc/topology/topology.cc cc/cpu/host_reduce.cc cc/algorithms/cross_exchange.cc cc/device/peer_access_advice.cc \
+         $(ls cc/device/*_cuda.cc); do
   OBJS+=" $B/$(echo "$s" | tr / _).o"
 done
 g++ -o "$V/allreduce_check" "$B/cc_tools_allreduce_check.cc.o" "$B/cc_tools_round_kernels.cu.o" \

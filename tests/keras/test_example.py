@@ -1,5 +1,7 @@
 """examples/resnet50/train.py runs data-parallel on 2 ranks through nvgrouprun
-(tiny config), reports its result line, and only rank 0 writes checkpoints."""
+(tiny config), reports its result line (loss averaged over ranks), shows
+Keras' progress bar on rank 0 only, only rank 0 writes checkpoints, and
+--resume continues from them (issue 9 item 9)."""
 import glob
 import json
 import os
@@ -31,7 +33,25 @@ def test_resnet50_two_ranks_via_nvgrouprun(tmp_path):
     assert r["ranks"] == 2 and r["batch_size"] == 2 and r["steps"] == 2 and r["bucket_cap_mb"] == 4.0
     assert r["img_per_sec_per_rank"] > 0 and abs(r["img_per_sec_total"] - 2 * r["img_per_sec_per_rank"]) < 1e-9
     assert "img/s per rank" in proc.stdout
-    assert [os.path.basename(p) for p in glob.glob(str(ckpt / "*"))] == ["resnet50-001.weights.h5"]
+    assert [os.path.basename(p) for p in glob.glob(str(ckpt / "*"))] == ["resnet50-001.keras"]
+    # Keras' progress bar on rank 0 only: one final bar line per epoch ("3/3 ...").
+    assert proc.stdout.count("3/3") == 1, proc.stdout[-4000:]
+    assert r["loss_averaged_over_ranks"] is not None
+
+    # --resume: every rank loads rank 0's newest checkpoint (optimizer state
+    # included) and trains the remaining epoch; pinned to one core each.
+    cmd2 = cmd[:cmd.index("--checkpoint-dir")] + ["--checkpoint-dir", str(ckpt), "--epochs", "2", "--resume",
+                                                   "--cores-per-rank", "1", "--intra-op-threads", "1"]
+    proc = subprocess.run(cmd2, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    # 1 untimed + 2 timed steps per epoch: the resumed optimizer has counted 3.
+    assert "resumed from %s (epoch 1, optimizer iterations 3)" % (ckpt / "resnet50-001.keras") in proc.stdout, \
+        proc.stdout[-4000:]
+    assert "each rank pinned to 1 core(s)" in proc.stdout
+    assert sorted(os.path.basename(p) for p in glob.glob(str(ckpt / "*"))) == ["resnet50-001.keras",
+                                                                               "resnet50-002.keras"]
+    assert proc.stdout.count("Epoch 2/2") == 1 and "Epoch 1/2" not in proc.stdout, proc.stdout[-4000:]
 
 
 def test_train_rejects_bad_flags():

@@ -37,3 +37,9 @@ def test_sync_batch_norm_tf_keras():
 def test_elastic_and_best_checkpoint(ranks, tmp_path):
     result = run_mpi(worker("elastic_worker.py"), ranks, args=[tmp_path], timeout=420)
     assert result.output.count(" 0 failures") == ranks
+
+
+def test_elastic_and_best_checkpoint_tf_keras(tmp_path):
+    result = run_mpi(worker("elastic_worker.py"), 2, args=[tmp_path],
+                     env={"TF_USE_LEGACY_KERAS": "1"}, timeout=420)
+    assert result.output.count(" 0 failures") == 2

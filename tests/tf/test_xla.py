@@ -30,3 +30,9 @@ def test_dead_peer_fails_the_xla_program():
     for survivor in (0, 2):
         assert re.search(r"rank %d: CAUGHT UnavailableError .*rank 1" % survivor, result.output), result
         assert "[rank %d/3 xla]" % survivor in result.output and " 0 failures" in result.output, result
+
+
+def test_async_custom_call_variant():
+    """NVGROUP_XLA_ASYNC=1: the host custom call returns a future (docs/XLA.md)."""
+    result = run_mpi(WORKER, 2, args=["collectives", "errors"], env={"NVGROUP_XLA_ASYNC": "1"}, timeout=600)
+    assert result.output.count(" 0 failures") == 2, result.output[-20000:]

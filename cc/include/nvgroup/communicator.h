@@ -165,13 +165,15 @@ class Communicator : public Collectives, public StreamHelpers {
   virtual const Topology& topology() const = 0;
   virtual Device device() const = 0;
 
-  // CUDA: records the communicator's completion event on `stream` (nullptr =
-  // its own) and returns it (a cudaEvent_t): a stream that waits on it is
-  // ordered after all work enqueued on `stream` so far. The same event is
-  // re-recorded by the next call, so wait on it before calling again
-  // (cudaStreamWaitEvent captures the record current at the call). CPU: work is
-  // complete on return; returns nullptr.
-  virtual StatusOr<void*> RecordCompletion(void* /*stream*/) { return static_cast<void*>(nullptr); }
+  // Per-bucket completion (the engine's fast path, issue 11). RecordEvent
+  // records `event` (a cudaEvent_t of device()) on `stream` after the work
+  // enqueued there so far; WaitRecordedEvent blocks the host until that point
+  // is reached, then reports a device-side failure (abort, barrier timeout)
+  // as Synchronize does. Unlike Synchronize it does not wait for work enqueued
+  // after the event (the next bucket). CPU: work is complete on return, both
+  // are no-ops.
+  virtual Status RecordEvent(void* /*event*/, void* /*stream*/) { return Status::Ok(); }
+  virtual Status WaitRecordedEvent(void* /*event*/) { return Status::Ok(); }
 
   // Makes every spin wait in flight or started later return kAborted promptly.
   // Safe to call from any thread (used on shutdown and when a peer is lost).

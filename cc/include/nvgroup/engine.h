@@ -16,17 +16,8 @@
 //  * Pointers stay valid until `done` runs.
 //  * CUDA requests: `ready_event` (a cudaEvent_t recorded by the framework on
 //    its stream after the input was produced) is waited on *by the GPU* (no host
-//    block); `done` runs after the output is complete on the device, unless
-//    the request sets `wait_on_completion` (below).
-//  * Device completion (CUDA, `wait_on_completion` set): once the request's
-//    device work is enqueued, the engine records a completion event on its
-//    stream and calls wait_on_completion(event) on an engine thread; the
-//    framework makes its own stream wait on the event inside that call (the
-//    event is re-recorded after the call returns), and `done(OK)` follows at
-//    once, with no host sync: the output is complete when the framework's
-//    stream passes the wait. A failure the device reports later (a peer lost
-//    inside a kernel's barrier) aborts the engine: every later collective on
-//    every rank fails naming it.
+//    block); `done` runs after the output is complete on the device
+//    (`completion_event_ready`, below, lets the framework go on earlier).
 #pragma once
 
 #include <cstdint>
@@ -62,6 +53,16 @@ struct CollectiveRequest {
   int root_rank = 0;                // broadcast only (a rank of the process set)
   void* ready_event = nullptr;      // CUDA only: cudaEvent_t, may be nullptr
   DoneCallback done;
+  // CUDA only, optional (issue 11): called on an engine thread as soon as the
+  // request's work is enqueued on the engine's stream, before `done`, with a
+  // cudaEvent_t recorded after the request's output is written (one event per
+  // bucket). It is valid only during the call: make the consumer's stream wait
+  // on it there (cudaStreamWaitEvent captures the event at call time). An
+  // adapter that lets its stream continue on this event need not block on
+  // `done`, which still follows exactly once, after the host saw the bucket
+  // complete, with OK or the device-side error (a peer lost mid-kernel); such
+  // an error also aborts the engine, so every later collective fails.
+  std::function<void(void* completion_event)> completion_event_ready;
 
   // --- Added collectives (see types.h for their semantics). ---
   // reducescatter: allocate_output is called with this rank's share of
@@ -75,9 +76,6 @@ struct CollectiveRequest {
   // join: `output` points to one int32 that receives the last rank to join.
   // Process set the collective runs in (0 = all ranks; see AddProcessSet).
   int32_t process_set_id = 0;
-  // CUDA only, optional (see the contract above). A non-OK return becomes the
-  // status passed to `done`.
-  std::function<Status(void* completion_event)> wait_on_completion;
 };
 
 struct EngineOptions {

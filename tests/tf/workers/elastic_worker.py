@@ -194,6 +194,9 @@ def check_best_model_checkpoint(c, out_dir):
 def main():
     c = Checker("elastic")
     hvd.init()
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+    c.check(tf.keras.__name__.startswith("tf_keras") == legacy,
+            "Keras in use: %s (TF_USE_LEGACY_KERAS=%s)" % (tf.keras.__name__, legacy))
     check_tensorflow_state(c)
     check_engine_failure_is_retried(c)
     check_keras_state(c)

@@ -125,7 +125,7 @@ def section_collectives(c, digest):
                     "grouped[%d] %s" % (i, d.name))
         digest.add(a)
     text = hlo_of(tf.function(lambda ts: grouped(ts, ".hlo"), jit_compile=True), xs)
-    c.check(text.count("custom_call_target=\"nvgroup_collective\"") == 1,
+    c.check(text.count("custom_call_target=\"nvgroup_collective") == 1,
             "a grouped allreduce must lower to one custom call:\n%s" % text[:2000])
 
     c.section("allgather: rank-dependent first dimensions, every dtype")
