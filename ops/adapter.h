@@ -39,9 +39,9 @@
 //     (Horovod records its ready event after allocating for the same reason),
 //     and the engine's wait, which follows it, covers them.
 //   * completion (kDeviceCompletion): the engine records a completion event
-//     after the op's last device work and TF's compute stream waits on it
-//     before done() (engine.h, device completion), so TF runs ahead without a
-//     host sync; every later use of the outputs, and every later reuse of the
+//     after each bucket's device work and hands it over first
+//     (engine.h completion_event_ready); TF's compute stream waits on it and
+//     done() follows at once, so TF runs ahead without a host sync; every later use of the outputs, and every later reuse of the
 //     inputs' memory, is ordered behind that wait because TF orders all of them
 //     after the compute stream (its copy streams wait on it). One wait per op
 //     suffices: the engine runs an op's requests in order on one stream, so the
