@@ -105,5 +105,9 @@ absl::Status MakeAllreduceRequest(tf::OpKernelContext* context, int index, const
   return absl::OkStatus();
 }
 
+#if !GOOGLE_CUDA
+GpuEventStats GetGpuEventStats() { return GpuEventStats(); }  // no GPU kernels, no events
+#endif
+
 }  // namespace tf_adapter
 }  // namespace nvgroup

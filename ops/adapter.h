@@ -17,7 +17,35 @@
 // The kernels are templates on a DeviceTraits type, so CPU and GPU share one
 // body; the traits provide
 //   static absl::Status Prepare(OpKernelContext*, nvgroup::Device*, void** event);
-//   static void Release(void* event);   // after the engine is done with it
+//     the engine Device and the readiness event (GPU: one from a pool, recorded
+//     on TF's compute stream; CPU: none)
+//   static absl::Status RecordReady(OpKernelContext*, void* event);
+//     records `event` again, on the engine thread, right after allgather's
+//     output was allocated (below)
+//   static constexpr bool kDeviceCompletion;
+//   static absl::Status WaitOnCompletion(OpKernelContext*, void* completion_event);
+//     GPU: TF's compute stream waits on the engine's completion event
+//   static void Release(const nvgroup::Device&, void* event);  // after done
+//
+// GPU ordering (what each step rests on):
+//   * readiness: the engine's stream waits on `event`, recorded on TF's compute
+//     stream after everything TF enqueued before the op, so the engine reads
+//     the inputs only once they are produced.
+//   * allgather's output is allocated on the engine thread after negotiation.
+//     TF's GPU allocator hands out memory as soon as its previous owner's host
+//     reference is gone, relying on that owner's kernels being queued earlier
+//     *on the compute stream*; kernels TF enqueued after `event` may still use
+//     that memory. So the callback records `event` again after the allocation
+//     (Horovod records its ready event after allocating for the same reason),
+//     and the engine's wait, which follows it, covers them.
+//   * completion (kDeviceCompletion): the engine records a completion event
+//     after each bucket's device work and hands it over first
+//     (engine.h completion_event_ready); TF's compute stream waits on it and
+//     done() follows at once, so TF runs ahead without a host sync; every later use of the outputs, and every later reuse of the
+//     inputs' memory, is ordered behind that wait because TF orders all of them
+//     after the compute stream (its copy streams wait on it). One wait per op
+//     suffices: the engine runs an op's requests in order on one stream, so the
+//     event recorded for the op's last request covers the earlier ones.
 #pragma once
 
 #include <atomic>
@@ -57,38 +85,86 @@ absl::Status ParseReduceOp(const std::string& text, ReduceOp* op);
 // sets (deterministic, see nvgroup_tf/mpi_ops.py), else "<OpType>_<node name>".
 std::string CollectiveName(const tf::OpKernel& kernel, const std::string& tensor_name_attr);
 
-// Shared by the requests of one op invocation; finishes the op when the last
-// request completes.
+// Shared by the requests of one op invocation; finishes the op toward TF
+// once: early, when the last request's completion event arrives (engine.h
+// completion_event_ready) and TF's stream waits on it; otherwise (an error, or
+// no event) when the last request's `done` arrives.
+template <typename Traits>
 class Completion {
  public:
   Completion(tf::OpKernelContext* context, tf::AsyncOpKernel::DoneCallback done, int pending,
-             void* event, void (*release)(void*))
-      : context_(context), done_(std::move(done)), pending_(pending), event_(event),
-        release_(release) {}
+             const Device& device, void* event)
+      : context_(context), done_(std::move(done)), pending_(pending), device_pending_(pending),
+        device_(device), event_(event) {}
+
+  // completion_event_ready of one request (engine thread, before its `done`).
+  // One wait per op suffices: the engine runs an op's requests in order on one
+  // stream, so the event of the op's last request covers the earlier ones.
+  void OnDeviceEvent(void* completion_event) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--device_pending_ != 0 || !first_error_.ok() || tf_done_) return;
+    absl::Status waited = Traits::WaitOnCompletion(context_, completion_event);
+    if (!waited.ok()) {
+      first_error_ = FromTfStatus(waited);
+      return;  // reported when the last `done` arrives
+    }
+    FinishTf();  // no host sync: TF's stream runs on the event
+  }
 
   // Called once per request (engine callback) or once with the whole count
   // (synchronous rejection). The first non-OK status wins.
   void Finish(const Status& status, int count = 1) {
-    if (!status.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (first_error_.ok()) first_error_ = status;
-    }
-    if (pending_.fetch_sub(count) != count) return;
-    // Last request: no other thread touches this object any more.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!status.ok() && first_error_.ok()) first_error_ = status;
+    pending_ -= count;
+    if (pending_ != 0 || tf_done_) return;
+    // (A device-side failure after an early finish aborts the engine, so the
+    // next collectives fail naming it; this op's status is already given.)
     if (!first_error_.ok()) context_->SetStatus(ToTfStatus(first_error_));
-    release_(event_);
-    done_();
+    FinishTf();
   }
 
  private:
+  void FinishTf() {  // mu_ held; exactly once
+    tf_done_ = true;
+    Traits::Release(device_, event_);  // the engine's wait on it is enqueued (captured) already
+    // done_ may destroy the kernel's context (and TF may free the tensors):
+    // nothing touches them afterwards.
+    done_();
+  }
+
   tf::OpKernelContext* context_;
   tf::AsyncOpKernel::DoneCallback done_;
-  std::atomic<int> pending_;
-  void* event_;
-  void (*release_)(void*);
-  std::mutex mu_;
+  std::mutex mu_;  // guards everything below
+  int pending_;
+  int device_pending_;
+  bool tf_done_ = false;
   Status first_error_;
+  const Device device_;
+  void* event_;
 };
+
+// CPU tensors are complete when the kernel runs and when done() is called: no
+// readiness or completion signal.
+struct CpuTraits {
+  static constexpr bool kDeviceCompletion = false;
+  static absl::Status Prepare(tf::OpKernelContext*, Device* device, void** event) {
+    *device = Device::Cpu();
+    *event = nullptr;
+    return absl::OkStatus();
+  }
+  static absl::Status RecordReady(tf::OpKernelContext*, void*) { return absl::OkStatus(); }
+  static absl::Status WaitOnCompletion(tf::OpKernelContext*, void*) { return absl::OkStatus(); }
+  static void Release(const Device&, void*) {}
+};
+
+// Event-pool counters of the GPU kernels (c_api.cc exports them for tests);
+// zeros without GOOGLE_CUDA.
+struct GpuEventStats {
+  int64_t created = 0;   // cudaEventCreate calls, ever
+  int64_t recorded = 0;  // readiness records, ever
+};
+GpuEventStats GetGpuEventStats();
 
 // Fills device/ready_event/done of every request and enqueues them (one request:
 // Enqueue; several: EnqueueGroup, so they are negotiated and fused as a unit).
@@ -103,13 +179,22 @@ void Submit(tf::OpKernelContext* context, std::vector<CollectiveRequest> request
     done();
     return;
   }
-  auto completion = std::make_shared<Completion>(context, std::move(done),
-                                                 static_cast<int>(requests.size()), event,
-                                                 &Traits::Release);
+  auto completion = std::make_shared<Completion<Traits>>(
+      context, std::move(done), static_cast<int>(requests.size()), device, event);
   for (CollectiveRequest& request : requests) {
     request.device = device;
     request.ready_event = event;
     request.done = [completion](const Status& status) { completion->Finish(status); };
+    if (Traits::kDeviceCompletion)
+      request.completion_event_ready = [completion](void* e) { completion->OnDeviceEvent(e); };
+    if (request.allocate_output) {  // readiness after the allocation (header comment)
+      request.allocate_output = [allocate = std::move(request.allocate_output), context, event](
+                                    const std::vector<int64_t>& shape, void** out) -> Status {
+        Status allocated = allocate(shape, out);
+        if (!allocated.ok()) return allocated;
+        return FromTfStatus(Traits::RecordReady(context, event));
+      };
+    }
   }
   const int count = static_cast<int>(requests.size());
   Status status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));

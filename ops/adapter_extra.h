@@ -169,14 +169,7 @@ class JoinOp : public tf::AsyncOpKernel {
   }
 
  private:
-  struct CpuJoinTraits {
-    static absl::Status Prepare(tf::OpKernelContext*, Device* device, void** event) {
-      *device = Device::Cpu();
-      *event = nullptr;
-      return absl::OkStatus();
-    }
-    static void Release(void*) {}
-  };
+  using CpuJoinTraits = CpuTraits;  // ops/adapter.h
   int process_set_id_ = 0;
 };
 

@@ -9,6 +9,10 @@
 #include <string>
 
 #include "nvgroup/engine.h"
+#include "ops/adapter.h"
+#if GOOGLE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 namespace {
 
@@ -32,6 +36,14 @@ extern "C" {
 int nvgroup_tf_init(int64_t mpi_comm_fortran, char* msg, int msg_len) {
   nvgroup::EngineOptions options;
   options.mpi_comm_fortran = mpi_comm_fortran;
+#if GOOGLE_CUDA
+  // With a GPU visible, the registered GPU memory is taken now, before
+  // TensorFlow reserves the GPU's memory (README 'GPU memory'). No GPU (or a
+  // CUDA error while looking): the first GPU collective creates it, if any.
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) options.cuda_at_init = true;
+  else (void)cudaGetLastError();
+#endif
   return Report(nvgroup::Init(options), msg, msg_len);
 }
 
@@ -58,6 +70,13 @@ int nvgroup_tf_cross_rank(int* out, char* msg, int len) {
 }
 int nvgroup_tf_cross_size(int* out, char* msg, int len) {
   return ReportValue(nvgroup::CrossSize(), out, msg, len);
+}
+
+// Counters of the GPU kernels' event pool (ops/adapter.h GpuEventStats).
+void nvgroup_tf_gpu_event_stats(int64_t* created, int64_t* recorded) {
+  nvgroup::tf_adapter::GpuEventStats stats = nvgroup::tf_adapter::GetGpuEventStats();
+  *created = stats.created;
+  *recorded = stats.recorded;
 }
 
 int nvgroup_tf_mpi_threads_supported(int* out, char* msg, int len) {

@@ -24,16 +24,6 @@ namespace {
 using tf::shape_inference::InferenceContext;
 using tf::shape_inference::ShapeHandle;
 
-// CPU tensors are complete when the kernel runs: no readiness signal.
-struct CpuTraits {
-  static absl::Status Prepare(tf::OpKernelContext*, Device* device, void** event) {
-    *device = Device::Cpu();
-    *event = nullptr;
-    return absl::OkStatus();
-  }
-  static void Release(void*) {}
-};
-
 absl::Status AllgatherShape(InferenceContext* c) {
   ShapeHandle input, output;
   TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &input));

@@ -14,15 +14,7 @@ namespace {
 using tf::shape_inference::InferenceContext;
 using tf::shape_inference::ShapeHandle;
 
-// CPU tensors are complete when the kernel runs: no readiness signal.
-struct CpuTraits {
-  static absl::Status Prepare(tf::OpKernelContext*, Device* device, void** event) {
-    *device = Device::Cpu();
-    *event = nullptr;
-    return absl::OkStatus();
-  }
-  static void Release(void*) {}
-};
+// CpuTraits: ops/adapter.h.
 
 absl::Status FirstDimUnknown(InferenceContext* c) {
   for (int i = 0; i < c->num_inputs() && i < c->num_outputs(); ++i) {

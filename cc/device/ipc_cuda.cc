@@ -29,8 +29,22 @@ StatusOr<std::unique_ptr<IpcRegion>> IpcRegion::Create(MPI_Comm group_comm, size
   const size_t total = FlagsBytes() + r->data_bytes_ + 2 * r->staging_bytes_;
 
   char* own = nullptr;
-  NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&own), total));
-  r->base_[r->group_rank_] = own;  // freed by the destructor from here on
+  const cudaError_t malloc_error = cudaMalloc(reinterpret_cast<void**>(&own), total);
+  if (malloc_error != cudaSuccess) (void)cudaGetLastError();
+  else r->base_[r->group_rank_] = own;  // freed by the destructor from here on
+  // Every member learns whether every member got its region, so that a rank
+  // whose GPU memory is taken fails here with the others instead of leaving
+  // them blocked in the handle exchange below.
+  int got = malloc_error == cudaSuccess ? 1 : 0, all_got = 0;
+  NVG_MPI_CHECK(MPI_Allreduce(&got, &all_got, 1, MPI_INT, MPI_MIN, group_comm));
+  if (malloc_error != cudaSuccess)
+    return Status::Unavailable("cudaMalloc of " + std::to_string(total >> 20) + " MiB of GPU memory for "
+                               "nvgroup_tf's registered buffers failed: " + cudaGetErrorString(malloc_error) +
+                               ". Initialize nvgroup_tf before TensorFlow reserves the GPU's memory, turn on "
+                               "memory growth, or lower NVGROUP_FUSION_THRESHOLD (README 'GPU memory')");
+  if (all_got == 0)
+    return Status::Unavailable("another member of this rank's NV-group could not allocate its " +
+                               std::to_string(total >> 20) + " MiB of registered GPU memory");
   NVG_CUDA_CHECK(cudaMemset(own, 0, FlagsBytes()));
   NVG_CUDA_CHECK(cudaDeviceSynchronize());  // flags are zero before any peer can see them
 

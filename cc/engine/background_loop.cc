@@ -72,7 +72,7 @@ constexpr uint64_t kNoShutdown = 1u << 1;       // no rank asked to shut down
 constexpr int kStateDigestWords = 2;
 
 Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
-               bool watch_liveness)
+               bool watch_liveness, std::unique_ptr<Communicator> cuda)
     : knobs_(knobs),
       comm_(comm),
       rank_(rank),
@@ -99,6 +99,16 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
   if (rank_ == 0 && !knobs.timeline_path.empty()) {
     Status s = timeline_.Open(knobs.timeline_path, MonotonicSeconds());
     if (!s.ok()) NVG_LOG(kWarning) << "NVGROUP_TIMELINE: " << s.message() << "; continuing without a timeline";
+  }
+  if (cuda != nullptr) {  // created by Init (EngineOptions::cuda_at_init)
+    cuda_comm_ = std::move(cuda);
+    cuda_comm_for_abort_ = cuda_comm_.get();
+    cuda_ordinal_ = cuda_comm_->device().ordinal;
+#ifdef NVGROUP_WITH_CUDA
+    completion_events_ = std::make_unique<CompletionEvents>(cuda_ordinal_);
+#endif
+    finalizer_ = std::make_unique<Finalizer>();
+    finalizer_thread_ = finalizer_->thread_id();
   }
   thread_ = std::thread([this] { Loop(); });
 }

@@ -70,9 +70,11 @@ class Engine {
   // Starts the background thread. `comm` (the engine's duplicate of the user's
   // communicator) and `cpu` are owned from here on.
   // `watch_liveness`: run the dead-rank monitor (set 0's engine; the engines
-  // of process sets rely on it: AbortEngine aborts them all).
+  // of process sets rely on it: AbortEngine aborts them all). `cuda`, when
+  // given, is the CUDA communicator Init created already
+  // (EngineOptions::cuda_at_init); otherwise the first CUDA response creates it.
   Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
-         bool watch_liveness = true);
+         bool watch_liveness = true, std::unique_ptr<Communicator> cuda = nullptr);
   ~Engine();
 
   const Topology& topology() const { return topology_; }
@@ -172,7 +174,8 @@ class Engine {
   void SetJoinedCacheBits(std::vector<uint64_t>* bits);
   StatusOr<Communicator*> GetCommunicator(const Device& device);
   void Complete(Pending* p, const Status& status);
-  // CPU: completes at once. CUDA: after the communicator's stream drains.
+  // CPU: completes at once. CUDA: after the bucket's completion event
+  // (completion_event_ready hears of it first, engine.h).
   void CompleteAfterStream(Communicator* comm, std::vector<Pending*> done);
   // `what` names the operation in a timeout or abort message (of this cycle).
   Status Wait(MPI_Request* request, const char* what) {

@@ -379,6 +379,61 @@ Status AgreeOnKnobs(MPI_Comm comm, int size, StatusOr<Knobs>* knobs, double time
   return Status::Ok();
 }
 
+// Memory of the CUDA-at-init agreements (leaked when a wait gives up, as
+// InitExchange).
+struct FlagExchange {
+  int64_t mine = 0;
+  std::vector<int64_t> all;
+};
+
+// Whether every rank asks for `wish` (creating a communicator is collective:
+// all ranks or none). A rank that asks alone is told in the log.
+StatusOr<bool> AllRanksAsk(MPI_Comm comm, int size, bool wish, double timeout_s) {
+  std::atomic<bool> never{false};
+  auto x = std::make_unique<FlagExchange>();
+  x->mine = wish ? 1 : 0;
+  x->all.resize(size);
+  MPI_Request req;
+  NVG_MPI_CHECK(MPI_Iallgather(&x->mine, 1, MPI_INT64_T, x->all.data(), 1, MPI_INT64_T, comm, &req));
+  Status waited = WaitMpi(&req, "Init's device check", timeout_s, never);
+  if (!waited.ok()) {
+    (void)x.release();
+    return waited;
+  }
+  const int64_t askers = std::count(x->all.begin(), x->all.end(), int64_t{1});
+  if (wish && askers < size)
+    NVG_LOG(kWarning) << "only " << askers << " of " << size << " ranks see a GPU at init(): the GPU "
+                      << "memory is taken at the first GPU collective instead";
+  return askers == size;
+}
+
+// EngineOptions::cuda_at_init: the CUDA communicator on local_rank % device
+// count, then one agreement so that a rank that could not create it (most
+// often: its GPU memory is taken) fails Init on every rank, named, instead of
+// leaving the others to time out in their first collective.
+StatusOr<std::unique_ptr<Communicator>> CreateCudaAtInit(MPI_Comm comm, int size,
+                                                         const CommunicatorOptions& copts,
+                                                         double timeout_s) {
+  StatusOr<std::unique_ptr<Communicator>> c = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cuda(-1), copts);
+  std::atomic<bool> never{false};
+  auto x = std::make_unique<FlagExchange>();
+  x->mine = c.ok() ? 0 : 1;
+  x->all.resize(size);
+  MPI_Request req;
+  NVG_MPI_CHECK(MPI_Iallgather(&x->mine, 1, MPI_INT64_T, x->all.data(), 1, MPI_INT64_T, comm, &req));
+  Status waited = WaitMpi(&req, "Init's CUDA communicator check", timeout_s, never);
+  if (!waited.ok()) {
+    (void)x.release();
+    return waited;
+  }
+  if (!c.ok()) return c.status().WithContext("creating the CUDA communicator (registered GPU memory, see README 'GPU memory')");
+  for (int r = 0; r < size; ++r)
+    if (x->all[r] != 0)
+      return Status::Unavailable("rank " + std::to_string(r) + " could not create its CUDA communicator "
+                                 "(its error names the cause, most often GPU memory; see README 'GPU memory')");
+  return c;
+}
+
 }  // namespace
 
 Status Init(const EngineOptions& options) {
@@ -441,6 +496,20 @@ Status Init(const EngineOptions& options) {
     MPI_Comm_free(&comm);
     return cpu.status().WithContext("nvgroup_tf.init: creating the CPU communicator");
   }
+  std::unique_ptr<Communicator> cuda;
+  StatusOr<bool> everyone_cuda = AllRanksAsk(comm, size, options.cuda_at_init, timeout_s);
+  if (!everyone_cuda.ok()) {
+    MPI_Comm_free(&comm);
+    return everyone_cuda.status().WithContext("nvgroup_tf.init");
+  }
+  if (everyone_cuda.value()) {
+    StatusOr<std::unique_ptr<Communicator>> c = CreateCudaAtInit(comm, size, copts, timeout_s);
+    if (!c.ok()) {
+      MPI_Comm_free(&comm);
+      return c.status().WithContext("nvgroup_tf.init");
+    }
+    cuda = c.consume();
+  }
   // Homogeneous: the largest and the smallest local size agree (one MAX
   // allreduce of {local_size, -local_size}), so every rank reports the same.
   int local_sizes[2] = {cpu.value()->topology().local_size, -cpu.value()->topology().local_size};
@@ -457,7 +526,7 @@ Status Init(const EngineOptions& options) {
   g_knobs = knobs.value();
   g_sets.clear();
   g_next_set_id = 1;
-  g_engine = std::make_shared<Engine>(knobs.value(), comm, rank, size, cpu.consume());
+  g_engine = std::make_shared<Engine>(knobs.value(), comm, rank, size, cpu.consume(), true, std::move(cuda));
   NVG_LOG(kInfo) << "initialized: " << size << " ranks, fusion threshold "
                  << knobs.value().fusion_threshold << " B, cache " << knobs.value().cache_capacity;
   return Status::Ok();

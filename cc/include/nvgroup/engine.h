@@ -16,7 +16,8 @@
 //  * Pointers stay valid until `done` runs.
 //  * CUDA requests: `ready_event` (a cudaEvent_t recorded by the framework on
 //    its stream after the input was produced) is waited on *by the GPU* (no host
-//    block); `done` runs after the output is complete on the device.
+//    block); `done` runs after the output is complete on the device
+//    (`completion_event_ready`, below, lets the framework go on earlier).
 #pragma once
 
 #include <cstdint>
@@ -79,6 +80,11 @@ struct CollectiveRequest {
 
 struct EngineOptions {
   int64_t mpi_comm_fortran = -1;  // MPI_Comm_c2f of the communicator; -1 = COMM_WORLD
+  // CUDA builds: create the CUDA communicator (its registered GPU memory) in
+  // Init, on device local_rank % visible devices, before a framework reserves
+  // the GPU's memory; else at the first CUDA collective. Init then fails on
+  // every rank, naming the rank and the bytes, when the memory cannot be had.
+  bool cuda_at_init = false;
   // Everything else comes from NVGROUP_* environment variables, parsed once in
   // cc/common/env.h; a malformed value makes Init fail naming the variable.
 };

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The TF GPU op on a GPU machine without TensorFlow, through the kit in ../shared/tfgpu: the kit's last
+# step (install TF and the staged op), the TF GPU suite (tests/gpu/test_tf_gpu.py) and the step benchmark
+# (tf_gpu_step_bench.py), in one command. How to get here (README 'Builds and checks'):
+#   here:   bash ../shared/tfgpu/prepare.sh; then for each part N: bash scripts/device/tfgpu_carry.sh N
+#           and send .tfgpu/carry with the project, running `bash .tfgpu/carry/device.sh` for every part
+#           but the last; for the last one run instead:
+#   there:  bash .tfgpu/carry/tfgpu_suite.sh [STAGE...]       (default: suite bench)
+# Stages: suite  the TF GPU suite (parallel part, then the *memory* tests alone: they take the GPU's memory)
+#         bench  step cost, 1 and 2 ranks sharing the GPU
+#         old    if tfgpu_carry.sh carried a baseline op library (TFGPU_OLD_LIB): the adapter-defect checks
+#                (during `suite`) and the benchmark against it, to show what the fixes change
+# Logs go to $OUT (at most 8 files come back); a summary is printed last.
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STAGES=${*:-suite bench}
+bash "$HERE/device.sh" || { echo "the kit's install failed"; exit 1; }
+. /tmp/tfgpu/env.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NVGROUP_TEST_GPU_MB=${NVGROUP_TEST_GPU_MB:-2048} NVG_COMMIT=$(cat "$HERE/commit" 2>/dev/null || echo "?")
+cd "$NVG_REPO"
+SUMMARY=$OUT/summary.txt; : > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+note "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1), $(nproc) cores; commit $NVG_COMMIT; $(date -u +%FT%TZ)"
+status=0
+
+# Every step gets at most what is left of TFGPU_SUITE_SECONDS (default 540, counted from this script's
+# start, the install included), so the call ends in time and its logs come back.
+DEADLINE=${TFGPU_SUITE_SECONDS:-540}
+left() { local l=$((DEADLINE - SECONDS)); [ $l -lt 1 ] && l=1; [ $l -lt "$1" ] && echo $l || echo "$1"; }
+OLD=""
+if [[ " $STAGES " == *" old "* ]] && [ -f "$HERE/old/libnvgroup_tf_ops.so" ]; then
+  rm -rf /tmp/tfgpu/old && mkdir -p /tmp/tfgpu/old
+  if [ -d "$HERE/old/nvgroup_tf" ]; then cp -r "$HERE/old/nvgroup_tf" /tmp/tfgpu/old/  # the baseline's own package
+  else cp -r /tmp/tfgpu/proj/nvgroup_tf /tmp/tfgpu/old/; fi
+  mkdir -p /tmp/tfgpu/old/nvgroup_tf/lib && cp "$HERE/old/libnvgroup_tf_ops.so" /tmp/tfgpu/old/nvgroup_tf/lib/
+  OLD=/tmp/tfgpu/old:/tmp/tfgpu/proj/tests/gpu/workers:/tmp/tfgpu/site
+  note "old: baseline $(cat "$HERE/old/ref" 2>/dev/null) (its package and op library)"
+fi
+W=/tmp/tfgpu/proj/tests/gpu/workers
+old_check() {  # old_check SECONDS NP SCRIPT ARGS...: a worker on the baseline library, into old.log
+  local t=$1 np=$2; shift 2
+  echo "== baseline: np=$np $*" >> "$OUT/old.log"
+  PYTHONPATH=$OLD timeout "$(left "$t")" mpirun -np "$np" $MPIRUN_X python3 "$W/$@" >> "$OUT/old.log" 2>&1
+  echo "rc=$? (baseline np=$np $*)" >> "$OUT/old.log"
+}
+
+for stage in $STAGES; do
+  case $stage in
+    suite)
+      # The baseline's allgather-race check beside the parallel suite (correctness only, no timing).
+      if [ -n "$OLD" ]; then old_check 150 2 tf_gpu_collectives.py race & OLD_PID=$!; fi
+      timeout "$(left 240)" python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests/gpu/test_tf_gpu.py -k "not memory" \
+        > "$OUT/suite.log" 2>&1; rc=$?
+      note "suite (parallel): rc=$rc $(tail -1 "$OUT/suite.log")"; [ $rc = 0 ] || status=1
+      [ -n "$OLD" ] && wait "$OLD_PID"
+      # They take the GPU's memory: alone.
+      timeout "$(left 120)" python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_tf_gpu.py -k memory \
+        > "$OUT/suite_memory.log" 2>&1; rc=$?
+      note "suite (memory, alone): rc=$rc $(tail -1 "$OUT/suite_memory.log")"; [ $rc = 0 ] || status=1
+      if [ -n "$OLD" ]; then
+        old_check 60 1 tf_gpu_memory.py after_init
+        old_check 60 2 tf_gpu_memory.py before_init
+      fi ;;
+    bench)
+      for np in 1 2; do
+        timeout "$(left 60)" mpirun -np $np $MPIRUN_X -x NVG_COMMIT python3 "$HERE/tf_gpu_step_bench.py" --label fixed \
+          --json "$OUT/step.jsonl" >> "$OUT/bench.log" 2>&1 || { status=1; note "bench np=$np failed or out of time"; }
+      done
+      grep '^STEP' "$OUT/bench.log" | tee -a "$SUMMARY" ;;
+    old)
+      [ -n "$OLD" ] || { note "old: no baseline library carried"; continue; }
+      for np in 1 2; do
+        PYTHONPATH=$OLD timeout "$(left 60)" mpirun -np $np $MPIRUN_X -x NVG_COMMIT python3 "$HERE/tf_gpu_step_bench.py" \
+          --label baseline --json "$OUT/step.jsonl" >> "$OUT/bench.log" 2>&1 || note "baseline bench np=$np failed or out of time"
+      done
+      grep '^STEP baseline' "$OUT/bench.log" | tee -a "$SUMMARY" ;;
+    *) note "unknown stage $stage"; status=1 ;;
+  esac
+done
+[ -f "$OUT/old.log" ] && grep -E "^== |^rc=|FAIL|PASSED|checks,|raised" "$OUT/old.log" | cut -c1-300 | tee -a "$SUMMARY" >/dev/null
+grep -E "passed|failed|error" "$OUT/suite.log" "$OUT/suite_memory.log" 2>/dev/null | tail -4
+echo "=== summary"; cat "$SUMMARY"
+exit $status
