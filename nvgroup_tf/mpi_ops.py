@@ -306,8 +306,11 @@ def _allgather_grad(op, grad):
     per-rank losses would be the sum, size() times larger)."""
     name = _attr_text(op, "tensor_name")
     ops = basics.op_module()
-    averaged = _checked(ops.nvgroup_allreduce(grad, reduce_op="average", tensor_name=name + "/grad",
-                                              name=_node_name(name + "/grad")))
+    # Sum, then one division by size() in TF: the same arithmetic with and
+    # without XLA (bitwise equal results on both paths).
+    summed = _checked(ops.nvgroup_allreduce(grad, reduce_op="sum", tensor_name=name + "/grad",
+                                            name=_node_name(name + "/grad")))
+    averaged = summed / tf.cast(basics.size(), summed.dtype)
     shape = tf.shape(op.inputs[0], out_type=tf.int64)
     sizes = _checked(ops.nvgroup_allgather(shape[:1], tensor_name=name + "/grad_sizes",
                                            name=_node_name(name + "/grad_sizes")))
