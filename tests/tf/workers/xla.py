@@ -316,6 +316,18 @@ def section_fit(c, digest):
             keras.mixed_precision.set_global_policy("float32")
 
 
+def say(line):
+    """Prints, and with XLA_RECORD_DIR also appends to a per-rank file: mpirun
+    may drop output in flight when it aborts the job after a death."""
+    print(line, flush=True)
+    record = os.environ.get("XLA_RECORD_DIR")
+    if record:
+        with open(os.path.join(record, "rank%d.txt" % hvd.rank()), "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def section_dead(c, victim):
     me = hvd.rank()
     step = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="dead.step"), jit_compile=True)
@@ -323,7 +335,7 @@ def section_dead(c, victim):
     step(x)  # compiled and run once on every rank
     hvd.allreduce(tf.ones([1]), op=hvd.Sum, name="dead.sync")
     if me == victim:
-        print("rank %d: KILL %.6f" % (me, time.time()), flush=True)
+        say("rank %d: KILL %.6f" % (me, time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
@@ -332,8 +344,7 @@ def section_dead(c, victim):
         c.check(False, "XLA program kept running without rank %d" % victim)
     except tf.errors.UnavailableError as e:
         elapsed = time.monotonic() - start
-        print("rank %d: CAUGHT UnavailableError after %.2f s: %s" % (me, elapsed, e.message.splitlines()[0]),
-              flush=True)
+        say("rank %d: CAUGHT UnavailableError after %.2f s: %s" % (me, elapsed, e.message.splitlines()[0]))
         c.check("rank %d" % victim in e.message, "the error does not name rank %d: %s" % (victim, e.message))
     except Exception as e:  # noqa: BLE001
         c.check(False, "raised %s instead of UnavailableError: %s" % (type(e).__name__, e))
