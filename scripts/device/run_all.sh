@@ -19,6 +19,8 @@
 #           mixed with eager calls) and two caller streams (REPEAT times)
 #   peerexit  a rank exits with its memory mapped by the others: kUnavailable
 #           naming it on every survivor
+#   engine1 the engine's full path on 1 rank (per tensor and grouped)
+#   cross   the cross-group step (cross_step_bench) on 2-4 ranks as groups of 1
 #   groups  (one GPU) quick check as groups of 3, 4 and 8 ranks on the one GPU
 #   bounds  two-shot launch bounds (512, 1) vs the old (512, 2): times both
 #           builds (scripts/device/bounds_variant.sh builds the second one; may
@@ -163,6 +165,17 @@ for stage in "$@"; do
     engine)
       step "engine path: ResNet-50 gradient set through Enqueue (fusion -> kernel -> callback)"
       run timeout 200 mpirun -np $NP --bind-to none build/tools/engine_perf benchmarks/resnet50_gradients.txt 30 ;;
+    engine1)
+      step "engine path, 1 rank (nothing to communicate): per tensor and grouped, per-phase breakdown"
+      run timeout 120 env NVGROUP_ONE_GPU_GROUP=0 mpirun -np 1 --bind-to none build/tools/engine_perf benchmarks/resnet50_gradients.txt 50
+      run timeout 120 env NVGROUP_ONE_GPU_GROUP=0 mpirun -np 1 --bind-to none build/tools/engine_perf benchmarks/resnet50_gradients.txt 50 grouped ;;
+    cross)
+      step "cross-group step: 2, 3, 4 ranks on the GPU as groups of 1 (host-staged) vs D2H + MPI_Allreduce + H2D"
+      for np in 2 3 4; do
+        run timeout 150 env NVGROUP_ONE_GPU_GROUP=0 NVGROUP_GROUP_SIZE=1 mpirun -np $np --bind-to none \
+          -x NVGROUP_ONE_GPU_GROUP -x NVGROUP_GROUP_SIZE build/tools/cross_step_bench --max_bytes 67108864 \
+          --json "$OUT/cross_step_np$np.json"
+      done ;;
     pytest)
       step "pybind module with CUDA + tests/gpu"
       if command -v mpicxx > /dev/null; then
