@@ -27,7 +27,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
                             bucket_cap_bytes=None, persistent=None, watch_accessed_variables=None):
     """Wraps `gradtape`. Arguments as Horovod's (compression defaults to
     Compression.none, op to Average; op must be Average or Sum; process_set:
-    the global set only), plus bucket_cap_bytes as DistributedOptimizer's."""
+    None, the global set or a registered ProcessSet), plus bucket_cap_bytes as DistributedOptimizer's."""
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError("DistributedGradientTape expects a tf.GradientTape, got %s" % type(gradtape).__name__)
     reducer = GradientReducer(op=op, compression=compression, sparse_as_dense=sparse_as_dense,

@@ -278,8 +278,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          groups=None, process_set=None, scale_local_gradients=True, bucket_cap_bytes=None):
     """Wraps a Keras optimizer so gradients are reduced across ranks before they
     are applied. Arguments as Horovod's (compression=Compression.none and
-    op=Average when None; op must be Average or Sum; process_set: the global
-    set only, None or an object with process_set_id 0), plus:
+    op=Average when None; op must be Average or Sum; process_set: None, the
+    global set or a registered ProcessSet), plus:
 
       bucket_cap_bytes: fusion bucket cap in bytes (default: NVGROUP_BUCKET_CAP_MB
         MiB, else 25 MiB; 0 = one collective per gradient). num_groups / groups,

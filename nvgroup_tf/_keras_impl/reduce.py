@@ -117,7 +117,7 @@ class GradientReducer:
             # Horovod's DistributedOptimizer/DistributedGradientTape accept these two only.
             raise ValueError("op currently only supports Average and Sum (got %r): gradients are "
                              "averaged or summed over ranks" % (self.op,))
-        check_process_set(process_set)
+        self.process_set = check_process_set(process_set)
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         if self.gradient_predivide_factor != 1.0 and self.op != core.Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -243,7 +243,8 @@ class GradientReducer:
                         with tf.device(self.device_sparse), tf.name_scope(
                                 "nvg_sparse_grad_" + bucketing.bucket_name(i, [paths[i]])):
                             # (predivision only matters for dense sums; the average is the same)
-                            out[i] = core.allreduce(g, op=op, compression=self.compression)
+                            out[i] = core.allreduce(g, op=op, compression=self.compression,
+                                                    process_set=self.process_set)
                     continue
                 dense.append(i)
             sizes = [_num_bytes(grads[i], variables[i]) for i in dense]
@@ -255,7 +256,7 @@ class GradientReducer:
                         bucketing.bucket_name(k, [paths[i] for i in members])):
                     reduced = core.grouped_allreduce(
                         [grads[i] for i in members], op=op, compression=self.compression,
-                        prescale_factor=prescale, postscale_factor=postscale)
+                        prescale_factor=prescale, postscale_factor=postscale, process_set=self.process_set)
                 for i, r in zip(members, reduced):
                     out[i] = r
         return out
@@ -268,15 +269,15 @@ def _scale(grad, factor):
 
 
 def check_process_set(process_set):
-    """Horovod's process_set argument: only the global set exists so far (None
-    or an object with process_set_id 0, e.g. Horovod-style global_process_set)."""
-    if process_set is None:
-        return
-    if getattr(process_set, "process_set_id", None) == 0:
-        return
-    raise NotImplementedError(
-        "process_set=%r: gradients can only be reduced over the global process set so far "
-        "(pass process_set=None or the global set)" % (process_set,))
+    """Horovod's process_set argument, normalized: None for the global set (None,
+    hvd.global_process_set or any object with process_set_id 0), else a registered
+    nvgroup_tf.ProcessSet: the gradients are then reduced over its ranks only
+    (Average divides by its size), and only its members may run the step."""
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return None
+    from nvgroup_tf import process_sets
+    process_sets._process_set_id(process_set)  # TypeError / ValueError naming the problem
+    return process_set
 
 
 class LocalAggregator:

@@ -403,8 +403,9 @@ def check_horovod_arguments():
         process_set_id = 1
 
     hvd.DistributedGradientTape(tf.GradientTape(), process_set=GlobalSet())
+    hvd.DistributedGradientTape(tf.GradientTape(), process_set=hvd_core.global_process_set)
     expect_error(lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=OtherSet()),
-                 NotImplementedError, "global process set")
+                 TypeError, "ProcessSet")
     # Horovod's keras allreduce(value, name=None, average=None, ...).
     v = np.arange(4, dtype=np.float32) * (RANK + 1)
     total = np.arange(4, dtype=np.float32) * sum(r + 1 for r in range(SIZE))

@@ -239,6 +239,16 @@ def main():
         tape.watch(v)
         loss = tf.reduce_sum(hvd.allreduce(v, op=hvd.Sum, name="ps.grad", process_set=mine_set))
     c.equal(tape.gradient(loss, v).numpy(), np.full((3, 2), float(k)), "allreduce gradient stays in the set")
+    # DistributedGradientTape over the set: the average of the members' gradients only.
+    w = tf.Variable(np.random.default_rng([71, 0]).normal(size=(3, 2)))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * v)
+    dist = hvd.DistributedGradientTape(tape, process_set=mine_set)
+    want_avg = sum(np.random.default_rng([70, r]).normal(size=(3, 2)) for r in members) / k
+    c.close(dist.gradient(loss, [w])[0].numpy(), want_avg, np.abs(want_avg) + 1, tf.float64,
+            "DistributedGradientTape(process_set=) averages over the set")
+    c.raises(TypeError, lambda: hvd.DistributedGradientTape(tf.GradientTape(), process_set=[0, 1]),
+             "process_set that is not a ProcessSet", contains="ProcessSet")
     if n > 1:
         c.raises(tf.errors.InvalidArgumentError,
                  lambda: hvd.allreduce(v, name="ps.outsider", process_set=other), "collective on a foreign set",
