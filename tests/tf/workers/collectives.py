@@ -326,9 +326,14 @@ def check_extras(c):
         warnings.simplefilter("ignore", DeprecationWarning)
         c.raises(ValueError, lambda: hvd.allreduce(tf.ones([2]), op=hvd.Sum, average=True),
                  "op and average together")
-    c.raises((TypeError, tf.errors.InvalidArgumentError),
-             lambda: hvd.allreduce(tf.constant([1, 2], tf.uint8), op=hvd.Sum, name="u8"),
-             "allreduce of uint8 (not reducible)")
+    # uint8 reduces since the added dtypes (issue 10), wrapping modulo 256 like TF's own uint8 add.
+    n, r = hvd.size(), hvd.rank()
+    got = hvd.allreduce(tf.constant([200, 7 * r + 1], tf.uint8), op=hvd.Sum, name="u8").numpy()
+    c.equal(got.astype(np.int64), np.array([(200 * n) % 256, sum(7 * k + 1 for k in range(n)) % 256]),
+            "allreduce of uint8 sums modulo 256")
+    c.raises((TypeError, tf.errors.InvalidArgumentError, tf.errors.UnimplementedError),
+             lambda: hvd.allreduce(tf.constant([True, False]), op=hvd.Sum, name="b8"),
+             "allreduce of bool (not reducible)")
     c.check(hvd.mpi_ops.allreduce is hvd.allreduce, "hvd.mpi_ops.allreduce alias")
 
 
