@@ -166,7 +166,9 @@ def section_collectives(c, digest):
         return tape.gradient(loss, t)
     g_xla = tf.function(lambda t: grads(t, ".xla"), jit_compile=True)(w).numpy()
     g_tf = tf.function(lambda t: grads(t, ".tf"))(w).numpy()
-    same_bytes(c, g_xla, g_tf, "gradient")
+    # Not bitwise: the collectives' results are the same bits under XLA, but XLA fuses the sum of
+    # the two gradient contributions differently from TF (1 ulp apart at n = 3).
+    c.close(g_xla, g_tf.astype(np.float64), np.abs(g_tf.astype(np.float64)), tf.float32, "gradient XLA vs TF")
     # d/dt [sum(allreduce_sum(t*t)) + sum(allgather(t)**2)] = 2t*n (allreduce's gradient is the
     # same allreduce) + this rank's rows of the average over ranks of 2*allgather(t) (Horovod's
     # allgather gradient), i.e. 2t.
@@ -342,7 +344,12 @@ def section_dead(c, victim):
         for _ in range(1000):
             step(x)
         c.check(False, "XLA program kept running without rank %d" % victim)
-    except tf.errors.UnavailableError as e:
+    except (tf.errors.UnavailableError, tf.errors.InternalError) as e:
+        # Eagerly called functions: TF re-raises an op's UnavailableError as InternalError
+        # ("originally returned UnavailableError, and was replaced by InternalError ..."); the
+        # engine's error and its text are what must arrive.
+        if isinstance(e, tf.errors.InternalError) and "originally returned UnavailableError" not in e.message:
+            raise
         elapsed = time.monotonic() - start
         say("rank %d: CAUGHT UnavailableError after %.2f s: %s" % (me, elapsed, e.message.splitlines()[0]))
         c.check("rank %d" % victim in e.message, "the error does not name rank %d: %s" % (victim, e.message))
