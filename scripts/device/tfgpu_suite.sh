@@ -21,6 +21,8 @@ bash "$HERE/device.sh" || { echo "the kit's install failed"; exit 1; }
 . /tmp/tfgpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NVGROUP_TEST_GPU_MB=${NVGROUP_TEST_GPU_MB:-2048} NVG_COMMIT=$(cat "$HERE/commit" 2>/dev/null || echo "?")
+# The kit's stage carries the package and tests/; the example the suite trains comes from this tree.
+[ -d examples/resnet50 ] && cp -r examples "$NVG_REPO/"
 cd "$NVG_REPO"
 SUMMARY=$OUT/summary.txt; : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
