@@ -121,6 +121,23 @@ def sweep(args, train_args):
             "repeat": args.repeat, "runs": rows}
 
 
+def run_context(load_before):
+    """Machine, date, commit and load of a report (benchmarks need them)."""
+    import datetime
+    import platform
+    try:
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout.strip())
+    except OSError:
+        commit, dirty = None, None
+    return {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform()},
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": commit, "uncommitted_changes": dirty,
+            "load_average_before": load_before, "load_average_after": os.getloadavg()}
+
+
 def plot(report, path):
     try:
         import matplotlib
@@ -197,7 +214,9 @@ def main(argv=None):
         p.error("--np must be >= 2")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
+    load_before = os.getloadavg()
     report = sweep(args, train_args) if args.sweep_bucket_cap else scaling(args, train_args)
+    report.update(run_context(load_before))
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, "resnet50_%s_%s" % ("bucket_sweep" if args.sweep_bucket_cap else "scaling",
                                                           args.tag))
