@@ -11,6 +11,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -175,11 +176,14 @@ Status DecodeCall(const WireAttributes& wire, ffi::RemainingArgs args, ffi::Rema
                   std::vector<CollectiveRequest>* requests) {
   CallAttributes a;
   NVG_RETURN_IF_ERROR(DecodeAttributes(wire, &a));
-  if (args.size() != rets.size() || args.size() == 0)
+  // The last operand only orders the call (CollectiveOrder); the data operands
+  // pair with the results.
+  if (args.size() != rets.size() + 1 || rets.size() == 0)
     return Status::Internal("nvgroup XLA custom call '" + a.name + "': " + std::to_string(args.size()) +
-                            " operands but " + std::to_string(rets.size()) + " results");
+                            " operands for " + std::to_string(rets.size()) +
+                            " results (want one operand per result and the ordering operand)");
   requests->clear();
-  for (size_t i = 0; i < args.size(); ++i) {
+  for (size_t i = 0; i < rets.size(); ++i) {
     auto in = args.get<ffi::AnyBuffer>(i);
     auto out = rets.get<ffi::AnyBuffer>(i);
     if (in.has_error() || out.has_error())
@@ -393,10 +397,48 @@ absl::Status XlaTarget(const char** target) {
   return absl::OkStatus();
 }
 
-// One custom call: inputs [0, operands) -> results (a tuple when `tuple`),
+// The order of the collective calls of one XLA computation (xla_ops.h,
+// "Order"): per XlaBuilder, the last collective call's output. Builders live
+// only while TF compiles one function and may be built on several threads at
+// once; an entry whose builder was destroyed is never used again, because an
+// op is taken only while it still belongs to the builder at that address and
+// the builder knows its shape (a new builder reusing the address fails that
+// check or, at worst, hands an earlier op of its own, which orders nothing
+// wrongly: the chain between its own collectives is what counts).
+class CollectiveOrder {
+ public:
+  // The operand that puts the next collective call of `builder` after its
+  // previous one: that call's output, or for the first one an empty u8[0].
+  static ::xla::XlaOp Previous(::xla::XlaBuilder* builder) {
+    {
+      std::lock_guard<std::mutex> lock(mu());
+      auto it = last().find(builder);
+      if (it != last().end() && it->second.builder() == builder && builder->GetShape(it->second).ok())
+        return it->second;
+    }
+    return ::xla::ConstantR1<uint8_t>(builder, {});
+  }
+  static void Record(::xla::XlaBuilder* builder, ::xla::XlaOp op) {
+    std::lock_guard<std::mutex> lock(mu());
+    last()[builder] = op;
+  }
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex* m = new std::mutex();  // never destroyed: compilations may run until exit
+    return *m;
+  }
+  static std::unordered_map<::xla::XlaBuilder*, ::xla::XlaOp>& last() {
+    static auto* map = new std::unordered_map<::xla::XlaBuilder*, ::xla::XlaOp>();
+    return *map;
+  }
+};
+
+// One custom call: inputs [0, in_shapes.size()) and the ordering operand
+// (CollectiveOrder; the handlers skip it) -> results (a tuple when `tuple`),
 // row-major layouts.
 std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes& attributes,
-                                   const std::vector<::xla::Shape>& in_shapes,
+                                   std::vector<::xla::Shape> in_shapes,
                                    const std::vector<::xla::Shape>& out_shapes, bool tuple) {
   const char* target = kXlaTarget;
   absl::Status chosen = XlaTarget(&target);
@@ -404,16 +446,30 @@ std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes
     ctx->SetStatus(chosen);
     return {};
   }
+  ::xla::XlaBuilder* builder = ctx->builder();
   std::vector<::xla::XlaOp> operands;
   for (size_t i = 0; i < in_shapes.size(); ++i) operands.push_back(ctx->Input(static_cast<int>(i)));
+  const ::xla::XlaOp previous = CollectiveOrder::Previous(builder);
+  absl::StatusOr<::xla::Shape> previous_shape = builder->GetShape(previous);
+  if (!previous_shape.ok()) {
+    ctx->SetStatus(previous_shape.status());
+    return {};
+  }
+  ::xla::LayoutUtil::SetToDefaultLayout(&previous_shape.value());
+  operands.push_back(previous);
+  in_shapes.push_back(*previous_shape);
   const ::xla::Shape result = tuple ? ::xla::ShapeUtil::MakeTupleShape(out_shapes) : out_shapes[0];
   ::xla::XlaOp call = ::xla::CustomCallWithLayout(
-      ctx->builder(), target, operands, result, in_shapes, XlaAttributes(attributes),
+      builder, target, operands, result, in_shapes, XlaAttributes(attributes),
       /*has_side_effect=*/true, /*output_operand_aliasing=*/{}, /*literal=*/nullptr,
       ::xla::CustomCallSchedule::SCHEDULE_NONE, ::xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
   std::vector<::xla::XlaOp> outputs;
-  if (!tuple) return {call};
-  for (size_t i = 0; i < out_shapes.size(); ++i) outputs.push_back(::xla::GetTupleElement(call, i));
+  if (!tuple) {
+    outputs.push_back(call);
+  } else {
+    for (size_t i = 0; i < out_shapes.size(); ++i) outputs.push_back(::xla::GetTupleElement(call, i));
+  }
+  CollectiveOrder::Record(builder, outputs[0]);
   return outputs;
 }
 

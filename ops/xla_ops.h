@@ -5,13 +5,27 @@
 // Keras' jit_compile), each Nvgroup* op below is lowered by a tf2xla kernel
 // (xla_ops.cc) into one XLA custom call, API_VERSION_TYPED_FFI, target
 // kXlaTarget, with side effects (never removed, merged or duplicated). Its
-// operands are the op's data inputs, its results the op's data outputs (a
-// tuple for the grouped ops); XLA chooses the buffers. The call's attributes
+// operands are the op's data inputs (and the ordering operand, "Order"
+// below), its results the op's data outputs (a tuple for the grouped ops);
+// XLA chooses the buffers. The call's attributes
 // (an MLIR dictionary in backend_config, built by XlaAttributes) carry
 // everything the TF kernel reads from its attrs: the engine name (the same name
 // the non-XLA kernel uses, so negotiation by name, the response cache and
 // fusion work as without XLA), the collective kind, the reduce op, the scale
 // factors, the broadcast root, the process set, alltoall's splits.
+//
+// Order. Each handler blocks its XLA thread until its collective completed on
+// every rank, so the ranks must run their collective calls in one order. XLA
+// orders independent side-effecting calls as it likes, and the HLO may differ
+// by rank (the allgather gradient slices at a rank-dependent offset): two ranks
+// could enter two collectives in opposite orders and wait for each other for
+// ever. So every collective call takes, as an extra last operand that the
+// handlers skip, the output of the previous collective call lowered into the
+// same XLA computation (xla_ops.cc CollectiveOrder; an empty u8[0] constant for
+// the first): a data dependency XLA must respect. tf2xla lowers a graph's ops
+// in a topological order broken by node names (graph_compiler.cc,
+// GetReversePostOrder with NodeComparatorName), the same on every rank, so
+// every rank's chain is the same sequence of collectives.
 //
 // Lowered: NvgroupAllreduce, NvgroupGroupedAllreduce, NvgroupAllgather,
 // NvgroupGroupedAllgather, NvgroupBroadcast (and so broadcast_, which assigns
