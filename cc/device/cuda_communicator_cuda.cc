@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "algorithms/hierarchical_allreduce.h"
+#include "common/collective_args.h"
 #include "common/cuda_checks.h"
 #include "common/env.h"
 #include "device/device_primitives.h"
@@ -661,33 +662,15 @@ Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vec
     return Status::InvalidArgument("reducescatter: unknown reduce op " +
                                    std::to_string(static_cast<int>(op)));
   const int size = group_.topo.size;
-  if (static_cast<int>(counts.size()) != size)
-    return Status::InvalidArgument("reducescatter: " + std::to_string(counts.size()) + " counts given for " +
-                                   std::to_string(size) + " ranks");
-  size_t total = 0, my_offset = 0;
-  for (int r = 0; r < size; ++r) {
-    if (r == group_.topo.rank) my_offset = total;
-    total += counts[r];
-  }
-  const size_t mine = counts[group_.topo.rank];
   const size_t esize = DataTypeSize(dtype);
-  if ((total > 0 && in == nullptr) || (mine > 0 && out == nullptr))
-    return Status::InvalidArgument("reducescatter with a null input or output pointer");
+  ReduceScatterSplit split;
+  NVG_RETURN_IF_ERROR(CheckReduceScatter(in, out, counts, esize, group_.topo.rank, size, registered_buffer(),
+                                         registered_capacity(), &split));
+  const size_t total = split.total, my_offset = split.offset, mine = split.mine;
+  const bool in_registered = split.in_registered;
   if (total == 0) return Status::Ok();
   NVG_RETURN_IF_ERROR(CheckDevicePointer(in, "reducescatter: input"));
   if (mine > 0) NVG_RETURN_IF_ERROR(CheckDevicePointer(out, "reducescatter: output"));
-  const char* reg = static_cast<const char*>(registered_buffer());
-  const size_t capacity = registered_capacity();
-  auto overlaps = [&](const void* p, size_t n) {
-    const char* c = static_cast<const char*>(p);
-    return n > 0 && c < reg + capacity && c + n > reg;
-  };
-  if (overlaps(out, mine * esize))
-    return Status::InvalidArgument("reducescatter output overlaps the registered buffer");
-  const bool in_registered = in == reg && total * esize <= capacity;
-  if (!in_registered && overlaps(in, total * esize))
-    return Status::InvalidArgument("reducescatter input overlaps the registered buffer but does not fit it "
-                                   "from its start");
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
   const cudaStream_t caller = StreamOf(stream_arg);
   const bool one_group = group_.topo.group_count == 1 && group_.topo.group_size > 1;
@@ -802,43 +785,18 @@ Status CudaCommunicator::ReduceScatterByAllreduce(const void* in, void* out, siz
 Status CudaCommunicator::Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
                                    const std::vector<size_t>& recv_bytes, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
-  const int n = group_.topo.size;
-  if (static_cast<int>(send_bytes.size()) != n || static_cast<int>(recv_bytes.size()) != n)
-    return Status::InvalidArgument("alltoallv: byte counts must have one entry per rank (" + std::to_string(n) + ")");
-  size_t send_total = 0, recv_total = 0;
-  for (int r = 0; r < n; ++r) {
-    send_total += send_bytes[r];
-    recv_total += recv_bytes[r];
-  }
-  // To every rank k: how many bytes we send it and where they start in our
-  // input (the peer path reads them from there in our registered buffer).
-  std::vector<uint64_t> sent(2 * n), incoming(2 * n);
-  uint64_t offset = 0;
-  for (int r = 0; r < n; ++r) {
-    sent[2 * r] = send_bytes[r];
-    sent[2 * r + 1] = offset;
-    offset += send_bytes[r];
-  }
-  NVG_MPI_CHECK(MPI_Alltoall(sent.data(), 2, MPI_UINT64_T, incoming.data(), 2, MPI_UINT64_T, comm_));
+  size_t send_total = 0;
+  for (size_t b : send_bytes) send_total += b;
+  size_t recv_total = 0;
+  for (size_t b : recv_bytes) recv_total += b;
   const char* reg = static_cast<const char*>(registered_buffer());
-  auto overlaps = [&](const void* p, size_t bytes) {
-    const char* c = static_cast<const char*>(p);
-    return bytes > 0 && c < reg + registered_capacity() && c + bytes > reg;
-  };
-  // counts disagree, null pointer, beyond int, no peer copies on this rank
-  int64_t verdict[4] = {0, 0, 0, 0};
-  for (int r = 0; r < n; ++r)
-    if (incoming[2 * r] != recv_bytes[r]) verdict[0] = 1;
-  if ((send_total > 0 && in == nullptr) || (recv_total > 0 && out == nullptr)) verdict[1] = 1;
-  if (send_total > static_cast<size_t>(INT_MAX) || recv_total > static_cast<size_t>(INT_MAX)) verdict[2] = 1;
-  if (!(group_.topo.group_count == 1 && group_.topo.group_size > 1) || send_total > registered_capacity() ||
-      overlaps(in, send_total) || overlaps(out, recv_total))
-    verdict[3] = 1;
-  int64_t any[4];
-  NVG_MPI_CHECK(MPI_Allreduce(verdict, any, 4, MPI_INT64_T, MPI_MAX, comm_));
-  if (any[0]) return Status::InvalidArgument("alltoallv: a rank expects different byte counts than its peers send");
-  if (any[1]) return Status::InvalidArgument("alltoallv: a rank passed a null input or output pointer");
-  if (any[2]) return Status::Unimplemented("alltoallv: more than 2^31-1 bytes sent or received by one rank");
+  const bool peer_copies = group_.topo.group_count == 1 && group_.topo.group_size > 1 &&
+                           send_total <= registered_capacity() &&
+                           !Overlaps(in, send_total, reg, registered_capacity()) &&
+                           !Overlaps(out, recv_total, reg, registered_capacity());
+  AlltoallvAgreement agreed;
+  NVG_RETURN_IF_ERROR(AgreeAlltoallv(comm_, group_.topo.size, in, send_bytes, out, recv_bytes, peer_copies,
+                                     &agreed));
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
   cudaStream_t stream = StreamOf(stream_arg);
   // Both paths wait on the host: not capturable (checked before any further
@@ -847,17 +805,10 @@ Status CudaCommunicator::Alltoallv(const void* in, const std::vector<size_t>& se
   if (!capturing.ok()) return capturing.status();
   if (capturing.value())
     return Status::InvalidArgument("alltoallv waits on the host and cannot be captured in a CUDA graph");
-  if (!any[3]) return PeerAlltoallv(in, send_total, out, recv_bytes, incoming, stream);
-  std::vector<int> sc(n), sd(n), rc(n), rd(n);
-  size_t so = 0, ro = 0;
-  for (int r = 0; r < n; ++r) {
-    sc[r] = static_cast<int>(send_bytes[r]);
-    sd[r] = static_cast<int>(so);
-    rc[r] = static_cast<int>(recv_bytes[r]);
-    rd[r] = static_cast<int>(ro);
-    so += send_bytes[r];
-    ro += recv_bytes[r];
-  }
+  if (agreed.fast_everywhere) return PeerAlltoallv(in, send_total, out, recv_bytes, agreed.incoming, stream);
+  std::vector<int> sc, sd, rc, rd;
+  MpiCountsAndDisplacements(send_bytes, &sc, &sd);
+  MpiCountsAndDisplacements(recv_bytes, &rc, &rd);
   std::vector<char> send(std::max<size_t>(send_total, 1)), recv(std::max<size_t>(recv_total, 1));
   NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: `in` is produced
   if (send_total > 0) NVG_CUDA_CHECK(cudaMemcpy(send.data(), in, send_total, cudaMemcpyDeviceToHost));

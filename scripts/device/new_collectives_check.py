@@ -187,6 +187,18 @@ def int_reduce(xs, dtype, op, divisor=None):
     return (np.min(a, axis=0) if op == "min" else np.max(a, axis=0)).astype(t)
 
 
+def int_engine_reference(xs, dtype, op, pre, post):
+    """The engine's integer result: without scale factors the plain reduction;
+    with them Horovod's trunc(x * pre) in, wrapped sum, trunc(sum * post [/ size])
+    out (in double), wrapped (cc/engine/collectives_extra.cc AverageByPostscale)."""
+    if pre == 1.0 and post == 1.0:
+        return int_reduce(xs, dtype, op)
+    scaled = [np.trunc(x.astype(np.float64) * pre).astype(np.int64).astype(NP[dtype]) for x in xs]
+    s = int_reduce(scaled, dtype, "sum").astype(np.int64)
+    factor = post / size if op == "average" else post
+    return np.trunc(s.astype(np.float64) * factor).astype(np.int64).astype(NP[dtype])
+
+
 def float_check(got, xs, dtype, op, what, pre=1.0, post=1.0):
     g = f64_of(got, dtype)
     a = np.array([f64_of(x, dtype) * pre for x in xs])
@@ -385,6 +397,16 @@ def communicator_sections(label, group_size, seed0):
 
 
 # ---------------------------------------------------------------- 4: engine
+def gpu_result(got, what):
+    """An engine check's result on DEVICE, compared bitwise with the CPU path's
+    (`got` by device); None when either raised (already a failure)."""
+    if DEVICE not in got or "cpu" not in got:
+        return None
+    if ON_GPU:
+        check(bitwise(got[DEVICE], got["cpu"]), "%s: not bitwise equal to the CPU path" % what)
+    return got[DEVICE]
+
+
 def engine_section():
     global section
     E.init(comm.py2f())
@@ -416,20 +438,12 @@ def engine_section():
                     check(oshape == [rows(dim0, rank), 3, 2], "%s on %s: shape %s" % (what, device, oshape))
                 except Exception as e:  # noqa: BLE001
                     check(False, "%s on %s raised %s" % (what, device, e))
-            if DEVICE not in got or "cpu" not in got:
+            g = gpu_result(got, what)
+            if g is None:
                 continue
-            g = got[DEVICE]
-            if ON_GPU:
-                check(bitwise(g, got["cpu"]), "%s: GPU rows not bitwise equal to the CPU path's" % what)
             parts = [x[a:b] for x in xs]
             if dtype in INTS:
-                if pre == 1.0 and post == 1.0:
-                    want = int_reduce(parts, dtype, op)
-                else:  # Horovod: trunc(x * pre) in, sum, trunc(sum * post [/ size]) out, wrapped
-                    scaled = [np.trunc(p.astype(np.float64) * pre).astype(np.int64).astype(NP[dtype]) for p in parts]
-                    s = int_reduce(scaled, dtype, "sum").astype(np.int64)
-                    factor = post / size if op == "average" else post
-                    want = np.trunc(s.astype(np.float64) * factor).astype(np.int64).astype(NP[dtype])
+                want = int_engine_reference(parts, dtype, op, pre, post)
                 check(bitwise(g, want), "%s: wrong integer rows (first %s, want %s)" % (what, g[:4], want[:4]))
             else:
                 float_check(g, parts, dtype, op, what, pre, post)
@@ -547,18 +561,10 @@ def engine_section():
                     got[device] = y.get() if device != "cpu" else y
                 except Exception as e:  # noqa: BLE001
                     check(False, "%s on %s raised %s" % (what, device, e))
-            if DEVICE not in got or "cpu" not in got:
+            g = gpu_result(got, what)
+            if g is None:
                 continue
-            g = got[DEVICE]
-            if ON_GPU:
-                check(bitwise(g, got["cpu"]), "%s: not bitwise equal to the CPU path" % what)
-            if pre == 1.0 and post == 1.0:
-                want = int_reduce(xs, dtype, op)
-            else:
-                scaled = [np.trunc(x.astype(np.float64) * pre).astype(np.int64).astype(NP[dtype]) for x in xs]
-                s = int_reduce(scaled, dtype, "sum").astype(np.int64)
-                factor = post / size if op == "average" else post
-                want = np.trunc(s.astype(np.float64) * factor).astype(np.int64).astype(NP[dtype])
+            want = int_engine_reference(xs, dtype, op, pre, post)
             check(bitwise(g, want), "%s: wrong (first %s, want %s)" % (what, g[:4], want[:4]))
             same_on_all_ranks(what, g)
     E.shutdown()
