@@ -194,6 +194,8 @@ for stage in "$@"; do
       if command -v mpicxx > /dev/null; then
         NVGROUP_WITH_CUDA=1 NVGROUP_WITHOUT_TF=1 NVGROUP_BUILD_JOBS=$(nproc) timeout 400 python3 setup.py build_ext --inplace > "$OUT/pybind_build.log" 2>&1 || { echo "!!! pybind build failed"; tail -20 "$OUT/pybind_build.log"; STATUS=1; }
         for np in 2 3 4; do
+          # several GPUs: one rank per GPU (ranks sharing a GPU need MPS, started only on one GPU)
+          if (( NGPU > 1 && np > NGPU )); then echo "newcoll: $np ranks skipped ($NGPU GPUs)"; continue; fi
           args=(); [[ $np != 2 ]] && args=(--quick)
           run timeout 400 mpirun -np $np --bind-to none -x PYTHONPATH="$PWD" python3 scripts/device/new_collectives_check.py "${args[@]}"
         done
