@@ -39,7 +39,7 @@ Status CheckReduceScatter(const void* in, const void* out, const std::vector<siz
 
 Status AgreeAlltoallv(MPI_Comm comm, int size, const void* in, const std::vector<size_t>& send_bytes,
                       const void* out, const std::vector<size_t>& recv_bytes, bool fast_here,
-                      AlltoallvAgreement* agreed) {
+                      bool capturing_here, AlltoallvAgreement* agreed) {
   const int n = size;
   agreed->mpi_failed = false;
   if (static_cast<int>(send_bytes.size()) != n || static_cast<int>(recv_bytes.size()) != n)
@@ -63,18 +63,22 @@ Status AgreeAlltoallv(MPI_Comm comm, int size, const void* in, const std::vector
   NVG_RETURN_IF_ERROR(mpi(MPI_Alltoall(sent.data(), 2, MPI_UINT64_T, agreed->incoming.data(), 2,
                                        MPI_UINT64_T, comm),
                           "MPI_Alltoall (argument check of an alltoallv)"));
-  // counts disagree, null pointer, beyond int, this rank cannot take the fast path
-  int64_t verdict[4] = {0, 0, 0, fast_here ? 0 : 1};
+  // counts disagree, null pointer, beyond int, this rank cannot take the fast
+  // path, this rank captures a CUDA graph
+  int64_t verdict[5] = {0, 0, 0, fast_here ? 0 : 1, capturing_here ? 1 : 0};
   for (int r = 0; r < n; ++r)
     if (agreed->incoming[2 * r] != recv_bytes[r]) verdict[0] = 1;
   if ((send_total > 0 && in == nullptr) || (recv_total > 0 && out == nullptr)) verdict[1] = 1;
   if (send_total > static_cast<size_t>(INT_MAX) || recv_total > static_cast<size_t>(INT_MAX)) verdict[2] = 1;
-  int64_t any[4];
-  NVG_RETURN_IF_ERROR(mpi(MPI_Allreduce(verdict, any, 4, MPI_INT64_T, MPI_MAX, comm),
+  int64_t any[5];
+  NVG_RETURN_IF_ERROR(mpi(MPI_Allreduce(verdict, any, 5, MPI_INT64_T, MPI_MAX, comm),
                           "MPI_Allreduce (argument check of an alltoallv)"));
   if (any[0]) return Status::InvalidArgument("alltoallv: a rank expects different byte counts than its peers send");
   if (any[1]) return Status::InvalidArgument("alltoallv: a rank passed a null input or output pointer");
   if (any[2]) return Status::Unimplemented("alltoallv: more than 2^31-1 bytes sent or received by one rank");
+  if (any[4])
+    return Status::InvalidArgument("alltoallv: a rank called it while capturing a CUDA graph (alltoallv "
+                                   "waits on the host and cannot be captured)");
   agreed->fast_everywhere = any[3] == 0;
   return Status::Ok();
 }

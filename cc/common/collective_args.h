@@ -50,10 +50,11 @@ struct AlltoallvAgreement {
 // against null, totals against MPI's int counts; a failed check is the same
 // kInvalidArgument / kUnimplemented on every rank. `fast_here`: this rank can
 // take the communicator's fast path; agreed->fast_everywhere says whether all
-// can.
+// can. `capturing_here`: this rank's stream captures a CUDA graph, which an
+// alltoallv (host waits) cannot join: kInvalidArgument on every rank.
 Status AgreeAlltoallv(MPI_Comm comm, int size, const void* in, const std::vector<size_t>& send_bytes,
                       const void* out, const std::vector<size_t>& recv_bytes, bool fast_here,
-                      AlltoallvAgreement* agreed);
+                      bool capturing_here, AlltoallvAgreement* agreed);
 
 // MPI's int counts and displacements of consecutive parts of `bytes[r]` bytes
 // (the caller has checked that the total fits an int).

@@ -351,7 +351,7 @@ Status CpuCommunicator::Alltoallv(const void* in, const std::vector<size_t>& sen
   NVG_RETURN_IF_ERROR(CheckUsable());
   // What each rank will send us, checked against what we expect, on every rank.
   AlltoallvAgreement agreed;
-  Status s = AgreeAlltoallv(comm_, topo_.size, in, send_bytes, out, recv_bytes, false, &agreed);
+  Status s = AgreeAlltoallv(comm_, topo_.size, in, send_bytes, out, recv_bytes, false, false, &agreed);
   if (!s.ok()) return agreed.mpi_failed ? Track(s) : s;
   std::vector<int> sc, sd, rc, rd;
   MpiCountsAndDisplacements(send_bytes, &sc, &sd);

@@ -794,17 +794,15 @@ Status CudaCommunicator::Alltoallv(const void* in, const std::vector<size_t>& se
                            send_total <= registered_capacity() &&
                            !Overlaps(in, send_total, reg, registered_capacity()) &&
                            !Overlaps(out, recv_total, reg, registered_capacity());
-  AlltoallvAgreement agreed;
-  NVG_RETURN_IF_ERROR(AgreeAlltoallv(comm_, group_.topo.size, in, send_bytes, out, recv_bytes, peer_copies,
-                                     &agreed));
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
   cudaStream_t stream = StreamOf(stream_arg);
-  // Both paths wait on the host: not capturable (checked before any further
-  // MPI call, so this rank fails alone only if the caller captured on one rank).
+  // Both paths wait on the host: not capturable. A capture on any rank is the
+  // same error on every rank (part of the agreement), not a hang of the others.
   auto capturing = Capturing(stream);
   if (!capturing.ok()) return capturing.status();
-  if (capturing.value())
-    return Status::InvalidArgument("alltoallv waits on the host and cannot be captured in a CUDA graph");
+  AlltoallvAgreement agreed;
+  NVG_RETURN_IF_ERROR(AgreeAlltoallv(comm_, group_.topo.size, in, send_bytes, out, recv_bytes, peer_copies,
+                                     capturing.value(), &agreed));
   if (agreed.fast_everywhere) return PeerAlltoallv(in, send_total, out, recv_bytes, agreed.incoming, stream);
   std::vector<int> sc, sd, rc, rd;
   MpiCountsAndDisplacements(send_bytes, &sc, &sd);
