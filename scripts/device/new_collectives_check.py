@@ -13,7 +13,8 @@ scripts/device/run_all.sh sets up; stage `newcoll` there runs it).
   2. Communicator.allreduce of the 8/16-bit integers (new kernels);
   3. Communicator.alltoallv: uneven and zero splits, odd row sizes, peer copies
      in one group and the host-staged path (several groups; a rank's data
-     larger than the registered buffer);
+     larger than the registered buffer); a CUDA graph capture on rank 0 only is
+     the same error on every rank;
   4. the engine on device='cuda:N': reducescatter (Sum/Average, pre/postscale,
      integer scale semantics), grouped_reducescatter, alltoall (uneven, zero
      and no splits), grouped_allgather, allreduce of the 8/16-bit integers with
@@ -366,6 +367,41 @@ def alltoallv_cases(c, label, seed0, capacity):
               "%s: wrote outside the output" % what)
 
 
+def alltoallv_capture_on_one_rank(c, label):
+    """Rank 0 calls alltoallv while its stream captures a CUDA graph, the others
+    normally: the same InvalidArgument on every rank, in bounded time (the
+    run's timeout), no rank left waiting in MPI."""
+    what = "%s alltoallv with a capture on rank 0" % label
+    stream = cp.cuda.Stream(non_blocking=True)
+    x = Buf(np.arange(1, 4 * size + 1, dtype=np.uint8))
+    out = Buf(np.zeros(4 * size, dtype=np.uint8))
+    sync()  # nothing else runs on the device during the capture
+    began = 0
+    if rank == 0:
+        try:
+            mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+            stream.begin_capture(mode) if mode is not None else stream.begin_capture()
+            began = 1
+        except Exception as e:  # noqa: BLE001
+            print("[rank 0] could not begin a capture: %s" % e, flush=True)
+    if not comm.allreduce(began if rank == 0 else 1, op=MPI.MIN):
+        check(False, "%s: rank 0 could not begin a capture" % what)
+        return
+    error = ""
+    try:
+        c.alltoallv(x.ptr, [4] * size, out.ptr, [4] * size, stream=stream.ptr)
+    except Exception as e:  # noqa: BLE001
+        error = str(e)
+    finally:
+        if rank == 0:
+            try:
+                stream.end_capture()
+            except Exception as e:  # noqa: BLE001
+                print("[rank 0] end_capture: %s" % e, flush=True)
+    check("INVALID_ARGUMENT" in error and "capturing a CUDA graph" in error,
+          "%s: expected the capture error on every rank, got %r" % (what, error))
+
+
 def communicator_sections(label, group_size, seed0):
     global section
     capacity = 1 << 20
@@ -393,6 +429,9 @@ def communicator_sections(label, group_size, seed0):
     allreduce_small_ints(c, label, seed0 + 50000)
     section = "alltoallv " + label
     alltoallv_cases(c, label, seed0 + 90000, capacity)
+    if ON_GPU:
+        section = "alltoallv capture " + label
+        alltoallv_capture_on_one_rank(c, label)
     del c, h
 
 
