@@ -8,6 +8,7 @@
 
 #include "algorithms/hierarchical_allreduce.h"
 #include "common/checks.h"
+#include "common/collective_args.h"
 #include "cpu/host_primitives.h"
 #include "cpu/host_reduce.h"
 #include "cpu/ordered_allreduce.h"
@@ -25,11 +26,6 @@ constexpr size_t kMaxMpiBytes = size_t{1} << 30;
 Status Mpi(int rc, const char* call) {
   if (rc == MPI_SUCCESS) return Status::Ok();
   return Status::Internal(std::string(call) + " failed: " + MpiErrorString(rc));
-}
-
-bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
-  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
 }
 
 class CpuCommunicator final : public Communicator {
@@ -303,29 +299,14 @@ Status CpuCommunicator::Broadcast(void* buf, size_t bytes, int root, void* /*str
 Status CpuCommunicator::ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
                                       DataType dtype, ReduceOp op, void* /*stream*/) {
   NVG_RETURN_IF_ERROR(ValidateReduction(dtype, op));
-  const int n = topo_.size;
-  if (static_cast<int>(counts.size()) != n)
-    return Status::InvalidArgument("reducescatter: " + std::to_string(counts.size()) +
-                                   " counts given for " + std::to_string(n) + " ranks");
-  size_t total = 0, my_offset = 0;
-  for (int r = 0; r < n; ++r) {
-    if (r == topo_.rank) my_offset = total;
-    total += counts[r];
-  }
-  const size_t mine = counts[topo_.rank];
   const size_t esize = DataTypeSize(dtype);
-  if ((total > 0 && in == nullptr) || (mine > 0 && out == nullptr))
-    return Status::InvalidArgument("reducescatter with a null input or output pointer");
+  ReduceScatterSplit split;
+  NVG_RETURN_IF_ERROR(CheckReduceScatter(in, out, counts, esize, topo_.rank, topo_.size,
+                                         shm_->buffer(topo_.group_rank), shm_->capacity(), &split));
   NVG_RETURN_IF_ERROR(CheckUsable());
+  const size_t total = split.total, my_offset = split.offset, mine = split.mine;
+  const bool in_registered = split.in_registered;
   if (total == 0) return Status::Ok();
-  const char* reg = shm_->buffer(topo_.group_rank);
-  const size_t capacity = shm_->capacity();
-  if (Overlaps(out, mine * esize, reg, capacity))
-    return Status::InvalidArgument("reducescatter output overlaps the registered buffer");
-  const bool in_registered = in == reg && total * esize <= capacity;
-  if (!in_registered && Overlaps(in, total * esize, reg, capacity))
-    return Status::InvalidArgument("reducescatter input overlaps the registered buffer but does not fit it "
-                                   "from its start");
   const bool one_group = topo_.group_count == 1 && topo_.group_size > 1 && algorithm_ != AllreduceAlgorithm::kMpi;
   if (one_group) return Track(GroupReduceScatter(in, out, total, my_offset, mine, dtype, op, in_registered));
   // Several groups (or the flat path): the allreduce's own fold, then our rows.
@@ -367,41 +348,14 @@ Status CpuCommunicator::GroupReduceScatter(const void* in, void* out, size_t tot
 
 Status CpuCommunicator::Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
                                   const std::vector<size_t>& recv_bytes, void* /*stream*/) {
-  const int n = topo_.size;
-  if (static_cast<int>(send_bytes.size()) != n || static_cast<int>(recv_bytes.size()) != n)
-    return Status::InvalidArgument("alltoallv: byte counts must have one entry per rank (" + std::to_string(n) + ")");
   NVG_RETURN_IF_ERROR(CheckUsable());
-  size_t send_total = 0, recv_total = 0;
-  for (int r = 0; r < n; ++r) {
-    send_total += send_bytes[r];
-    recv_total += recv_bytes[r];
-  }
-  // What each rank will send us, checked against what we expect; every rank
-  // learns every verdict through one MPI_MAX.
-  std::vector<uint64_t> sent(send_bytes.begin(), send_bytes.end()), incoming(n);
-  NVG_RETURN_IF_ERROR(Track(Mpi(MPI_Alltoall(sent.data(), 1, MPI_UINT64_T, incoming.data(), 1, MPI_UINT64_T, comm_),
-                                "MPI_Alltoall (argument check of an alltoallv)")));
-  int64_t verdict[3] = {0, 0, 0};  // counts disagree, null pointer, beyond int
-  for (int r = 0; r < n; ++r)
-    if (incoming[r] != recv_bytes[r]) verdict[0] = 1;
-  if ((send_total > 0 && in == nullptr) || (recv_total > 0 && out == nullptr)) verdict[1] = 1;
-  if (send_total > static_cast<size_t>(INT_MAX) || recv_total > static_cast<size_t>(INT_MAX)) verdict[2] = 1;
-  int64_t any[3];
-  NVG_RETURN_IF_ERROR(Track(Mpi(MPI_Allreduce(verdict, any, 3, MPI_INT64_T, MPI_MAX, comm_),
-                                "MPI_Allreduce (argument check of an alltoallv)")));
-  if (any[0]) return Status::InvalidArgument("alltoallv: a rank expects different byte counts than its peers send");
-  if (any[1]) return Status::InvalidArgument("alltoallv: a rank passed a null input or output pointer");
-  if (any[2]) return Status::Unimplemented("alltoallv: more than 2^31-1 bytes sent or received by one rank");
-  std::vector<int> sc(n), sd(n), rc(n), rd(n);
-  size_t so = 0, ro = 0;
-  for (int r = 0; r < n; ++r) {
-    sc[r] = static_cast<int>(send_bytes[r]);
-    sd[r] = static_cast<int>(so);
-    rc[r] = static_cast<int>(recv_bytes[r]);
-    rd[r] = static_cast<int>(ro);
-    so += send_bytes[r];
-    ro += recv_bytes[r];
-  }
+  // What each rank will send us, checked against what we expect, on every rank.
+  AlltoallvAgreement agreed;
+  Status s = AgreeAlltoallv(comm_, topo_.size, in, send_bytes, out, recv_bytes, false, false, &agreed);
+  if (!s.ok()) return agreed.mpi_failed ? Track(s) : s;
+  std::vector<int> sc, sd, rc, rd;
+  MpiCountsAndDisplacements(send_bytes, &sc, &sd);
+  MpiCountsAndDisplacements(recv_bytes, &rc, &rd);
   // A non-null dummy for empty buffers: some MPIs reject null with zero counts.
   char dummy = 0;
   return Track(Mpi(MPI_Alltoallv(in != nullptr ? in : &dummy, sc.data(), sd.data(), MPI_BYTE,

@@ -16,10 +16,14 @@
 // per chunk NVLink reduce-scatter, a reduce-scatter + allgather between the
 // groups (CrossExchange: pipelined through pinned memory, or on device memory
 // when MPI is CUDA-aware), NVLink allgather.
-// Allgatherv and Broadcast copy through the members' registered buffers
-// (peer copies over NVLink, MPI barriers between the steps) when all ranks
-// form one NV-group, else stage through host memory and MPI (correct, not
-// tuned). NVGROUP_ALLREDUCE_ALGORITHM=hierarchical forces the skeleton's
+// ReduceScatter, all ranks in one NV-group: the group reduce-scatter phase with
+// the caller's row split (cc/kernels/reduce_scatter.cu), straight into the
+// output; several groups: the allreduce in place on the registered buffer,
+// then the rank's rows. Allgatherv, Broadcast and Alltoallv copy through the
+// members' registered buffers (peer copies over NVLink, MPI barriers between
+// the steps) when all ranks form one NV-group (and, Alltoallv, every rank's
+// input fits its registered buffer), else stage through host memory and MPI
+// (correct, not tuned). NVGROUP_ALLREDUCE_ALGORITHM=hierarchical forces the skeleton's
 // three steps on one group; "mpi" has no separate CUDA path (same as auto).
 // If some GPUs of a node lack mutual peer access, every group shrinks to one
 // GPU and all reduction crosses MPI through host memory (correct, slow; a

@@ -35,15 +35,18 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "algorithms/hierarchical_allreduce.h"
+#include "common/collective_args.h"
 #include "common/cuda_checks.h"
 #include "common/env.h"
 #include "device/device_primitives.h"
 #include "device/device_topology.h"
+#include "kernels/reduce_scatter.h"
 
 #if defined(OPEN_MPI) && OPEN_MPI
 #include <mpi-ext.h>
@@ -96,19 +99,6 @@ bool ProcessAlive(pid_t pid) {
   const int got = std::fscanf(f, "%*d (%*[^)]) %c", &state);
   std::fclose(f);
   return got != 1 || (state != 'Z' && state != 'X');
-}
-
-// The dtypes the NV-group kernels are compiled for (cc/kernels/p2p_allreduce.cu).
-bool HasDeviceKernel(DataType dtype) {
-  switch (dtype) {
-    case DataType::kFloat16:
-    case DataType::kBFloat16:
-    case DataType::kFloat32:
-    case DataType::kFloat64:
-    case DataType::kInt32:
-    case DataType::kInt64: return true;
-    default: return false;
-  }
 }
 
 bool MpiIsCudaAware() {
@@ -182,6 +172,13 @@ class CudaCommunicator final : public Communicator {
                          cudaStream_t caller);
   Status AllreducePiece(const void* in, void* out, size_t count, bool in_registered,
                         size_t offset, DataType dtype, ReduceOp op);
+  // ReduceScatter's two paths (see there) and Alltoallv's peer path.
+  Status GroupRowReduceScatter(const void* in, void* out, size_t total, size_t my_offset, size_t mine,
+                               bool in_registered, DataType dtype, ReduceOp op);
+  Status ReduceScatterByAllreduce(const void* in, void* out, size_t total, size_t my_offset, size_t mine,
+                                  bool in_registered, DataType dtype, ReduceOp op);
+  Status PeerAlltoallv(const void* in, size_t send_total, void* out, const std::vector<size_t>& recv_bytes,
+                       const std::vector<uint64_t>& incoming, cudaStream_t caller);
   // Note [Peer processes]: the first member whose process is gone, or -1.
   int DeadMember();
   std::string MemberName(int p) const;
@@ -199,6 +196,7 @@ class CudaCommunicator final : public Communicator {
   cudaEvent_t enter_ = nullptr, leave_ = nullptr, sync_ = nullptr;
   size_t chunk_bytes_ = 0;
   bool force_hierarchy_ = false;
+  int row_scatter_block_cap_ = 1;  // grid cap of the row reduce-scatter kernel (Init)
   std::atomic<bool> aborted_{false};
   bool initialized_ = false;  // Init completed on every rank (destructor barrier)
 
@@ -260,6 +258,12 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
     int cap = std::max(1, resident.value() / members_on_device);
     NVG_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &cap, 1, MPI_INT, MPI_MIN, group_.comms.group));
     group_.block_cap = cap;
+    // The same for the row reduce-scatter kernel (its own occupancy).
+    auto row_resident = ResidentRowScatterBlocks(group_.device, topo.group_size);
+    if (!row_resident.ok()) return row_resident.status();
+    int row_cap = std::max(1, row_resident.value() / members_on_device);
+    NVG_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &row_cap, 1, MPI_INT, MPI_MIN, group_.comms.group));
+    row_scatter_block_cap_ = row_cap;
   }
 
   group_.tuning.oneshot_max_bytes =
@@ -467,10 +471,6 @@ Status CudaCommunicator::Allreduce(const void* in, void* out, size_t count, Data
   if (!SupportsReduction(dtype))
     return Status::InvalidArgument(std::string("allreduce: dtype ") + DataTypeName(dtype) +
                                    " cannot be reduced");
-  if (!HasDeviceKernel(dtype))
-    return Status::Unimplemented(std::string("allreduce on CUDA: no kernel for dtype ") +
-                                 DataTypeName(dtype) +
-                                 " (float16/bfloat16/float32/float64/int32/int64 only)");
   if (static_cast<int>(op) < 0 || static_cast<int>(op) > static_cast<int>(ReduceOp::kProduct))
     return Status::InvalidArgument("allreduce: unknown reduce op " +
                                    std::to_string(static_cast<int>(op)));
@@ -640,90 +640,173 @@ Status CudaCommunicator::Allgatherv(const void* in, void* out,
   return Status::Ok();
 }
 
-// ReduceScatter on the device: the whole Allreduce into a scratch buffer, then
-// this rank's rows (correct and bitwise equal to Allreduce; it moves the whole
-// message instead of 1/size of it -- the NV-group reduce-scatter kernel step
-// alone is the faster path still to wire in, cc/kernels). Ordering: the
-// scratch is allocated, copied from and freed on the caller's stream, and
-// Allreduce joins work_ to that stream on entry and exit (Note [Internal stream]).
+// ReduceScatter on the device. All ranks in one NV-group of several GPUs: the
+// group reduce-scatter phase itself with the caller's row split
+// (GroupRowReduceScatter: the row reduce-scatter kernel, protocol in
+// cc/kernels/reduce_scatter.cu): each GPU folds only its own elements over the
+// members' registered buffers and writes them straight into `out`. Several
+// groups (or groups of one GPU): the skeleton's allreduce in place on the
+// registered buffer, piece by piece, then this rank's elements copied out
+// (ReduceScatterByAllreduce: correct, twice the traffic). The skeleton's cross
+// step allreduces slices of equal, 16-byte aligned size per group rank; the
+// per-rank row split does not map onto them without a reduce-scatter-only
+// cross step, which is not built. Either way nothing is allocated per call and
+// every element gets the allreduce's bits (the same fold order).
 Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
                                        DataType dtype, ReduceOp op, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
+  if (!SupportsReduction(dtype))
+    return Status::InvalidArgument(std::string("reducescatter: dtype ") + DataTypeName(dtype) +
+                                   " cannot be reduced");
+  if (static_cast<int>(op) < 0 || static_cast<int>(op) > static_cast<int>(ReduceOp::kProduct))
+    return Status::InvalidArgument("reducescatter: unknown reduce op " +
+                                   std::to_string(static_cast<int>(op)));
   const int size = group_.topo.size;
-  if (static_cast<int>(counts.size()) != size)
-    return Status::InvalidArgument("reducescatter: " + std::to_string(counts.size()) + " counts given for " +
-                                   std::to_string(size) + " ranks");
-  size_t total = 0, my_offset = 0;
-  for (int r = 0; r < size; ++r) {
-    if (r == group_.topo.rank) my_offset = total;
-    total += counts[r];
-  }
-  const size_t mine = counts[group_.topo.rank];
-  if (total == 0) return Status::Ok();
   const size_t esize = DataTypeSize(dtype);
+  ReduceScatterSplit split;
+  NVG_RETURN_IF_ERROR(CheckReduceScatter(in, out, counts, esize, group_.topo.rank, size, registered_buffer(),
+                                         registered_capacity(), &split));
+  const size_t total = split.total, my_offset = split.offset, mine = split.mine;
+  const bool in_registered = split.in_registered;
+  if (total == 0) return Status::Ok();
+  NVG_RETURN_IF_ERROR(CheckDevicePointer(in, "reducescatter: input"));
+  if (mine > 0) NVG_RETURN_IF_ERROR(CheckDevicePointer(out, "reducescatter: output"));
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
-  cudaStream_t stream = StreamOf(stream_arg);
-  void* scratch = nullptr;
-  NVG_CUDA_CHECK(cudaMallocAsync(&scratch, total * esize, stream));
-  Status s = Allreduce(in, scratch, total, dtype, op, stream);
-  if (s.ok() && mine > 0) {
-    cudaError_t e = cudaMemcpyAsync(out, static_cast<char*>(scratch) + my_offset * esize, mine * esize,
-                                    cudaMemcpyDeviceToDevice, stream);
-    if (e != cudaSuccess) s = Status::Internal(std::string("cudaMemcpyAsync (reducescatter rows) failed: ") +
-                                               cudaGetErrorString(e));
+  const cudaStream_t caller = StreamOf(stream_arg);
+  const bool one_group = group_.topo.group_count == 1 && group_.topo.group_size > 1;
+  if (!one_group && size > 1) {
+    auto capturing = Capturing(caller);
+    if (!capturing.ok()) return capturing.status();
+    if (capturing.value())
+      return Status::InvalidArgument(
+          "reducescatter over several NV-groups waits for MPI between its kernels and cannot be "
+          "captured in a CUDA graph");
   }
-  // Stream-ordered free: after the copy on `stream` read the scratch.
-  cudaError_t freed = cudaFreeAsync(scratch, stream);
-  if (s.ok() && freed != cudaSuccess)
-    s = Status::Internal(std::string("cudaFreeAsync (reducescatter scratch) failed: ") + cudaGetErrorString(freed));
-  return s;
+  NVG_RETURN_IF_ERROR(Diagnose(EnterWork(caller)));
+  group_.call_started = false;  // the call's first kernel starts its deadline
+  Status s;
+  if (size == 1) {  // every op over one rank is the identity
+    cudaError_t e = cudaMemcpyAsync(out, in, total * esize, cudaMemcpyDeviceToDevice, work_);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      s = Status::Internal(std::string("cudaMemcpyAsync (reducescatter on one rank) failed: ") +
+                           cudaGetErrorString(e));
+    }
+  } else if (one_group) {
+    s = GroupRowReduceScatter(in, out, total, my_offset, mine, in_registered, dtype, op);
+  } else {
+    s = ReduceScatterByAllreduce(in, out, total, my_offset, mine, in_registered, dtype, op);
+  }
+  Status left = LeaveWork(caller);  // also after a failure: a capture must be joined
+  return Diagnose(s.ok() ? left : s);
 }
 
-// Alltoallv on the device: staged through host memory and MPI_Alltoallv
-// (correct, not tuned), after the same count cross-check as the CPU path. It
-// touches no per-communicator device state (Note [Internal stream]): only the
-// caller's stream, which it drains, and MPI on comm_.
+// One launch of the row reduce-scatter kernel per piece of at most the
+// registered capacity (whole 16-byte units, so each piece starts aligned);
+// every member launches the same pieces with the same grid.
+Status CudaCommunicator::GroupRowReduceScatter(const void* in, void* out, size_t total, size_t my_offset,
+                                               size_t mine, bool in_registered, DataType dtype, ReduceOp op) {
+  const size_t esize = DataTypeSize(dtype);
+  const size_t unit = std::max<size_t>(1, 16 / esize);
+  const size_t piece = in_registered ? total : std::max(unit, registered_capacity() / esize / unit * unit);
+  const int g = group_.topo.group_size;
+  const int cap = std::max(1, std::min(group_.tuning.twoshot_blocks, row_scatter_block_cap_));
+  for (size_t p0 = 0; p0 < total; p0 += piece) {
+    const size_t n = std::min(piece, total - p0);
+    RowScatterLaunch l;
+    P2pLaunch& a = l.base;
+    for (int p = 0; p < g; ++p) {
+      a.peers.flags[p] = group_.region->flags(p);
+      a.peers.data[p] = group_.region->data(p);
+    }
+    a.group_size = g;
+    a.group_rank = group_.topo.group_rank;
+    a.dtype = dtype;
+    a.op = op;
+    a.divisor = op == ReduceOp::kAverage ? group_.topo.size : 1;
+    a.count = n;
+    a.in = in_registered ? nullptr : static_cast<const char*>(in) + p0 * esize;
+    // One thread per 16-byte unit of the piece, capped (the same on every member).
+    const size_t units = (n * esize + 15) / 16;
+    const size_t want = (units + kThreadsPerBlock - 1) / kThreadsPerBlock;
+    a.blocks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(want, cap)));
+    a.control = group_.control_device;
+    a.timeout_ns = group_.timeout_ns;
+    a.starts_call = !group_.call_started;
+    group_.call_started = true;
+    const size_t lo = std::max(p0, my_offset), hi = std::min(p0 + n, my_offset + mine);
+    if (lo < hi) {
+      l.lo = lo - p0;
+      l.hi = hi - p0;
+      l.out = static_cast<char*>(out) + (lo - my_offset) * esize;
+    }
+    NVG_RETURN_IF_ERROR_CTX(LaunchRowReduceScatter(l, work_),
+                            "row reduce-scatter of elements " + std::to_string(p0) + ".." +
+                                std::to_string(p0 + n));
+  }
+  return Status::Ok();
+}
+
+// Several groups: per piece of the registered capacity, the allreduce in place
+// on the registered buffer (the skeleton: group reduce-scatter, cross step,
+// group allgather), then the piece's part of this rank's elements copied out.
+// The next piece's copy-in follows the allreduce on work_, whose last kernel
+// ends in a barrier of the members (Note [Two-shot schedule]).
+Status CudaCommunicator::ReduceScatterByAllreduce(const void* in, void* out, size_t total, size_t my_offset,
+                                                  size_t mine, bool in_registered, DataType dtype,
+                                                  ReduceOp op) {
+  const size_t esize = DataTypeSize(dtype);
+  char* reg = static_cast<char*>(registered_buffer());
+  const size_t unit = std::max<size_t>(1, 16 / esize) * group_.topo.group_size;
+  const size_t piece = in_registered ? total : std::max(unit, registered_capacity() / esize / unit * unit);
+  for (size_t p0 = 0; p0 < total; p0 += piece) {
+    const size_t n = std::min(piece, total - p0);
+    if (!in_registered)
+      NVG_CUDA_CHECK(cudaMemcpyAsync(reg, static_cast<const char*>(in) + p0 * esize, n * esize,
+                                     cudaMemcpyDeviceToDevice, work_));
+    NVG_RETURN_IF_ERROR_CTX(AllreducePiece(reg, reg, n, true, 0, dtype, op),
+                            "reducescatter (allreduce of elements " + std::to_string(p0) + ".." +
+                                std::to_string(p0 + n) + ")");
+    const size_t lo = std::max(p0, my_offset), hi = std::min(p0 + n, my_offset + mine);
+    if (lo < hi)
+      NVG_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + (lo - my_offset) * esize,
+                                     reg + (lo - p0) * esize, (hi - lo) * esize,
+                                     cudaMemcpyDeviceToDevice, work_));
+  }
+  return Status::Ok();
+}
+
+// Alltoallv on the device, after the same count cross-check as the CPU path.
+// All ranks in one NV-group of several GPUs and every rank's send data fits
+// its registered buffer: peer copies (PeerAlltoallv). Otherwise staged through
+// host memory and MPI_Alltoallv (correct, not tuned); that path touches no
+// per-communicator device state (Note [Internal stream]): only the caller's
+// stream, which it drains, and MPI on comm_.
 Status CudaCommunicator::Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,
                                    const std::vector<size_t>& recv_bytes, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
-  const int n = group_.topo.size;
-  if (static_cast<int>(send_bytes.size()) != n || static_cast<int>(recv_bytes.size()) != n)
-    return Status::InvalidArgument("alltoallv: byte counts must have one entry per rank (" + std::to_string(n) + ")");
-  size_t send_total = 0, recv_total = 0;
-  for (int r = 0; r < n; ++r) {
-    send_total += send_bytes[r];
-    recv_total += recv_bytes[r];
-  }
-  std::vector<uint64_t> sent(send_bytes.begin(), send_bytes.end()), incoming(n);
-  NVG_MPI_CHECK(MPI_Alltoall(sent.data(), 1, MPI_UINT64_T, incoming.data(), 1, MPI_UINT64_T, comm_));
-  int64_t verdict[3] = {0, 0, 0};  // counts disagree, null pointer, beyond int
-  for (int r = 0; r < n; ++r)
-    if (incoming[r] != recv_bytes[r]) verdict[0] = 1;
-  if ((send_total > 0 && in == nullptr) || (recv_total > 0 && out == nullptr)) verdict[1] = 1;
-  if (send_total > static_cast<size_t>(INT_MAX) || recv_total > static_cast<size_t>(INT_MAX)) verdict[2] = 1;
-  int64_t any[3];
-  NVG_MPI_CHECK(MPI_Allreduce(verdict, any, 3, MPI_INT64_T, MPI_MAX, comm_));
-  if (any[0]) return Status::InvalidArgument("alltoallv: a rank expects different byte counts than its peers send");
-  if (any[1]) return Status::InvalidArgument("alltoallv: a rank passed a null input or output pointer");
-  if (any[2]) return Status::Unimplemented("alltoallv: more than 2^31-1 bytes sent or received by one rank");
-  std::vector<int> sc(n), sd(n), rc(n), rd(n);
-  size_t so = 0, ro = 0;
-  for (int r = 0; r < n; ++r) {
-    sc[r] = static_cast<int>(send_bytes[r]);
-    sd[r] = static_cast<int>(so);
-    rc[r] = static_cast<int>(recv_bytes[r]);
-    rd[r] = static_cast<int>(ro);
-    so += send_bytes[r];
-    ro += recv_bytes[r];
-  }
+  size_t send_total = 0;
+  for (size_t b : send_bytes) send_total += b;
+  size_t recv_total = 0;
+  for (size_t b : recv_bytes) recv_total += b;
+  const char* reg = static_cast<const char*>(registered_buffer());
+  const bool peer_copies = group_.topo.group_count == 1 && group_.topo.group_size > 1 &&
+                           send_total <= registered_capacity() &&
+                           !Overlaps(in, send_total, reg, registered_capacity()) &&
+                           !Overlaps(out, recv_total, reg, registered_capacity());
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
   cudaStream_t stream = StreamOf(stream_arg);
-  // Host staging waits on the host: not capturable (checked before any MPI
-  // call, so this rank fails alone only if the caller captured on one rank).
+  // Both paths wait on the host: not capturable. A capture on any rank is the
+  // same error on every rank (part of the agreement), not a hang of the others.
   auto capturing = Capturing(stream);
   if (!capturing.ok()) return capturing.status();
-  if (capturing.value())
-    return Status::InvalidArgument("alltoallv waits on the host and cannot be captured in a CUDA graph");
+  AlltoallvAgreement agreed;
+  NVG_RETURN_IF_ERROR(AgreeAlltoallv(comm_, group_.topo.size, in, send_bytes, out, recv_bytes, peer_copies,
+                                     capturing.value(), &agreed));
+  if (agreed.fast_everywhere) return PeerAlltoallv(in, send_total, out, recv_bytes, agreed.incoming, stream);
+  std::vector<int> sc, sd, rc, rd;
+  MpiCountsAndDisplacements(send_bytes, &sc, &sd);
+  MpiCountsAndDisplacements(recv_bytes, &rc, &rd);
   std::vector<char> send(std::max<size_t>(send_total, 1)), recv(std::max<size_t>(recv_total, 1));
   NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: `in` is produced
   if (send_total > 0) NVG_CUDA_CHECK(cudaMemcpy(send.data(), in, send_total, cudaMemcpyDeviceToHost));
@@ -733,6 +816,42 @@ Status CudaCommunicator::Alltoallv(const void* in, const std::vector<size_t>& se
     NVG_CUDA_CHECK(cudaMemcpyAsync(out, recv.data(), recv_total, cudaMemcpyHostToDevice, stream));
     NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // recv is freed on return
   }
+  return Status::Ok();
+}
+
+// One NV-group: every rank copies its whole input into its registered buffer,
+// then copies from each member p's registered buffer the bytes p sends it
+// (at p's offset `incoming[2 r + 1]`, r = p's rank) into `out` (peer copies
+// over NVLink / CUDA IPC). Ordering, on work_ (Note [Internal stream]):
+//   * work_ first waits for the caller's stream (`in` is produced) and
+//     everything earlier on work_ (a previous call's kernels, which end in a
+//     barrier of the members: their loads of our registered buffer are done);
+//     the copy-in follows on work_;
+//   * cudaStreamSynchronize(work_) then MPI_Barrier(group): every member's
+//     copy-in has completed before any member's peer copies are issued;
+//   * the peer copies, cudaStreamSynchronize(work_), MPI_Barrier(group): every
+//     member's reads of our registered buffer completed before we return, so
+//     the next call may write it. work_ is drained, so the caller's stream
+//     needs no join (as Allgatherv).
+Status CudaCommunicator::PeerAlltoallv(const void* in, size_t send_total, void* out,
+                                       const std::vector<size_t>& recv_bytes,
+                                       const std::vector<uint64_t>& incoming, cudaStream_t caller) {
+  NVG_RETURN_IF_ERROR(EnterWork(caller));
+  char* own = static_cast<char*>(registered_buffer());
+  if (send_total > 0) NVG_CUDA_CHECK(cudaMemcpyAsync(own, in, send_total, cudaMemcpyDeviceToDevice, work_));
+  NVG_CUDA_CHECK(cudaStreamSynchronize(work_));
+  NVG_MPI_CHECK(MPI_Barrier(group_.comms.group));  // orders: every member's input is in place
+  std::vector<size_t> displ(recv_bytes.size());
+  for (size_t r = 1; r < recv_bytes.size(); ++r) displ[r] = displ[r - 1] + recv_bytes[r - 1];
+  for (int p = 0; p < group_.topo.group_size; ++p) {
+    const int r = member_ranks_[p];
+    if (recv_bytes[r] > 0)
+      NVG_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + displ[r],
+                                     group_.region->data(p) + incoming[2 * r + 1], recv_bytes[r],
+                                     cudaMemcpyDefault, work_));
+  }
+  NVG_CUDA_CHECK(cudaStreamSynchronize(work_));
+  NVG_MPI_CHECK(MPI_Barrier(group_.comms.group));  // orders: reads done before the buffers are reused
   return Status::Ok();
 }
 

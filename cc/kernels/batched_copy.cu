@@ -10,11 +10,13 @@
 // a multiple of 16 bytes), element by element otherwise. scale == 1 moves bits
 // (any dtype, NaN payloads and -0 kept); otherwise fp16/bf16 scale in fp32 and
 // round once, fp32 in fp32, fp64 in fp64, integers in fp64 truncated toward
-// zero -- the contract of cc/cpu/host_reduce.h ScaledCopy.
+// zero, saturated to int64 and wrapped (ScaleInteger) -- the contract of cc/cpu/host_reduce.h ScaledCopy.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "common/cuda_checks.h"
 #include "kernels/kernels.h"
@@ -34,13 +36,28 @@ __device__ size_t FindCopy(const DeviceCopySpec* copies, size_t num_copies, size
   return lo;
 }
 
+// Integers as cc/cpu/host_reduce.cc ScaleInteger (Horovod's ScaleBuffer): the
+// product in double truncated toward zero, saturated to int64 (NaN -> 0) so the
+// conversion is defined, then wrapped to the element type (two's complement).
+template <typename T>
+__device__ __forceinline__ T ScaleInteger(T v, double scale) {
+  const double x = static_cast<double>(v) * scale;
+  long long wide;
+  if (!(x == x)) wide = 0;
+  else if (x >= 9223372036854775807.0) wide = INT64_MAX;
+  else if (x <= -9223372036854775808.0) wide = INT64_MIN;
+  else wide = static_cast<long long>(x);
+  return static_cast<T>(static_cast<std::make_unsigned_t<T>>(static_cast<unsigned long long>(wide)));
+}
+
 template <typename T>
 __device__ __forceinline__ T Scale(T x, double s) {
   if constexpr (std::is_same_v<T, __half>) return __float2half_rn(__half2float(x) * static_cast<float>(s));
   else if constexpr (std::is_same_v<T, __nv_bfloat16>)
     return __float2bfloat16_rn(__bfloat162float(x) * static_cast<float>(s));
   else if constexpr (std::is_same_v<T, float>) return x * static_cast<float>(s);
-  else return static_cast<T>(static_cast<double>(x) * s);  // double; integers truncate
+  else if constexpr (std::is_integral_v<T>) return ScaleInteger<T>(x, s);
+  else return static_cast<T>(static_cast<double>(x) * s);  // double
 }
 
 // kScale false: T is an unsigned word of the element size and bits are moved.
@@ -112,6 +129,10 @@ Status LaunchBatchedScaledCopy(const DeviceCopySpec* copies, size_t num_copies,
     case DataType::kFloat64: return LaunchTyped<double, true>(copies, num_copies, total_blocks, scale, stream);
     case DataType::kInt32: return LaunchTyped<int32_t, true>(copies, num_copies, total_blocks, scale, stream);
     case DataType::kInt64: return LaunchTyped<int64_t, true>(copies, num_copies, total_blocks, scale, stream);
+    case DataType::kUint8: return LaunchTyped<uint8_t, true>(copies, num_copies, total_blocks, scale, stream);
+    case DataType::kInt8: return LaunchTyped<int8_t, true>(copies, num_copies, total_blocks, scale, stream);
+    case DataType::kUint16: return LaunchTyped<uint16_t, true>(copies, num_copies, total_blocks, scale, stream);
+    case DataType::kInt16: return LaunchTyped<int16_t, true>(copies, num_copies, total_blocks, scale, stream);
     default:
       return Status::InvalidArgument(std::string("batched copy: scale ") + std::to_string(scale) +
                                      " given for dtype " + DataTypeName(dtype) +

@@ -6,10 +6,15 @@
 #include <algorithm>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "common/cuda_checks.h"
 
 namespace nvgroup {
+
+// The 8/16-bit integer instantiations (p2p_allreduce_small_ints.cu).
+void (*SmallIntP2pKernel(DataType dtype, int g, bool two_shot))(P2pLaunch);
+
 namespace {
 
 using P2pKernel = void (*)(P2pLaunch);
@@ -36,6 +41,10 @@ template <typename T, int G>
 struct TwoShotOf {
   static constexpr P2pKernel kernel = kernels::TwoShotKernel<T, G>;
 };
+template <template <typename, int> class Select>
+struct IsTwoShot : std::false_type {};
+template <>
+struct IsTwoShot<TwoShotOf> : std::true_type {};
 
 template <template <typename, int> class Select>
 P2pKernel KernelFor(DataType dtype, int g) {
@@ -46,12 +55,18 @@ P2pKernel KernelFor(DataType dtype, int g) {
     case DataType::kFloat64: return ForGroupSize<double, Select>(g);
     case DataType::kInt32: return ForGroupSize<int32_t, Select>(g);
     case DataType::kInt64: return ForGroupSize<int64_t, Select>(g);
+    case DataType::kUint8:
+    case DataType::kInt8:
+    case DataType::kUint16:
+    case DataType::kInt16: return SmallIntP2pKernel(dtype, g, IsTwoShot<Select>::value);
     default: return nullptr;
   }
 }
 
 constexpr DataType kReducible[] = {DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32,
-                                   DataType::kFloat64, DataType::kInt32,    DataType::kInt64};
+                                   DataType::kFloat64, DataType::kInt32,    DataType::kInt64,
+                                   DataType::kUint8,   DataType::kInt8,     DataType::kUint16,
+                                   DataType::kInt16};
 
 // Blocks of `kernel` one multiprocessor of the current device holds at once.
 StatusOr<int> BlocksPerSm(P2pKernel kernel) {
@@ -167,6 +182,10 @@ Status LaunchFoldSources(const void* src, int n, void* dst, size_t count, DataTy
     case DataType::kFloat64: return LaunchFoldTyped<double>(src, n, dst, count, op, divisor, stream);
     case DataType::kInt32: return LaunchFoldTyped<int32_t>(src, n, dst, count, op, divisor, stream);
     case DataType::kInt64: return LaunchFoldTyped<int64_t>(src, n, dst, count, op, divisor, stream);
+    case DataType::kUint8: return LaunchFoldTyped<uint8_t>(src, n, dst, count, op, divisor, stream);
+    case DataType::kInt8: return LaunchFoldTyped<int8_t>(src, n, dst, count, op, divisor, stream);
+    case DataType::kUint16: return LaunchFoldTyped<uint16_t>(src, n, dst, count, op, divisor, stream);
+    case DataType::kInt16: return LaunchFoldTyped<int16_t>(src, n, dst, count, op, divisor, stream);
     default:
       return Status::Unimplemented(std::string("fold over groups: dtype ") + DataTypeName(dtype) +
                                    " cannot be reduced");

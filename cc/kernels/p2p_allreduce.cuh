@@ -160,15 +160,18 @@ __device__ __forceinline__ __nv_bfloat16 Narrow<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
-// a (op) b. Integers wrap (two's complement) instead of overflowing into UB.
-// Min/Max: `b < a ? b : a`, like the CPU path.
+// a (op) b. Integers wrap (two's complement) instead of overflowing into UB:
+// + and * in an unsigned type at least as wide as `unsigned` (8/16-bit types
+// would otherwise promote to a signed int, whose product can overflow), then
+// narrowed -- cc/cpu/host_reduce.cc's WrapType. Min/Max: `b < a ? b : a`,
+// like the CPU path.
 template <typename A, bool kIntegral = std::is_integral_v<A>>
 struct WrapOf {
   using type = A;
 };
 template <typename A>
 struct WrapOf<A, true> {
-  using type = std::make_unsigned_t<A>;
+  using type = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
 };
 
 template <typename A>
@@ -183,10 +186,13 @@ __device__ __forceinline__ A Apply(ReduceOp op, A a, A b) {
 }
 
 // The final write of an Average divides by the number of ranks (integers
-// truncate toward zero, as C++ division does).
+// truncate toward zero, as C++ division does; in int64 like the CPU path, since
+// an 8-bit type cannot hold every divisor).
 template <typename A>
 __device__ __forceinline__ A Finish(ReduceOp op, int divisor, A x) {
-  return (op == ReduceOp::kAverage && divisor > 1) ? x / static_cast<A>(divisor) : x;
+  if (op != ReduceOp::kAverage || divisor <= 1) return x;
+  if constexpr (std::is_integral_v<A>) return static_cast<A>(static_cast<int64_t>(x) / divisor);
+  else return x / static_cast<A>(divisor);
 }
 
 // ---------------------------------------------------------------- 16-byte units

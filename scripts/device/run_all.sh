@@ -22,6 +22,11 @@
 #   engine1 the engine's full path on 1 rank (per tensor and grouped)
 #   cross   the cross-group step (cross_step_bench) on 2-4 ranks as groups of 1
 #   groups  (one GPU) quick check as groups of 3, 4 and 8 ranks on the one GPU
+#   newcoll the collectives added for Horovod parity through the pybind module
+#           (scripts/device/new_collectives_check.py: reducescatter, grouped
+#           reducescatter, alltoall, grouped allgather, 8/16-bit integers; GPU vs
+#           float64/exact reference and vs the CPU path) on 2 (full), 3 and 4
+#           (quick) ranks; builds the module with CUDA first (as pytest)
 #   bounds  two-shot launch bounds (512, 1) vs the old (512, 2): times both
 #           builds (scripts/device/bounds_variant.sh builds the second one; may
 #           already run in the background)
@@ -183,6 +188,19 @@ for stage in "$@"; do
         run timeout 400 python3 -m pytest -q -x tests/gpu
       else
         echo "!!! no mpicxx on this machine: pybind module not built, tests/gpu not run"; STATUS=1
+      fi ;;
+    newcoll)
+      step "new collectives through the pybind module on CUDA (2, 3, 4 ranks)"
+      if command -v mpicxx > /dev/null; then
+        NVGROUP_WITH_CUDA=1 NVGROUP_WITHOUT_TF=1 NVGROUP_BUILD_JOBS=$(nproc) timeout 400 python3 setup.py build_ext --inplace > "$OUT/pybind_build.log" 2>&1 || { echo "!!! pybind build failed"; tail -20 "$OUT/pybind_build.log"; STATUS=1; }
+        for np in 2 3 4; do
+          # several GPUs: one rank per GPU (ranks sharing a GPU need MPS, started only on one GPU)
+          if (( NGPU > 1 && np > NGPU )); then echo "newcoll: $np ranks skipped ($NGPU GPUs)"; continue; fi
+          args=(); [[ $np != 2 ]] && args=(--quick)
+          run timeout 400 mpirun -np $np --bind-to none -x PYTHONPATH="$PWD" python3 scripts/device/new_collectives_check.py "${args[@]}"
+        done
+      else
+        echo "!!! no mpicxx on this machine: pybind module not built, new collectives not checked"; STATUS=1
       fi ;;
     *) echo "unknown stage $stage"; STATUS=1 ;;
   esac

@@ -107,10 +107,12 @@ class Collectives {
   // by size, integers truncating) of the sum(counts) elements of `in`, of which
   // this rank receives elements [sum(counts[:rank]), sum(counts[:rank+1])) into
   // `out`. Every element gets the bits Allreduce would give it (same fold
-  // order). CPU: with one group of several ranks this is the skeleton's group
-  // reduce-scatter step itself (each rank folds only its own rows, reading the
-  // members' registered buffers); otherwise the allreduce's fold, then the
-  // rank's rows. `out` must not overlap the registered buffer.
+  // order). CPU and CUDA: with one group of several ranks this is the
+  // skeleton's group reduce-scatter step itself (each rank folds only its own
+  // rows, reading the members' registered buffers: shared memory, or CUDA IPC
+  // in the row reduce-scatter kernel, cc/kernels/reduce_scatter.cu); otherwise
+  // the allreduce's fold, then the rank's rows. `out` must not overlap the
+  // registered buffer; `in` may be the registered buffer from its start.
   virtual Status ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
                                DataType dtype, ReduceOp op, void* stream) = 0;
 

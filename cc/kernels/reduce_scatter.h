@@ -1,0 +1,38 @@
+// Host-side interface of the row reduce-scatter kernel (cc/kernels/reduce_scatter.cu):
+// the NV-group reduce-scatter phase with the caller's (Horovod's) uneven split
+// instead of the two-shot kernel's equal 16-byte-aligned slices. The protocol
+// is written down at the top of reduce_scatter.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "kernels/kernels.h"
+#include "nvgroup/status.h"
+
+namespace nvgroup {
+
+// One launch reduces one *piece* of the message (at most the registered
+// capacity). Every member of the group launches it with the same `base.count`
+// and `base.blocks` (the barrier pairs block b with block b); `lo`/`hi` differ.
+struct RowScatterLaunch {
+  // peers.data[p]: member p's registered data, where the piece lies (element 0
+  // of the piece at a 16-byte aligned address); count: elements of the piece;
+  // in: the piece of this rank's input to copy into its registered data inside
+  // the kernel, or nullptr when it already lies there; op, divisor, blocks,
+  // control, timeout_ns, starts_call as for the two-shot kernel. out and phases
+  // are not used.
+  P2pLaunch base;
+  size_t lo = 0;        // this rank's elements [lo, hi) of the piece (lo == hi: none)
+  size_t hi = 0;
+  void* out = nullptr;  // element lo of the piece goes to out[0] (the caller's buffer)
+};
+
+Status LaunchRowReduceScatter(const RowScatterLaunch& launch, cudaStream_t stream);
+
+// Largest grid of the row reduce-scatter kernel for `group_size` that is
+// resident at once on `device` (every dtype's instantiation; at most kMaxBlocks).
+StatusOr<int> ResidentRowScatterBlocks(int device, int group_size);
+
+}  // namespace nvgroup
