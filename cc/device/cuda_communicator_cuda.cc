@@ -226,11 +226,11 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
   NVG_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
 
   const int requested = options.group_size > 0 ? options.group_size : k.group_size;
-  int members_on_device = 1;
+  int ranks_on_device = 1;
   NVG_RETURN_IF_ERROR_CTX(
       ResolveDeviceTopology(comm_, device_ordinal, requested,
                             options.one_gpu_group || k.one_gpu_group, &group_.topo, &group_.comms,
-                            &group_.device, &members_on_device),
+                            &group_.device, &ranks_on_device),
       "resolving the GPU topology");
   if (group_.topo.rank != host_topology.rank || group_.topo.size != host_topology.size ||
       group_.topo.local_rank != host_topology.local_rank)
@@ -252,16 +252,17 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
   }
   if (topo.group_size > 1) {
     // Every block of a launch must be resident at once, on every member, with
-    // the grids of all members that share this GPU (one-GPU group mode).
+    // the grids of every rank that shares this GPU (one-GPU group mode: the
+    // members of this group and of any other group on the same GPU).
     auto resident = ResidentP2pBlocks(group_.device, topo.group_size);
     if (!resident.ok()) return resident.status();
-    int cap = std::max(1, resident.value() / members_on_device);
+    int cap = std::max(1, resident.value() / ranks_on_device);
     NVG_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &cap, 1, MPI_INT, MPI_MIN, group_.comms.group));
     group_.block_cap = cap;
     // The same for the row reduce-scatter kernel (its own occupancy).
     auto row_resident = ResidentRowScatterBlocks(group_.device, topo.group_size);
     if (!row_resident.ok()) return row_resident.status();
-    int row_cap = std::max(1, row_resident.value() / members_on_device);
+    int row_cap = std::max(1, row_resident.value() / ranks_on_device);
     NVG_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &row_cap, 1, MPI_INT, MPI_MIN, group_.comms.group));
     row_scatter_block_cap_ = row_cap;
   }

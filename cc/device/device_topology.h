@@ -35,10 +35,10 @@ namespace nvgroup {
 // Fills `topo` and `comms` and selects the device (cudaSetDevice). Collective.
 // `device_ordinal` < 0: local_rank % device count. `requested_group_size` 0: detect.
 // `one_gpu_group`: ranks on one GPU may form a group (see above).
-// `*device_out` receives the chosen ordinal, `*group_members_on_device` how
-// many members of this rank's group (itself included) drive the same GPU.
+// `*device_out` receives the chosen ordinal, `*ranks_on_device` how many local
+// ranks (itself included, of any group) drive the same GPU.
 Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_group_size,
                              bool one_gpu_group, Topology* topo, TopologyComms* comms,
-                             int* device_out, int* group_members_on_device);
+                             int* device_out, int* ranks_on_device);
 
 }  // namespace nvgroup

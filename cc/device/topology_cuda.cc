@@ -34,7 +34,7 @@ int LargestGroupDividing(int n) {
 
 Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_group_size,
                              bool one_gpu_group, Topology* topo, TopologyComms* comms,
-                             int* device_out, int* group_members_on_device) {
+                             int* device_out, int* ranks_on_device) {
   NVG_RETURN_IF_ERROR_CTX(SplitNodes(comm, topo, comms), "splitting ranks into nodes");
 
   int device_count = 0;
@@ -120,14 +120,14 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
                                   requested_group_size > 0 ? "NVGROUP_GROUP_SIZE"
                                                            : "detected NV-group size",
                                   topo, comms));
-  // Members of this rank's group that drive the same GPU (this rank included):
-  // their kernels share the GPU's multiprocessors.
-  std::vector<LocalGpu> members(topo->group_size);
-  NVG_MPI_CHECK(MPI_Allgather(&mine, sizeof(LocalGpu), MPI_BYTE, members.data(),
-                              sizeof(LocalGpu), MPI_BYTE, comms->group));
-  *group_members_on_device = 0;
-  for (const LocalGpu& m : members)
-    if (std::strncmp(m.bus_id, mine.bus_id, kBusIdChars) == 0) ++*group_members_on_device;
+  // Local ranks that drive the same GPU (this rank included), whatever their
+  // group: their kernels share the GPU's multiprocessors at the same time (the
+  // members of one group in the same launch; two groups on one GPU, e.g. 2x2
+  // in one-GPU group mode, each in its own), so every one of their grids must
+  // fit beside the others for the spinning barriers to complete.
+  *ranks_on_device = 0;
+  for (const LocalGpu& m : gpus)
+    if (std::strncmp(m.bus_id, mine.bus_id, kBusIdChars) == 0) ++*ranks_on_device;
   return Status::Ok();
 }
 

@@ -26,7 +26,8 @@
 #           (scripts/device/new_collectives_check.py: reducescatter, grouped
 #           reducescatter, alltoall, grouped allgather, 8/16-bit integers; GPU vs
 #           float64/exact reference and vs the CPU path) on 2 (full), 3 and 4
-#           (quick) ranks; builds the module with CUDA first (as pytest)
+#           (quick) ranks (NEWCOLL_NP="4": only those); builds the module with
+#           CUDA first (as pytest)
 #   bounds  two-shot launch bounds (512, 1) vs the old (512, 2): times both
 #           builds (scripts/device/bounds_variant.sh builds the second one; may
 #           already run in the background)
@@ -193,7 +194,7 @@ for stage in "$@"; do
       step "new collectives through the pybind module on CUDA (2, 3, 4 ranks)"
       if command -v mpicxx > /dev/null; then
         NVGROUP_WITH_CUDA=1 NVGROUP_WITHOUT_TF=1 NVGROUP_BUILD_JOBS=$(nproc) timeout 400 python3 setup.py build_ext --inplace > "$OUT/pybind_build.log" 2>&1 || { echo "!!! pybind build failed"; tail -20 "$OUT/pybind_build.log"; STATUS=1; }
-        for np in 2 3 4; do
+        for np in ${NEWCOLL_NP:-2 3 4}; do
           # several GPUs: one rank per GPU (ranks sharing a GPU need MPS, started only on one GPU)
           if (( NGPU > 1 && np > NGPU )); then echo "newcoll: $np ranks skipped ($NGPU GPUs)"; continue; fi
           args=(); [[ $np != 2 ]] && args=(--quick)
