@@ -102,11 +102,22 @@ Device ParseDevice(const std::string& name) {
 
 // --- Handles ---------------------------------------------------------------
 
+// WaitAll's one wake-up for many handles: each handle not yet done when
+// wait_all looked counts it down once (under the latch's mutex), and only the
+// last one signals, so a step's 214 completions wake the waiting thread once
+// instead of up to 214 times (each a context switch on a loaded machine).
+struct Latch {
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t remaining = 0;
+};
+
 struct Handle {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   Status status;
+  std::shared_ptr<Latch> latch;  // set by WaitAll (under mu) while it waits
   // Allgather output (allocated by AllocateOutput on the background thread).
   bool is_allgather = false;
   DataType dtype = DataType::kFloat32;
@@ -156,12 +167,22 @@ void Forget(int64_t id) {
 
 DoneCallback DoneFor(const std::shared_ptr<Handle>& h) {
   return [h](const Status& s) {
+    std::shared_ptr<Latch> latch;
     {
       std::lock_guard<std::mutex> lock(h->mu);
       h->status = s;
       h->done = true;
+      latch = std::move(h->latch);
     }
-    h->cv.notify_all();
+    h->cv.notify_all();  // wait()/poll() (no waiter: no system call)
+    if (latch != nullptr) {
+      bool last;
+      {
+        std::lock_guard<std::mutex> lock(latch->mu);
+        last = --latch->remaining == 0;
+      }
+      if (last) latch->cv.notify_all();
+    }
   };
 }
 
@@ -258,7 +279,31 @@ py::list WaitAll(const std::vector<int64_t>& ids) {
   }
   {
     py::gil_scoped_release release;
+    auto latch = std::make_shared<Latch>();
+    // Counted before any handle can count down: a handle that is not done gets
+    // the latch under its own mutex, so its done callback counts it down once.
+    latch->remaining = hs.size();
+    // A handle listed twice counts once; one another wait_all already waits
+    // on is waited for through its own condition variable.
+    size_t already = 0;
+    std::vector<Handle*> others;
     for (const std::shared_ptr<Handle>& h : hs) {
+      std::lock_guard<std::mutex> lock(h->mu);
+      if (h->done || h->latch == latch) {
+        ++already;
+      } else if (h->latch != nullptr) {
+        ++already;
+        others.push_back(h.get());
+      } else {
+        h->latch = latch;
+      }
+    }
+    {
+      std::unique_lock<std::mutex> lock(latch->mu);
+      latch->remaining -= already;
+      latch->cv.wait(lock, [&] { return latch->remaining == 0; });
+    }
+    for (Handle* h : others) {
       std::unique_lock<std::mutex> lock(h->mu);
       h->cv.wait(lock, [&] { return h->done; });
     }

@@ -84,5 +84,11 @@ check(d["cycles"] >= 2 * steps, "cycles ran (%r)" % d["cycles"])
 check(d["agreement_allreduces"] == 0, "no agreement allreduce on one rank (%r ran)" % d["agreement_allreduces"])
 check(d["plan_launches"] >= steps, "the group ran from its plan (%r launches)" % d["plan_launches"])
 check(d["negotiation_rounds"] == 0, "steady state without negotiation (%r rounds)" % d["negotiation_rounds"])
+# wait_all counts a handle listed twice once (it must not wait forever for a
+# second completion), and returns one result per listed id.
+x = np.arange(8, dtype=np.float32)
+y = np.zeros_like(x)
+h = E.allreduce_async("dup", x.ctypes.data, y.ctypes.data, [8], "float32")
+check(len(E.wait_all([h, h])) == 2 and np.array_equal(x, y), "wait_all with a duplicate handle")
 E.shutdown()
 finish()
