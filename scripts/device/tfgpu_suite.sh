@@ -7,6 +7,8 @@
 #           but the last; for the last one run instead:
 #   there:  bash .tfgpu/carry/tfgpu_suite.sh [STAGE...]       (default: suite bench)
 # Stages: suite  the TF GPU suite (parallel part, then the *memory* tests alone: they take the GPU's memory)
+#         full   (kit in TFGPU_FULL=1 mode: real cuBLAS/cuDNN) Keras fit of Dense and Conv models, with and
+#                without XLA, and examples/resnet50/train.py on the GPU (NVGROUP_TEST_TF_GPU_DENSE=1)
 #         bench  step cost, 1 and 2 ranks sharing the GPU
 #         old    if tfgpu_carry.sh carried a baseline op library (TFGPU_OLD_LIB): the adapter-defect checks
 #                (during `suite`) and the benchmark against it, to show what the fixes change
@@ -19,6 +21,8 @@ bash "$HERE/device.sh" || { echo "the kit's install failed"; exit 1; }
 . /tmp/tfgpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NVGROUP_TEST_GPU_MB=${NVGROUP_TEST_GPU_MB:-2048} NVG_COMMIT=$(cat "$HERE/commit" 2>/dev/null || echo "?")
+# The kit's stage carries the package and tests/; the example the suite trains comes from this tree.
+[ -d examples/resnet50 ] && cp -r examples "$NVG_REPO/"
 cd "$NVG_REPO"
 SUMMARY=$OUT/summary.txt; : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -63,6 +67,15 @@ for stage in $STAGES; do
         old_check 60 1 tf_gpu_memory.py after_init
         old_check 60 2 tf_gpu_memory.py before_init
       fi ;;
+    full)
+      NVGROUP_TEST_TF_GPU_DENSE=1 timeout "$(left 300)" python3 -m pytest -q -rs -n 3 -p no:cacheprovider \
+        tests/gpu/test_tf_gpu.py -k "keras" > "$OUT/suite_full.log" 2>&1; rc=$?
+      note "suite (full: Dense/Conv fit with and without XLA): rc=$rc $(tail -1 "$OUT/suite_full.log")"; [ $rc = 0 ] || status=1
+      # One at a time (they time the GPU) and with -s: the img/s lines are printed.
+      NVGROUP_TEST_TF_GPU_DENSE=1 timeout "$(left 300)" python3 -m pytest -q -rs -s -p no:cacheprovider \
+        tests/gpu/test_tf_gpu.py -k "resnet50" >> "$OUT/suite_full.log" 2>&1; rc=$?
+      note "suite (full: ResNet-50 example): rc=$rc $(tail -1 "$OUT/suite_full.log")"; [ $rc = 0 ] || status=1
+      grep -h '^RESNET50_GPU' "$OUT/suite_full.log" | cut -c1-400 | tee -a "$SUMMARY" ;;
     bench)
       for np in 1 2; do
         timeout "$(left 60)" mpirun -np $np $MPIRUN_X -x NVG_COMMIT python3 "$HERE/tf_gpu_step_bench.py" --label fixed \

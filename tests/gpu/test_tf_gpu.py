@@ -10,6 +10,8 @@ The tests named *memory* take the GPU's free memory: run them on their own
 (`-k memory`), not beside other GPU jobs (the suite script does).
 """
 import functools
+import json
+import math
 import os
 import re
 import subprocess
@@ -72,10 +74,33 @@ def test_every_collective_dtype_and_mode_on_gpu(tf_gpu, np_):
 @pytest.mark.parametrize("np_", [1, 2, 4])
 def test_keras_fit_on_gpu_matches_one_process(tf_gpu, np_):
     # TFGPU_FULL=1 kit mode (or a real TF GPU install) has cuBLAS: Dense layers too.
-    kinds = ["elementwise"] + (["dense"] if os.environ.get("NVGROUP_TEST_TF_GPU_DENSE") == "1" else [])
+    # With cuBLAS/cuDNN also Dense and Conv models, and each with XLA (jit_compile=True: the collectives
+    # as XLA custom calls on the GPU; XLA's GPU backend needs the real libraries too).
+    kinds = [["elementwise"]]
+    if os.environ.get("NVGROUP_TEST_TF_GPU_DENSE") == "1":
+        kinds += [["dense"], ["conv"], ["elementwise", "xla"], ["dense", "xla"], ["conv", "xla"]]
     for kind in kinds:
-        r = run_mpi(worker("tf_gpu_keras.py"), np_, args=[kind], env=ENV, timeout=600, check=False)
-        assert not r.timed_out and r.returncode == 0 and passed(r, np_), r.output[-20000:]
+        r = run_mpi(worker("tf_gpu_keras.py"), np_, args=kind, env=ENV, timeout=600, check=False)
+        assert not r.timed_out and r.returncode == 0 and passed(r, np_), " ".join(kind) + "\n" + r.output[-20000:]
+
+
+@pytest.mark.parametrize("np_", [1, 2])
+def test_resnet50_example_trains_on_gpu(tf_gpu, np_):
+    """examples/resnet50/train.py on the GPU (real cuDNN: TFGPU_FULL=1 kit mode or a real TF GPU install),
+    with XLA (Keras' default) and DistributedOptimizer: it trains (finite loss, every step ran, ranks agree
+    on the averaged loss) and reports img/s, which the suite prints (never asserted)."""
+    if os.environ.get("NVGROUP_TEST_TF_GPU_DENSE") != "1":
+        pytest.skip("needs cuDNN (NVGROUP_TEST_TF_GPU_DENSE=1: TFGPU_FULL=1 kit mode or a real TF GPU install)")
+    args = ["--batch-size", "64", "--image-size", "224", "--steps", "20", "--warmup-steps", "5", "--log-every", "10"]
+    r = run_mpi(os.path.join(REPO, "examples", "resnet50", "train.py"), np_, args=args,
+                env=dict(ENV, TF_FORCE_GPU_ALLOW_GROWTH="true"), timeout=600, check=False)
+    assert not r.timed_out and r.returncode == 0, r.output[-20000:]
+    results = [json.loads(line.split(" ", 1)[1]) for line in r.output.splitlines() if line.startswith("NVG_RESULT ")]
+    assert results, r.output[-20000:]
+    for res in results:
+        print("RESNET50_GPU np=%d %s" % (np_, json.dumps(res)))
+    losses = re.findall(r"loss ([-+0-9.eE]+|nan|inf)", r.output)
+    assert losses and all(math.isfinite(float(v)) for v in losses), r.output[-20000:]
 
 
 def test_dead_rank_during_gpu_collectives_is_named_by_every_survivor(tf_gpu, tmp_path):

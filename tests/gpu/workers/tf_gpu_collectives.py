@@ -19,7 +19,6 @@ from gpu_common import (ALL_DTYPES, FLOAT_DTYPES, GPU, REDUCE_DTYPES, Checker, D
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max, "product": hvd.Product}
 MODES = ("eager", "function")
-ULP = {tf.float16: 2.0 ** -10, tf.bfloat16: 2.0 ** -7, tf.float32: 2.0 ** -23, tf.float64: 2.0 ** -52}
 
 
 def per_rank(case, fn):
@@ -53,24 +52,12 @@ def magnitude(arrays, op, n):
     return stack.sum(axis=0) / (n if op == "average" else 1)
 
 
-def close(c, got, want, mag, dtype, what):
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    if got.shape != want.shape:
-        c.check(False, "%s: shape %s, want %s" % (what, got.shape, want.shape))
-        return
-    bound = 8 * hvd.size() * ULP[dtype] * np.maximum(np.abs(mag), 1e-30)
-    bad = np.flatnonzero(~(np.abs(got - want) <= bound))
-    c.check(bad.size == 0, "%s: %d of %d elements off, first at %s: got %r want %r" % (
-        what, bad.size, got.size, bad[:1], got.ravel()[bad[:1]], want.ravel()[bad[:1]]))
-
-
 def check_reduced(c, got, arrays, op_name, dtype, what):
     want = reference(arrays, op_name, dtype)
     if dtype.is_integer or op_name in ("min", "max"):
         c.equal(to_numpy(got).astype(np.float64 if dtype.is_floating else np.int64), want, what)
     else:
-        close(c, to_numpy(got), want, magnitude(arrays, op_name, hvd.size()), dtype, what)
+        c.close(to_numpy(got), want, magnitude(arrays, op_name, hvd.size()), dtype, what)
 
 
 def check_result(c, d, got, what, dtype):
@@ -110,7 +97,7 @@ def check_allreduce(c, d):
             what = "allreduce scaled %s %s" % (mode, dtype.name)
             check_result(c, d, got, what, dtype)
             want = reference(arrays, "sum", dtype) * 1.5
-            close(c, to_numpy(got), want, magnitude(arrays, "sum", 1) * 1.5 * 4, dtype, what)
+            c.close(to_numpy(got), want, magnitude(arrays, "sum", 1) * 1.5 * 4, dtype, what)
 
 
 def check_grouped(c, d):
@@ -186,7 +173,7 @@ def check_new_collectives(c, d):
                 if dtype.is_integer:
                     c.equal(got.numpy().astype(np.int64), want, what)
                 else:
-                    close(c, got.numpy(), want, magnitude(arrays, "sum", 1)[starts[hvd.rank()]:starts[hvd.rank() + 1]],
+                    c.close(got.numpy(), want, magnitude(arrays, "sum", 1)[starts[hvd.rank()]:starts[hvd.rank() + 1]],
                           dtype, what)
     if hasattr(hvd, "grouped_allgather"):
         for mode in MODES:
@@ -235,7 +222,7 @@ def check_gradients(c, d):
             want = np.sum(ws, axis=0) / (size if op_name == "average" else 1)
             what = "gradient of allreduce %s %s" % (op_name, mode)
             check_result(c, d, got, what, tf.float64)
-            close(c, got.numpy(), want, np.sum(np.abs(ws), axis=0), tf.float64, what)
+            c.close(got.numpy(), want, np.sum(np.abs(ws), axis=0), tf.float64, what)
 
         rows = [r + 1 for r in range(size)]
         gx = [np.random.default_rng([6002, r]).standard_normal((rows[r], 4)) for r in range(size)]
@@ -254,7 +241,7 @@ def check_gradients(c, d):
         want = np.mean(gw, axis=0)[start:start + rows[hvd.rank()]]
         what = "gradient of allgather " + mode
         check_result(c, None, got, what, tf.float64)  # this rank's rows
-        close(c, got.numpy(), want, np.sum(np.abs(gw), axis=0)[start:start + rows[hvd.rank()]], tf.float64, what)
+        c.close(got.numpy(), want, np.sum(np.abs(gw), axis=0)[start:start + rows[hvd.rank()]], tf.float64, what)
 
         def grad_broadcast(x, w):
             with tf.GradientTape() as tape:
@@ -267,7 +254,7 @@ def check_gradients(c, d):
         want = np.mean(ws, axis=0) if hvd.rank() == 0 else np.zeros((5, 3))
         what = "gradient of broadcast " + mode
         check_result(c, None, got, what, tf.float64)  # zero off the root
-        close(c, got.numpy(), want, np.sum(np.abs(ws), axis=0), tf.float64, what)
+        c.close(got.numpy(), want, np.sum(np.abs(ws), axis=0), tf.float64, what)
 
 
 def check_mismatches(c):

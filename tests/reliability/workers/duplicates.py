@@ -1,21 +1,18 @@
 """Duplicate names in flight: refused synchronously on the rank that submits
 the second one, with an error naming it; the first one still completes with
 the right result, and nothing hangs."""
-import traceback
 
 import numpy as np
 from mpi4py import MPI
 
 import nvgroup_tf._engine as engine
-from rel_common import check_allreduce, say, wait_bounded
+from rel_common import allreduce_into, check_allreduce, run_worker, say, wait_bounded
 
 COMM = MPI.COMM_WORLD
 
 
 def submit(name, x):
-    y = np.empty_like(x)
-    return engine.allreduce_async(name, x.ctypes.data, y.ctypes.data, list(x.shape), "float64", "sum",
-                                  keepalive=(x, y)), y
+    return allreduce_into(name, x, "float64")
 
 
 def expect_duplicate_error(call, name):
@@ -55,8 +52,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:  # noqa: BLE001 -- report which rank failed, then fail the job
-        say("rank %d: FAILED\n%s" % (COMM.rank, traceback.format_exc()))
-        COMM.Abort(1)
+    run_worker(main)

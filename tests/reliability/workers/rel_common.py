@@ -6,6 +6,7 @@ no numpy dtype: it is stored as uint16 bit patterns and widened here.
 import os
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -89,3 +90,20 @@ def say(text):
         fd = os.open(os.path.join(record, "%d.log" % os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.write(fd, line)
         os.close(fd)
+
+
+def allreduce_into(name, x, dtype, op="sum"):
+    """Submits the allreduce of `x` into a new array: (handle, output)."""
+    y = np.empty_like(x)
+    return engine.allreduce_async(name, x.ctypes.data, y.ctypes.data, list(x.shape), dtype, op,
+                                  keepalive=(x, y)), y
+
+
+def run_worker(main):
+    """Runs a worker's main(); an exception says which rank failed, then aborts the job."""
+    from mpi4py import MPI
+    try:
+        main()
+    except Exception:  # noqa: BLE001 -- report which rank failed, then fail the job
+        say("rank %d: FAILED\n%s" % (MPI.COMM_WORLD.rank, traceback.format_exc()))
+        MPI.COMM_WORLD.Abort(1)

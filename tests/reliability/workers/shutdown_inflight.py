@@ -11,22 +11,19 @@ collective. Submitting after shutdown must fail with a clear error.
 """
 import sys
 import time
-import traceback
 
 import numpy as np
 from mpi4py import MPI
 
 import nvgroup_tf._engine as engine
-from rel_common import check_allreduce, say, wait_bounded
+from rel_common import allreduce_into, check_allreduce, run_worker, say, wait_bounded
 
 COMM = MPI.COMM_WORLD
 BURST = 40
 
 
 def submit(name, x):
-    y = np.empty_like(x)
-    return engine.allreduce_async(name, x.ctypes.data, y.ctypes.data, list(x.shape), "float32", "sum",
-                                  keepalive=(x, y)), y
+    return allreduce_into(name, x, "float32")
 
 
 def submit_or_aborted(name, x):
@@ -101,8 +98,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:  # noqa: BLE001 -- report which rank failed, then fail the job
-        say("rank %d: FAILED\n%s" % (COMM.rank, traceback.format_exc()))
-        COMM.Abort(1)
+    run_worker(main)

@@ -1,15 +1,12 @@
 """Timeline worker: a fused group of allreduces, a lone allreduce, an allgather
 and a broadcast with NVGROUP_TIMELINE set, then shutdown() (which closes the trace). The test reads
 the file rank 0 wrote."""
-import traceback
 
 import numpy as np
-from mpi4py import MPI
+from mpi4py import MPI  # noqa: F401  (MPI first; the engine accepts an initialized MPI)
 
 import nvgroup_tf._engine as engine
-from rel_common import check_allreduce, say, wait_bounded
-
-COMM = MPI.COMM_WORLD
+from rel_common import check_allreduce, run_worker, say, wait_bounded
 
 
 def main():
@@ -48,8 +45,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:  # noqa: BLE001 -- report which rank failed, then fail the job
-        say("rank %d: FAILED\n%s" % (COMM.rank, traceback.format_exc()))
-        COMM.Abort(1)
+    run_worker(main)
