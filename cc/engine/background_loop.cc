@@ -143,9 +143,11 @@ void Engine::Admit(TensorEntry entry, double now) {
 
 bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
   std::vector<int> slots(order_.size(), -1);
+  std::vector<Pending*> entries(order_.size());  // one name lookup per entry
   std::unordered_map<uint64_t, uint32_t> group_hits;
   for (size_t i = 0; i < order_.size(); ++i) {
-    const RequestMessage& m = pending_[order_[i]]->entry.message;
+    entries[i] = pending_[order_[i]].get();
+    const RequestMessage& m = entries[i]->entry.message;
     int slot = cache_.Find(m.name);
     if (slot >= 0 && RequestMatchesResponse(m, cache_.Get(slot), rank_)) {
       slots[i] = slot;
@@ -154,7 +156,7 @@ bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
   }
   bool must_report = false;
   for (size_t i = 0; i < order_.size(); ++i) {
-    Pending* p = pending_[order_[i]].get();
+    Pending* p = entries[i];
     const RequestMessage& m = p->entry.message;
     // A group hits the cache whole or not at all (all its members arrive in
     // the same cycle: TensorQueue::Push is atomic).
