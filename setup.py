@@ -167,10 +167,22 @@ class NativeBuilder:
         return objects
 
     def link(self, objects, output, extra_link):
+        """Links `output` unless the same command already linked it from older objects (the command
+        is kept beside it in build/); into a temporary file renamed over it, so a process loading the
+        library meanwhile sees the old file or the new one, never a half-written one."""
         os.makedirs(os.path.dirname(output), exist_ok=True)
         cuda_link = ["-L" + os.path.join(CUDA_HOME, "lib64"), "-lcudart"] if WITH_CUDA else []
-        self._run(["g++", "-shared", "-o", output] + objects + self.mpi_link + cuda_link +
-                  extra_link + ["-lrt", "-lpthread"])
+        partial = output + ".partial"
+        cmd = (["g++", "-shared", "-o", partial] + objects + self.mpi_link + cuda_link +
+               extra_link + ["-lrt", "-lpthread"])
+        stamp = os.path.join(ROOT, "build", "link_" + os.path.basename(output) + ".cmd")
+        if (os.path.exists(output) and os.path.exists(stamp) and open(stamp).read() == " ".join(cmd)
+                and all(os.path.getmtime(o) < os.path.getmtime(output) for o in objects)):
+            return
+        self._run(cmd)
+        os.replace(partial, output)
+        with open(stamp, "w") as f:
+            f.write(" ".join(cmd))
 
 
 # TF's headers trip these warnings by the hundred; they are not ours.

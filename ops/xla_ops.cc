@@ -3,12 +3,15 @@
 // is described in xla_ops.h; the CUDA handler is in xla_ops_gpu.cc.
 #include "ops/xla_ops.h"
 
+#include <algorithm>
 #include <cinttypes>
+#include <climits>
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -72,6 +75,13 @@ std::string MlirF64(double value) {
 
 std::string MlirI64(int64_t value) { return std::to_string(value) + " : i64"; }
 
+// An i64 array attribute (MLIR's dense array: "array<i64>" when empty).
+std::string MlirI64Array(const std::vector<int64_t>& values) {
+  std::string out = "array<i64";
+  for (size_t i = 0; i < values.size(); ++i) out += (i == 0 ? ": " : ", ") + std::to_string(values[i]);
+  return out + ">";
+}
+
 }  // namespace
 
 std::string XlaAttributes(const CallAttributes& a) {
@@ -81,24 +91,38 @@ std::string XlaAttributes(const CallAttributes& a) {
          ", op = " + MlirI64(static_cast<int64_t>(a.op)) +
          ", prescale = " + MlirF64(a.prescale_factor) +
          ", postscale = " + MlirF64(a.postscale_factor) +
-         ", root = " + MlirI64(a.root_rank) + "}";
+         ", root = " + MlirI64(a.root_rank) +
+         ", process_set = " + MlirI64(a.process_set_id) +
+         ", splits = " + MlirI64Array(a.splits) +
+         ", received = " + MlirI64Array(a.received_splits) + "}";
 }
 
-Status DecodeAttributes(std::string_view name, int64_t type, int64_t grouped, int64_t op,
-                        double prescale, double postscale, int64_t root, CallAttributes* out) {
-  if (type < 0 || type > static_cast<int64_t>(CollectiveType::kBroadcast))
-    return Status::Internal("nvgroup XLA custom call: unknown collective type " + std::to_string(type));
-  if (op < 0 || op > static_cast<int64_t>(ReduceOp::kProduct))
-    return Status::Internal("nvgroup XLA custom call: unknown reduce op " + std::to_string(op));
-  out->name = std::string(name);
-  out->type = static_cast<CollectiveType>(type);
-  out->grouped = grouped != 0;
-  out->op = static_cast<ReduceOp>(op);
-  out->prescale_factor = prescale;
-  out->postscale_factor = postscale;
-  out->root_rank = static_cast<int>(root);
+namespace {
+
+// WireAttributes -> CallAttributes, checking what a hand-written HLO could get wrong.
+Status DecodeAttributes(const WireAttributes& w, CallAttributes* out) {
+  // Join is not lowered (xla_ops.h).
+  if (w.type < 0 || w.type > static_cast<int64_t>(CollectiveType::kAlltoall))
+    return Status::Internal("nvgroup XLA custom call: unknown collective type " + std::to_string(w.type));
+  if (w.op < 0 || w.op > static_cast<int64_t>(ReduceOp::kProduct))
+    return Status::Internal("nvgroup XLA custom call: unknown reduce op " + std::to_string(w.op));
+  if (w.process_set < 0 || w.process_set > INT32_MAX || w.root < INT32_MIN || w.root > INT32_MAX)
+    return Status::Internal("nvgroup XLA custom call: process set " + std::to_string(w.process_set) +
+                            " or root " + std::to_string(w.root) + " out of range");
+  out->name = std::string(w.name);
+  out->type = static_cast<CollectiveType>(w.type);
+  out->grouped = w.grouped != 0;
+  out->op = static_cast<ReduceOp>(w.op);
+  out->prescale_factor = w.prescale;
+  out->postscale_factor = w.postscale;
+  out->root_rank = static_cast<int>(w.root);
+  out->process_set_id = static_cast<int32_t>(w.process_set);
+  out->splits.assign(w.splits.begin(), w.splits.end());
+  out->received_splits.assign(w.received.begin(), w.received.end());
   return Status::Ok();
 }
+
+}  // namespace
 
 // ---------------------------------------------------------------------------
 // Run time: XLA buffers -> engine requests.
@@ -109,6 +133,8 @@ Status ToEngineDataType(ffi::DataType dtype, DataType* out) {
   switch (dtype) {
     case ffi::DataType::U8: *out = DataType::kUint8; return Status::Ok();
     case ffi::DataType::S8: *out = DataType::kInt8; return Status::Ok();
+    case ffi::DataType::U16: *out = DataType::kUint16; return Status::Ok();
+    case ffi::DataType::S16: *out = DataType::kInt16; return Status::Ok();
     case ffi::DataType::PRED: *out = DataType::kBool; return Status::Ok();
     case ffi::DataType::F16: *out = DataType::kFloat16; return Status::Ok();
     case ffi::DataType::BF16: *out = DataType::kBFloat16; return Status::Ok();
@@ -127,15 +153,37 @@ std::vector<int64_t> Dims(const ffi::AnyBuffer& buffer) {
   return std::vector<int64_t>(dims.begin(), dims.end());
 }
 
+// The engine's result shape must be the one XLA compiled (xla_ops.h, "Static
+// shapes"); then the result goes straight into XLA's buffer.
+AllocateOutputFn IntoCompiledBuffer(const CallAttributes& a, const std::string& name, const ffi::AnyBuffer& output) {
+  const std::vector<int64_t> compiled = Dims(output);
+  void* data = output.untyped_data();
+  const std::string what = std::string(CollectiveTypeName(a.type)) + " of '" + name + "' under XLA";
+  return [compiled, data, what](const std::vector<int64_t>& shape, void** out_ptr) {
+    if (shape != compiled)
+      return Status::FailedPrecondition(
+          what + ": the result shape is " + ShapeToString(shape) + " but the XLA program was compiled for " +
+          ShapeToString(compiled) + " (the ranks' shapes or splits changed after compilation; every rank "
+          "must recompile with the same shapes)");
+    *out_ptr = data;
+    return Status::Ok();
+  };
+}
+
 }  // namespace
 
-Status BuildRequests(const CallAttributes& a, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     std::vector<CollectiveRequest>* requests) {
-  if (args.size() != rets.size() || args.size() == 0)
+Status DecodeCall(const WireAttributes& wire, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  std::vector<CollectiveRequest>* requests) {
+  CallAttributes a;
+  NVG_RETURN_IF_ERROR(DecodeAttributes(wire, &a));
+  // The last operand only orders the call (CollectiveOrder); the data operands
+  // pair with the results.
+  if (args.size() != rets.size() + 1 || rets.size() == 0)
     return Status::Internal("nvgroup XLA custom call '" + a.name + "': " + std::to_string(args.size()) +
-                            " operands but " + std::to_string(rets.size()) + " results");
+                            " operands for " + std::to_string(rets.size()) +
+                            " results (want one operand per result and the ordering operand)");
   requests->clear();
-  for (size_t i = 0; i < args.size(); ++i) {
+  for (size_t i = 0; i < rets.size(); ++i) {
     auto in = args.get<ffi::AnyBuffer>(i);
     auto out = rets.get<ffi::AnyBuffer>(i);
     if (in.has_error() || out.has_error())
@@ -153,23 +201,34 @@ Status BuildRequests(const CallAttributes& a, ffi::RemainingArgs args, ffi::Rema
     q.prescale_factor = a.prescale_factor;
     q.postscale_factor = a.postscale_factor;
     q.root_rank = a.root_rank;
-    if (a.type == CollectiveType::kAllgather) {
-      // The result buffer was sized at compile time (xla_ops.h, "Allgather").
-      const std::vector<int64_t> compiled = Dims(output);
-      void* data = output.untyped_data();
-      const std::string name = q.name;
-      q.allocate_output = [compiled, data, name](const std::vector<int64_t>& shape, void** out_ptr) {
-        if (shape != compiled)
-          return Status::FailedPrecondition(
-              "allgather of '" + name + "' under XLA: the gathered shape is " + ShapeToString(shape) +
-              " but the XLA program was compiled for " + ShapeToString(compiled) +
-              " (the ranks' first dimensions changed after compilation; every rank must "
-              "recompile with the same shapes)");
-        *out_ptr = data;
-        return Status::Ok();
-      };
-    } else {
-      q.output = output.untyped_data();
+    q.process_set_id = a.process_set_id;
+    switch (a.type) {
+      case CollectiveType::kAllgather:
+      case CollectiveType::kReducescatter:
+        q.allocate_output = IntoCompiledBuffer(a, q.name, output);
+        break;
+      case CollectiveType::kAlltoall: {
+        q.splits = a.splits;
+        // The engine writes the received splits, then allocates: both must be
+        // what the program was compiled for (the received splits are a constant
+        // of the program, xla_ops.cc "Alltoall").
+        auto received = std::make_shared<std::vector<int64_t>>();
+        q.received_splits = received.get();
+        AllocateOutputFn into = IntoCompiledBuffer(a, q.name, output);
+        const std::vector<int64_t> compiled = a.received_splits;
+        const std::string name = q.name;
+        q.allocate_output = [received, into, compiled, name](const std::vector<int64_t>& shape, void** out_ptr) {
+          if (*received != compiled)
+            return Status::FailedPrecondition(
+                "alltoall of '" + name + "' under XLA: this rank receives " + ShapeToString(*received) +
+                " rows from the ranks but the XLA program was compiled for " + ShapeToString(compiled) +
+                " (a rank's splits changed after compilation; every rank must recompile)");
+          return into(shape, out_ptr);
+        };
+        break;
+      }
+      default:
+        q.output = output.untyped_data();
     }
     requests->push_back(std::move(q));
   }
@@ -195,13 +254,9 @@ ffi::Error ToFfiError(const Status& status) {
 namespace {
 
 // Host handler: the buffers are complete when XLA calls it; no readiness event.
-ffi::Error HostCollective(ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view name,
-                          int64_t type, int64_t grouped, int64_t op, double prescale, double postscale,
-                          int64_t root) {
-  CallAttributes attributes;
-  Status status = DecodeAttributes(name, type, grouped, op, prescale, postscale, root, &attributes);
+ffi::Error HostCollective(ffi::RemainingArgs args, ffi::RemainingRets rets, WireAttributes wire) {
   std::vector<CollectiveRequest> requests;
-  if (status.ok()) status = BuildRequests(attributes, args, rets, &requests);
+  Status status = DecodeCall(wire, args, rets, &requests);
   if (status.ok()) status = EnqueueAndWait(std::move(requests));
   return ToFfiError(status);
 }
@@ -243,15 +298,11 @@ class CompletionThread {
   std::deque<std::function<void()>> tasks_;
 };
 
-ffi::Future HostCollectiveAsync(ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view name,
-                                int64_t type, int64_t grouped, int64_t op, double prescale,
-                                double postscale, int64_t root) {
+ffi::Future HostCollectiveAsync(ffi::RemainingArgs args, ffi::RemainingRets rets, WireAttributes wire) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  CallAttributes attributes;
-  Status status = DecodeAttributes(name, type, grouped, op, prescale, postscale, root, &attributes);
   std::vector<CollectiveRequest> requests;
-  if (status.ok()) status = BuildRequests(attributes, args, rets, &requests);
+  Status status = DecodeCall(wire, args, rets, &requests);
   if (!status.ok()) {
     promise.SetError(ToFfiError(status));
     return future;
@@ -283,29 +334,9 @@ ffi::Future HostCollectiveAsync(ffi::RemainingArgs args, ffi::RemainingRets rets
   return future;
 }
 
-XLA_FFI_DEFINE_HANDLER(kHostCollectiveAsync, HostCollectiveAsync,
-                       ffi::Ffi::Bind()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attr<std::string_view>("name")
-                           .Attr<int64_t>("type")
-                           .Attr<int64_t>("grouped")
-                           .Attr<int64_t>("op")
-                           .Attr<double>("prescale")
-                           .Attr<double>("postscale")
-                           .Attr<int64_t>("root"));
+XLA_FFI_DEFINE_HANDLER(kHostCollectiveAsync, HostCollectiveAsync, BindCall(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER(kHostCollective, HostCollective,
-                       ffi::Ffi::Bind()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attr<std::string_view>("name")
-                           .Attr<int64_t>("type")
-                           .Attr<int64_t>("grouped")
-                           .Attr<int64_t>("op")
-                           .Attr<double>("prescale")
-                           .Attr<double>("postscale")
-                           .Attr<int64_t>("root"));
+XLA_FFI_DEFINE_HANDLER(kHostCollective, HostCollective, BindCall(ffi::Ffi::Bind()));
 
 }  // namespace
 
@@ -366,9 +397,48 @@ absl::Status XlaTarget(const char** target) {
   return absl::OkStatus();
 }
 
-// One custom call: operands -> results (a tuple when `tuple`), row-major layouts.
+// The order of the collective calls of one XLA computation (xla_ops.h,
+// "Order"): per XlaBuilder, the last collective call's output. Builders live
+// only while TF compiles one function and may be built on several threads at
+// once; an entry whose builder was destroyed is never used again, because an
+// op is taken only while it still belongs to the builder at that address and
+// the builder knows its shape (a new builder reusing the address fails that
+// check or, at worst, hands an earlier op of its own, which orders nothing
+// wrongly: the chain between its own collectives is what counts).
+class CollectiveOrder {
+ public:
+  // The operand that puts the next collective call of `builder` after its
+  // previous one: that call's output, or for the first one an empty u8[0].
+  static ::xla::XlaOp Previous(::xla::XlaBuilder* builder) {
+    {
+      std::lock_guard<std::mutex> lock(mu());
+      auto it = last().find(builder);
+      if (it != last().end() && it->second.builder() == builder && builder->GetShape(it->second).ok())
+        return it->second;
+    }
+    return ::xla::ConstantR1<uint8_t>(builder, {});
+  }
+  static void Record(::xla::XlaBuilder* builder, ::xla::XlaOp op) {
+    std::lock_guard<std::mutex> lock(mu());
+    last()[builder] = op;
+  }
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex* m = new std::mutex();  // never destroyed: compilations may run until exit
+    return *m;
+  }
+  static std::unordered_map<::xla::XlaBuilder*, ::xla::XlaOp>& last() {
+    static auto* map = new std::unordered_map<::xla::XlaBuilder*, ::xla::XlaOp>();
+    return *map;
+  }
+};
+
+// One custom call: inputs [0, in_shapes.size()) and the ordering operand
+// (CollectiveOrder; the handlers skip it) -> results (a tuple when `tuple`),
+// row-major layouts.
 std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes& attributes,
-                                   const std::vector<::xla::Shape>& in_shapes,
+                                   std::vector<::xla::Shape> in_shapes,
                                    const std::vector<::xla::Shape>& out_shapes, bool tuple) {
   const char* target = kXlaTarget;
   absl::Status chosen = XlaTarget(&target);
@@ -376,123 +446,222 @@ std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes
     ctx->SetStatus(chosen);
     return {};
   }
+  ::xla::XlaBuilder* builder = ctx->builder();
   std::vector<::xla::XlaOp> operands;
-  for (int i = 0; i < ctx->num_inputs(); ++i) operands.push_back(ctx->Input(i));
+  for (size_t i = 0; i < in_shapes.size(); ++i) operands.push_back(ctx->Input(static_cast<int>(i)));
+  const ::xla::XlaOp previous = CollectiveOrder::Previous(builder);
+  absl::StatusOr<::xla::Shape> previous_shape = builder->GetShape(previous);
+  if (!previous_shape.ok()) {
+    ctx->SetStatus(previous_shape.status());
+    return {};
+  }
+  ::xla::LayoutUtil::SetToDefaultLayout(&previous_shape.value());
+  operands.push_back(previous);
+  in_shapes.push_back(*previous_shape);
   const ::xla::Shape result = tuple ? ::xla::ShapeUtil::MakeTupleShape(out_shapes) : out_shapes[0];
   ::xla::XlaOp call = ::xla::CustomCallWithLayout(
-      ctx->builder(), target, operands, result, in_shapes, XlaAttributes(attributes),
+      builder, target, operands, result, in_shapes, XlaAttributes(attributes),
       /*has_side_effect=*/true, /*output_operand_aliasing=*/{}, /*literal=*/nullptr,
       ::xla::CustomCallSchedule::SCHEDULE_NONE, ::xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
   std::vector<::xla::XlaOp> outputs;
-  if (!tuple) return {call};
-  for (size_t i = 0; i < out_shapes.size(); ++i) outputs.push_back(::xla::GetTupleElement(call, i));
+  if (!tuple) {
+    outputs.push_back(call);
+  } else {
+    for (size_t i = 0; i < out_shapes.size(); ++i) outputs.push_back(::xla::GetTupleElement(call, i));
+  }
+  CollectiveOrder::Record(builder, outputs[0]);
   return outputs;
 }
 
-class AllreduceXlaOp : public XlaOpKernel {
- public:
-  explicit AllreduceXlaOp(tf::OpKernelConstruction* context) : XlaOpKernel(context) {
-    tf_adapter::AllreduceAttrs attrs;
-    OP_REQUIRES_OK(context, attrs.Read(context));
-    attributes_.name = tf_adapter::CollectiveName(*this, attrs.tensor_name);
-    attributes_.type = CollectiveType::kAllreduce;
-    attributes_.grouped = type_string() == "NvgroupGroupedAllreduce";
-    attributes_.op = attrs.op;
-    attributes_.prescale_factor = attrs.prescale_factor;
-    attributes_.postscale_factor = attrs.postscale_factor;
+// This rank's place in the collective's process set (compile time).
+Status PlaceInSet(const CallAttributes& a, int* rank, int* size) {
+  StatusOr<int> r = ProcessSetRank(a.process_set_id);
+  if (!r.ok()) return r.status().WithContext("compiling " + std::string(CollectiveTypeName(a.type)) + " '" +
+                                             a.name + "' for XLA");
+  StatusOr<int> n = ProcessSetSize(a.process_set_id);
+  if (!n.ok()) return n.status();
+  if (r.value() < 0) {
+    StatusOr<int> me = Rank();
+    return Status::InvalidArgument("rank " + std::to_string(me.ok() ? me.value() : -1) +
+                                   " is not a member of process set " + std::to_string(a.process_set_id) + "; '" +
+                                   a.name + "' can only run on its members");
   }
+  *rank = r.value();
+  *size = n.value();
+  return Status::Ok();
+}
 
-  void Compile(XlaOpKernelContext* ctx) override {
-    std::vector<::xla::Shape> shapes(ctx->num_inputs());
-    for (int i = 0; i < ctx->num_inputs(); ++i)
-      OP_REQUIRES_OK(ctx, StaticShapeWithLayout(ctx, i, attributes_.name, &shapes[i]));
-    std::vector<::xla::XlaOp> outputs = EmitCall(ctx, attributes_, shapes, shapes, attributes_.grouped);
-    for (size_t i = 0; i < outputs.size(); ++i) ctx->SetOutput(static_cast<int>(i), outputs[i]);
+// The compile-time collectives (xla_ops.h, "Static shapes"): every set
+// member's `mine` (one length on every rank), concatenated in set-rank order.
+Status GatherAtCompileTime(const CallAttributes& a, const std::string& name, std::vector<int64_t> mine,
+                           std::vector<int64_t>* all) {
+  int rank = 0, size = 0;
+  NVG_RETURN_IF_ERROR(PlaceInSet(a, &rank, &size));
+  all->assign(mine.size() * static_cast<size_t>(size), 0);
+  std::vector<CollectiveRequest> requests(1);
+  CollectiveRequest& q = requests[0];
+  q.name = name;
+  q.type = CollectiveType::kAllgather;
+  q.dtype = DataType::kInt64;
+  q.shape = {static_cast<int64_t>(mine.size())};
+  q.input = mine.data();
+  q.process_set_id = a.process_set_id;
+  q.allocate_output = [all](const std::vector<int64_t>& shape, void** out) {
+    if (shape.size() != 1 || shape[0] != static_cast<int64_t>(all->size()))
+      return Status::Internal("the compile-time allgather returned shape " + ShapeToString(shape));
+    *out = all->data();
+    return Status::Ok();
+  };
+  Status status = EnqueueAndWait(std::move(requests));
+  if (!status.ok())
+    return status.WithContext("compiling " + std::string(CollectiveTypeName(a.type)) + " '" + a.name + "' for XLA");
+  return Status::Ok();
+}
+
+// Allgather: the sum over the set of the first dimensions.
+Status GatheredRows(const CallAttributes& a, const std::string& member, int64_t mine, int64_t* total) {
+  std::vector<int64_t> all;
+  NVG_RETURN_IF_ERROR(GatherAtCompileTime(a, member + "/xla_rows", {mine}, &all));
+  *total = 0;
+  for (int64_t r : all) *total += r;
+  return Status::Ok();
+}
+
+// Alltoall: every member's splits are gathered, each rank checks its own (as
+// the engine would at Enqueue) and sends a flag with them, so an invalid split
+// fails the compilation on every rank rather than only on its own. Fills
+// a->received_splits: row `rank` of the gathered splits matrix's columns.
+Status AgreeOnSplits(CallAttributes* a, int64_t dim0) {
+  int rank = 0, size = 0;
+  NVG_RETURN_IF_ERROR(PlaceInSet(*a, &rank, &size));
+  const std::string who = "alltoall of '" + a->name + "'";
+  std::vector<int64_t> splits = a->splits;
+  Status mine;
+  if (splits.empty()) {
+    if (dim0 % size != 0)
+      mine = Status::InvalidArgument(who + ": alltoall without splits needs the first dimension (" +
+                                     std::to_string(dim0) + ") to be divisible by the number of ranks (" +
+                                     std::to_string(size) + ")");
+    splits.assign(size, dim0 / size);
+  } else if (static_cast<int>(splits.size()) != size) {
+    mine = Status::InvalidArgument(who + ": alltoall splits has " + std::to_string(splits.size()) +
+                                   " entries; it needs one per rank (" + std::to_string(size) + ")");
+  } else {
+    int64_t total = 0;
+    for (int64_t v : splits) {
+      if (v < 0 && mine.ok()) mine = Status::InvalidArgument(who + ": alltoall splits must be >= 0, got " +
+                                                             ShapeToString(splits));
+      total += v;
+    }
+    if (mine.ok() && total != dim0)
+      mine = Status::InvalidArgument(who + ": alltoall splits " + ShapeToString(splits) + " sum to " +
+                                     std::to_string(total) + ", not the first dimension " + std::to_string(dim0));
   }
+  std::vector<int64_t> sent(1 + size, 0);  // [invalid, splits...]
+  sent[0] = mine.ok() ? 0 : 1;
+  if (mine.ok()) std::copy(splits.begin(), splits.end(), sent.begin() + 1);
+  std::vector<int64_t> all;
+  NVG_RETURN_IF_ERROR(GatherAtCompileTime(*a, a->name + "/xla_splits", sent, &all));
+  if (!mine.ok()) return mine;
+  a->received_splits.assign(size, 0);
+  for (int k = 0; k < size; ++k) {
+    const int64_t* row = all.data() + static_cast<size_t>(k) * (1 + size);
+    if (row[0] != 0)
+      return Status::InvalidArgument(who + " under XLA: the splits of rank " + std::to_string(k) +
+                                     " of the process set are invalid (that rank's error says why)");
+    a->received_splits[k] = row[1 + rank];
+  }
+  return Status::Ok();
+}
 
- private:
-  CallAttributes attributes_;
-};
-
-class BroadcastXlaOp : public XlaOpKernel {
+// Every lowered op: reads the TF kernel's attrs, compiles the result shapes
+// (xla_ops.h, "Static shapes") and emits one custom call.
+class CollectiveXlaOp : public XlaOpKernel {
  public:
-  explicit BroadcastXlaOp(tf::OpKernelConstruction* context) : XlaOpKernel(context) {
+  CollectiveXlaOp(tf::OpKernelConstruction* context, CollectiveType type) : XlaOpKernel(context) {
+    attributes_.type = type;
+    attributes_.grouped = type_string().find("Grouped") != std::string::npos;
     std::string tensor_name;
-    OP_REQUIRES_OK(context, context->GetAttr("tensor_name", &tensor_name));
-    OP_REQUIRES_OK(context, context->GetAttr("root_rank", &attributes_.root_rank));
+    int process_set_id = 0;
+    if (type == CollectiveType::kAllreduce || type == CollectiveType::kReducescatter) {
+      tf_adapter::AllreduceAttrs attrs;
+      OP_REQUIRES_OK(context, attrs.Read(context));
+      tensor_name = attrs.tensor_name;
+      process_set_id = attrs.process_set_id;
+      attributes_.op = attrs.op;
+      attributes_.prescale_factor = attrs.prescale_factor;
+      attributes_.postscale_factor = attrs.postscale_factor;
+    } else {
+      OP_REQUIRES_OK(context, context->GetAttr("tensor_name", &tensor_name));
+      OP_REQUIRES_OK(context, context->GetAttr("process_set_id", &process_set_id));
+    }
+    if (type == CollectiveType::kBroadcast) OP_REQUIRES_OK(context, context->GetAttr("root_rank", &attributes_.root_rank));
+    attributes_.process_set_id = process_set_id;
     attributes_.name = tf_adapter::CollectiveName(*this, tensor_name);
-    attributes_.type = CollectiveType::kBroadcast;
   }
 
   void Compile(XlaOpKernelContext* ctx) override {
-    std::vector<::xla::Shape> shapes(1);
-    OP_REQUIRES_OK(ctx, StaticShapeWithLayout(ctx, 0, attributes_.name, &shapes[0]));
-    std::vector<::xla::XlaOp> outputs = EmitCall(ctx, attributes_, shapes, shapes, false);
-    if (!outputs.empty()) ctx->SetOutput(0, outputs[0]);
-  }
-
- private:
-  CallAttributes attributes_;
-};
-
-class AllgatherXlaOp : public XlaOpKernel {
- public:
-  explicit AllgatherXlaOp(tf::OpKernelConstruction* context) : XlaOpKernel(context) {
-    std::string tensor_name;
-    OP_REQUIRES_OK(context, context->GetAttr("tensor_name", &tensor_name));
-    attributes_.name = tf_adapter::CollectiveName(*this, tensor_name);
-    attributes_.type = CollectiveType::kAllgather;
-  }
-
-  void Compile(XlaOpKernelContext* ctx) override {
-    std::vector<::xla::Shape> in(1);
-    OP_REQUIRES_OK(ctx, StaticShapeWithLayout(ctx, 0, attributes_.name, &in[0]));
-    OP_REQUIRES(ctx, in[0].dimensions().size() >= 1,
-                absl::InvalidArgumentError("allgather of '" + attributes_.name +
-                                           "' needs a tensor of rank >= 1 (it concatenates along the "
-                                           "first dimension); got a scalar"));
-    int64_t rows = 0;
-    OP_REQUIRES_OK(ctx, tf_adapter::ToTfStatus(GatheredRows(in[0].dimensions(0), &rows)));
+    CallAttributes attributes = attributes_;
+    const bool alltoall = attributes.type == CollectiveType::kAlltoall;
+    const int n = alltoall ? 1 : ctx->num_inputs();  // alltoall's splits are an attribute
+    std::vector<::xla::Shape> in(n);
+    for (int i = 0; i < n; ++i) OP_REQUIRES_OK(ctx, StaticShapeWithLayout(ctx, i, attributes.name, &in[i]));
     std::vector<::xla::Shape> out = in;
-    out[0].set_dimensions(0, rows);
-    std::vector<::xla::XlaOp> outputs = EmitCall(ctx, attributes_, in, out, false);
-    if (!outputs.empty()) ctx->SetOutput(0, outputs[0]);
+    if (alltoall) OP_REQUIRES_OK(ctx, ctx->ConstantInputAsIntVector(1, &attributes.splits));
+    OP_REQUIRES_OK(ctx, tf_adapter::ToTfStatus(ResultShapes(&attributes, &out)));
+    std::vector<::xla::XlaOp> outputs = EmitCall(ctx, attributes, in, out, attributes.grouped);
+    for (size_t i = 0; i < outputs.size(); ++i) ctx->SetOutput(static_cast<int>(i), outputs[i]);
+    if (alltoall && !outputs.empty()) {
+      std::vector<int32_t> received(attributes.received_splits.begin(), attributes.received_splits.end());
+      ctx->SetOutput(1, ::xla::ConstantR1<int32_t>(ctx->builder(), received));
+    }
   }
 
  private:
-  // The compile-time collective of xla_ops.h ("Allgather"): the sum over ranks
-  // of the first dimension.
-  Status GatheredRows(int64_t mine, int64_t* total) {
-    StatusOr<int> size = Size();
-    if (!size.ok()) return size.status();
-    std::vector<int64_t> all(size.value(), 0);
-    std::vector<CollectiveRequest> requests(1);
-    CollectiveRequest& q = requests[0];
-    q.name = attributes_.name + "/xla_rows";
-    q.type = CollectiveType::kAllgather;
-    q.dtype = DataType::kInt64;
-    q.shape = {1};
-    q.input = &mine;
-    q.allocate_output = [&all](const std::vector<int64_t>& shape, void** out) {
-      if (shape.size() != 1 || shape[0] != static_cast<int64_t>(all.size()))
-        return Status::Internal("allgather of the first dimensions returned shape " + ShapeToString(shape));
-      *out = all.data();
-      return Status::Ok();
-    };
-    Status status = EnqueueAndWait(std::move(requests));
-    if (!status.ok()) return status.WithContext("compiling allgather '" + attributes_.name + "' for XLA");
-    *total = 0;
-    for (int64_t r : all) *total += r;
+  // `out` starts as the input shapes.
+  Status ResultShapes(CallAttributes* a, std::vector<::xla::Shape>* out) {
+    if (a->type == CollectiveType::kAllreduce || a->type == CollectiveType::kBroadcast) return Status::Ok();
+    for (size_t i = 0; i < out->size(); ++i) {
+      ::xla::Shape& shape = (*out)[i];
+      if (shape.dimensions().size() < 1)
+        return Status::InvalidArgument(std::string(CollectiveTypeName(a->type)) + " of '" + a->name +
+                                       "' needs a tensor of rank >= 1 (it splits or concatenates along the first "
+                                       "dimension); got a scalar");
+      const int64_t dim0 = shape.dimensions(0);
+      int64_t rows = 0;
+      if (a->type == CollectiveType::kReducescatter) {
+        int rank = 0, size = 0;
+        NVG_RETURN_IF_ERROR(PlaceInSet(*a, &rank, &size));
+        rows = ReducescatterRows(dim0, rank, size);
+      } else if (a->type == CollectiveType::kAllgather) {
+        const std::string member = a->grouped ? a->name + "[" + std::to_string(i) + "]" : a->name;
+        NVG_RETURN_IF_ERROR(GatheredRows(*a, member, dim0, &rows));
+      } else {  // alltoall
+        NVG_RETURN_IF_ERROR(AgreeOnSplits(a, dim0));
+        for (int64_t r : a->received_splits) rows += r;
+      }
+      shape.set_dimensions(0, rows);
+    }
     return Status::Ok();
   }
 
   CallAttributes attributes_;
 };
 
-REGISTER_XLA_OP(Name("NvgroupAllreduce"), AllreduceXlaOp);
-REGISTER_XLA_OP(Name("NvgroupGroupedAllreduce"), AllreduceXlaOp);
-REGISTER_XLA_OP(Name("NvgroupAllgather"), AllgatherXlaOp);
-REGISTER_XLA_OP(Name("NvgroupBroadcast"), BroadcastXlaOp);
+template <CollectiveType kType>
+class XlaOpOf : public CollectiveXlaOp {
+ public:
+  explicit XlaOpOf(tf::OpKernelConstruction* context) : CollectiveXlaOp(context, kType) {}
+};
+
+REGISTER_XLA_OP(Name("NvgroupAllreduce"), XlaOpOf<CollectiveType::kAllreduce>);
+REGISTER_XLA_OP(Name("NvgroupGroupedAllreduce"), XlaOpOf<CollectiveType::kAllreduce>);
+REGISTER_XLA_OP(Name("NvgroupAllgather"), XlaOpOf<CollectiveType::kAllgather>);
+REGISTER_XLA_OP(Name("NvgroupGroupedAllgather"), XlaOpOf<CollectiveType::kAllgather>);
+REGISTER_XLA_OP(Name("NvgroupBroadcast"), XlaOpOf<CollectiveType::kBroadcast>);
+REGISTER_XLA_OP(Name("NvgroupReducescatter"), XlaOpOf<CollectiveType::kReducescatter>);
+REGISTER_XLA_OP(Name("NvgroupGroupedReducescatter"), XlaOpOf<CollectiveType::kReducescatter>);
+REGISTER_XLA_OP(Name("NvgroupAlltoall").CompileTimeConstantInput("splits"), XlaOpOf<CollectiveType::kAlltoall>);
 
 }  // namespace
 }  // namespace xla_adapter

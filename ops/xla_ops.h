@@ -2,35 +2,63 @@
 // and CUDA (xla_ops_gpu.cc) custom-call handlers.
 //
 // How it works. When TensorFlow compiles a function with XLA (jit_compile=True,
-// Keras' jit_compile), each Nvgroup* op is lowered by a tf2xla kernel
+// Keras' jit_compile), each Nvgroup* op below is lowered by a tf2xla kernel
 // (xla_ops.cc) into one XLA custom call, API_VERSION_TYPED_FFI, target
 // kXlaTarget, with side effects (never removed, merged or duplicated). Its
-// operands are the op's inputs, its results the op's outputs (a tuple for the
-// grouped allreduce); XLA chooses the buffers. The call's attributes (an MLIR
-// dictionary in backend_config, built by XlaAttributes) carry everything the
-// TF kernel reads from its attrs: the engine name (the same name the non-XLA
-// kernel uses, so negotiation by name, the response cache and fusion work as
-// without XLA), the collective kind, the reduce op, the scale factors, the
-// broadcast root.
+// operands are the op's data inputs (and the ordering operand, "Order"
+// below), its results the op's data outputs (a tuple for the grouped ops);
+// XLA chooses the buffers. The call's attributes
+// (an MLIR dictionary in backend_config, built by XlaAttributes) carry
+// everything the TF kernel reads from its attrs: the engine name (the same name
+// the non-XLA kernel uses, so negotiation by name, the response cache and
+// fusion work as without XLA), the collective kind, the reduce op, the scale
+// factors, the broadcast root, the process set, alltoall's splits.
+//
+// Order. Each handler blocks its XLA thread until its collective completed on
+// every rank, so the ranks must run their collective calls in one order. XLA
+// orders independent side-effecting calls as it likes, and the HLO may differ
+// by rank (the allgather gradient slices at a rank-dependent offset): two ranks
+// could enter two collectives in opposite orders and wait for each other for
+// ever. So every collective call takes, as an extra last operand that the
+// handlers skip, the output of the previous collective call lowered into the
+// same XLA computation (xla_ops.cc CollectiveOrder; an empty u8[0] constant for
+// the first): a data dependency XLA must respect. tf2xla lowers a graph's ops
+// in a topological order broken by node names (graph_compiler.cc,
+// GetReversePostOrder with NodeComparatorName), the same on every rank, so
+// every rank's chain is the same sequence of collectives.
+//
+// Lowered: NvgroupAllreduce, NvgroupGroupedAllreduce, NvgroupAllgather,
+// NvgroupGroupedAllgather, NvgroupBroadcast (and so broadcast_, which assigns
+// its result), NvgroupReducescatter, NvgroupGroupedReducescatter,
+// NvgroupAlltoall (splits a compile-time constant). Not lowered (TF then fails
+// the jit_compile=True function naming the op): NvgroupJoin.
 //
 // At run time XLA calls the handler registered for its platform ("Host",
 // "CUDA") with the buffers; the handler turns them into engine requests
-// (BuildRequests) and waits for them (EnqueueAndWait, nvgroup/engine.h). The
+// (DecodeCall) and waits for them (EnqueueAndWait, nvgroup/engine.h). The
 // engine bounds that wait (NVGROUP_TIMEOUT, dead-rank detection), and every
 // engine error returns from the handler as an ffi::Error with the same code, so
 // XLA's program fails with TensorFlow's usual error class (UnavailableError for
 // a dead peer, FailedPreconditionError for a cross-rank mismatch) on every rank.
 //
-// Allgather: XLA needs every shape at compile time, but the first dimension of
-// the result is the sum of the ranks' first dimensions. The tf2xla kernel
-// therefore allgathers the first dimensions once, when the program is compiled
-// (a collective named "<name>/xla_rows"), and compiles that result shape; at run
-// time the engine's negotiated shape is checked against it, so a rank whose
-// input changed after the others compiled fails on every rank instead of
-// writing past the buffer.
+// Static shapes. XLA needs every result shape at compile time:
+//  * reducescatter: this rank's rows of Horovod's split (ReducescatterRows)
+//    of the input's first dimension, from this rank's place in the process set;
+//  * allgather: the sum of the ranks' first dimensions, which the tf2xla
+//    kernel allgathers once, when the program is compiled (a collective named
+//    "<name>/xla_rows", grouped: "<name>[i]/xla_rows");
+//  * alltoall: the rows every rank sends here, which the tf2xla kernel learns
+//    by allgathering every rank's splits at compile time ("<name>/xla_splits");
+//    the splits must therefore be a compile-time constant.
+// At run time the engine's negotiated result shape (and alltoall's received
+// splits) is checked against the compiled one, so a rank whose input changed
+// after the others compiled fails on every rank instead of writing past the
+// buffer.
 #pragma once
 
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "nvgroup/engine.h"
@@ -50,25 +78,48 @@ constexpr const char* kXlaTarget = "nvgroup_collective";
 // at compile time. The CUDA handler is registered under both names.
 constexpr const char* kXlaAsyncTarget = "nvgroup_collective_async";
 
-// What the custom call's attributes say (XlaAttributes writes them, the
-// handlers decode them into this).
+// What the custom call's attributes say (XlaAttributes writes them at
+// lowering; the handlers get them back through DecodeCall).
 struct CallAttributes {
   std::string name;                       // engine name (grouped: member i is "<name>[i]")
   CollectiveType type = CollectiveType::kAllreduce;
-  bool grouped = false;                   // NvgroupGroupedAllreduce
+  bool grouped = false;                   // one request per operand, "<name>[i]"
   ReduceOp op = ReduceOp::kSum;
   double prescale_factor = 1.0;
   double postscale_factor = 1.0;
   int root_rank = 0;
+  int32_t process_set_id = 0;
+  // Alltoall only: the splits as the op got them (empty = even split), and the
+  // rows this rank receives from each rank, agreed when the program was
+  // compiled (xla_ops.cc, "Alltoall"); the run checks the engine's against them.
+  std::vector<int64_t> splits;
+  std::vector<int64_t> received_splits;
+};
+
+// The attributes as the custom call carries them: XLA's FFI decodes the call's
+// attribute dictionary into this struct (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING
+// below), for every handler alike; DecodeCall checks and converts it.
+struct WireAttributes {
+  std::string_view name;
+  int64_t type;
+  int64_t grouped;
+  int64_t op;
+  double prescale;
+  double postscale;
+  int64_t root;
+  int64_t process_set;
+  ffi::Span<const int64_t> splits;
+  ffi::Span<const int64_t> received;
 };
 
 // The MLIR dictionary text of `attributes` (backend_config of the custom call).
 std::string XlaAttributes(const CallAttributes& attributes);
 
-// Builds one engine request per (argument, result) pair; device and
-// ready_event are left to the caller. Fails on a buffer the engine cannot take.
-Status BuildRequests(const CallAttributes& attributes, ffi::RemainingArgs args,
-                     ffi::RemainingRets rets, std::vector<CollectiveRequest>* requests);
+// The handlers' shared first step: decodes `wire` and builds one engine
+// request per (argument, result) pair; device and ready_event are left to the
+// caller. Fails on attributes or buffers the engine cannot take.
+Status DecodeCall(const WireAttributes& wire, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  std::vector<CollectiveRequest>* requests);
 
 // Engine status -> the XLA FFI error with the same code (the handlers' one
 // conversion point).
@@ -78,9 +129,24 @@ ffi::Error ToFfiError(const Status& status);
 // "CUDA") in the FFI registry inside TensorFlow's library; prints a failure.
 bool RegisterHandler(const char* target, const char* platform, XLA_FFI_Handler* handler);
 
-// Decodes the handler attributes (ints as i64, scale factors as f64).
-Status DecodeAttributes(std::string_view name, int64_t type, int64_t grouped, int64_t op,
-                        double prescale, double postscale, int64_t root, CallAttributes* out);
+// The binding every handler shares: all operands, all results, the attributes
+// as one WireAttributes. A platform adds its context first (the CUDA stream).
+template <typename Binding>
+auto BindCall(Binding binding) {
+  return std::move(binding).RemainingArgs().RemainingRets().template Attrs<WireAttributes>();
+}
 
 }  // namespace xla_adapter
 }  // namespace nvgroup
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::nvgroup::xla_adapter::WireAttributes,
+                                      ::xla::ffi::StructMember<std::string_view>("name"),
+                                      ::xla::ffi::StructMember<int64_t>("type"),
+                                      ::xla::ffi::StructMember<int64_t>("grouped"),
+                                      ::xla::ffi::StructMember<int64_t>("op"),
+                                      ::xla::ffi::StructMember<double>("prescale"),
+                                      ::xla::ffi::StructMember<double>("postscale"),
+                                      ::xla::ffi::StructMember<int64_t>("root"),
+                                      ::xla::ffi::StructMember<int64_t>("process_set"),
+                                      ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("splits"),
+                                      ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("received"));

@@ -8,7 +8,7 @@
 // block) and waits on the host until the engine has called done -- which it
 // does only after the results are complete on the device (engine.h) -- so the
 // work XLA enqueues after the call reads finished results. One synchronous call
-// per collective (per bucket for the grouped allreduce); see xla_ops.h.
+// per collective (per bucket for the grouped ops); see xla_ops.h.
 #if GOOGLE_CUDA
 
 #include <cuda_runtime_api.h>
@@ -55,12 +55,9 @@ Status RecordReadyEvent(cudaStream_t stream, int ordinal, cudaEvent_t* event) {
 }
 
 ffi::Error CudaCollective(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args,
-                          ffi::RemainingRets rets, std::string_view name, int64_t type, int64_t grouped,
-                          int64_t op, double prescale, double postscale, int64_t root) {
-  CallAttributes attributes;
-  Status status = DecodeAttributes(name, type, grouped, op, prescale, postscale, root, &attributes);
+                          ffi::RemainingRets rets, WireAttributes wire) {
   std::vector<CollectiveRequest> requests;
-  if (status.ok()) status = BuildRequests(attributes, args, rets, &requests);
+  Status status = DecodeCall(wire, args, rets, &requests);
   cudaEvent_t event = nullptr;
   if (status.ok()) status = RecordReadyEvent(stream, ordinal, &event);
   if (status.ok()) {
@@ -79,18 +76,7 @@ ffi::Error CudaCollective(cudaStream_t stream, int32_t ordinal, ffi::RemainingAr
 }
 
 XLA_FFI_DEFINE_HANDLER(kCudaCollective, CudaCollective,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .RemainingArgs()
-                           .RemainingRets()
-                           .Attr<std::string_view>("name")
-                           .Attr<int64_t>("type")
-                           .Attr<int64_t>("grouped")
-                           .Attr<int64_t>("op")
-                           .Attr<double>("prescale")
-                           .Attr<double>("postscale")
-                           .Attr<int64_t>("root"));
+                       BindCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
 
 [[maybe_unused]] const bool kCudaRegistered = RegisterHandler(kXlaTarget, "CUDA", kCudaCollective) &&
                                               RegisterHandler(kXlaAsyncTarget, "CUDA", kCudaCollective);

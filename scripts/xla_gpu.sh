@@ -8,7 +8,9 @@
 #   tests  tests/tf/workers/xla.py (every lowered collective under
 #          jit_compile=True on GPU:0 vs the non-XLA result and a float64
 #          reference, mismatch errors, Keras fit with jit_compile=True) on 1
-#          and 2 ranks (sharing the GPU), and a killed rank inside an XLA
+#          and 2 ranks (sharing the GPU); tests/tf/workers/xla_extra.py (the
+#          collectives added for Horovod parity, process sets, their
+#          gradients and errors; 2 ranks); a killed rank inside an XLA
 #          program (2 ranks)
 #   fp32   ResNet-50 batch 128 fp32: nvgroup_tf with XLA, plain Keras with
 #          XLA, nvgroup_tf without XLA (scripts/xla_resnet.py)
@@ -38,6 +40,8 @@ for stage in $STAGES; do
         sections="collectives fit"; [ $np -gt 1 ] && sections="collectives errors fit"
         run timeout 400 mpirun -np $np $X python3 tests/tf/workers/xla.py $sections
       done
+      step "xla_extra worker (reducescatter, alltoall, grouped allgather, broadcast_, process sets), 2 ranks"
+      run timeout 500 mpirun -np 2 $X python3 tests/tf/workers/xla_extra.py collectives gradients errors
       step "xla worker, rank 1 killed inside an XLA program"
       timeout 200 mpirun -np 2 $X -x NVGROUP_TIMEOUT=60 python3 tests/tf/workers/xla.py dead 1 \
         | tee "$OUT/dead.log"

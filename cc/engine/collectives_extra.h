@@ -17,6 +17,7 @@
 #pragma once
 
 #include "engine/wire_format.h"
+#include "nvgroup/engine.h"
 
 namespace nvgroup {
 
@@ -25,8 +26,6 @@ namespace nvgroup {
 // than the communicator's truncating integer average.
 bool AverageByPostscale(const ResponseMessage& r);
 
-// Rows of dimension 0 that rank `rank` of `size` receives from a
-// reducescatter of `dim0` rows (Horovod's split).
-int64_t ReducescatterRows(int64_t dim0, int rank, int size);
+// ReducescatterRows (Horovod's split): nvgroup/engine.h.
 
 }  // namespace nvgroup

@@ -80,12 +80,28 @@ def scaling(args, train_args):
     print("# ResNet-50 scaling: batch %d per rank, %dx%d images, %d timed steps, %s data, median of %d"
           % (runs[0]["batch_size"], runs[0]["image_size"], runs[0]["image_size"], runs[0]["steps"], runs[0]["data"],
              args.repeat))
+    share = cpu_share(runs)
+    print("# CPU share: " + share)
     print("%6s %12s %14s %14s %9s %11s" % ("ranks", "batch/rank", "img/s/rank", "img/s total", "speedup",
                                             "efficiency"))
     for r in rows:
         print("%6d %12d %14.2f %14.2f %9.2f %10.1f%%" % (r["ranks"], r["batch_size"], r["img_per_sec_per_rank"],
                                                          r["img_per_sec_total"], r["speedup"], 100 * r["efficiency"]))
-    return {"kind": "scaling", "train_args": train_args, "repeat": args.repeat, "runs": rows}
+    return {"kind": "scaling", "train_args": train_args, "repeat": args.repeat, "cpu_share": share,
+            "host_cores": os.cpu_count(), "runs": rows}
+
+
+def cpu_share(runs):
+    """How the CPU was shared among the ranks of each run, from train.py's results."""
+    cores = {r.get("cores_per_rank") for r in runs}
+    threads = {r.get("intra_op_threads_used", r.get("intra_op_threads")) for r in runs}
+    if len(cores) == 1 and len(threads) == 1 and cores != {0} and None not in cores:
+        return ("every rank, the 1-rank baseline too, pinned to its own %d core(s) with %s TF intra-op thread(s) "
+                "(same share per rank in every run, on a %d-core host)"
+                % (cores.pop(), threads.pop() or "TF's default number of", os.cpu_count() or 0))
+    return ("NOT equal: ranks not pinned (cores per rank %s, intra-op threads %s): the 1-rank baseline could use "
+            "the whole %d-core host while the N ranks shared it, so the efficiency understates scaling"
+            % (sorted(map(str, cores)), sorted(map(str, threads)), os.cpu_count() or 0))
 
 
 def sweep(args, train_args):
@@ -103,6 +119,23 @@ def sweep(args, train_args):
             r["step_time_ms_median"], " ".join("%.2f" % v for v in r["repeats_img_per_sec_total"])))
     return {"kind": "bucket_cap_sweep", "np": args.np, "caps_mb": caps, "train_args": train_args,
             "repeat": args.repeat, "runs": rows}
+
+
+def run_context(load_before):
+    """Machine, date, commit and load of a report (benchmarks need them)."""
+    import datetime
+    import platform
+    try:
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout.strip())
+    except OSError:
+        commit, dirty = None, None
+    return {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform()},
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": commit, "uncommitted_changes": dirty,
+            "load_average_before": load_before, "load_average_after": os.getloadavg()}
 
 
 def plot(report, path):
@@ -181,7 +214,9 @@ def main(argv=None):
         p.error("--np must be >= 2")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
+    load_before = os.getloadavg()
     report = sweep(args, train_args) if args.sweep_bucket_cap else scaling(args, train_args)
+    report.update(run_context(load_before))
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, "resnet50_%s_%s" % ("bucket_sweep" if args.sweep_bucket_cap else "scaling",
                                                           args.tag))

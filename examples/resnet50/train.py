@@ -16,7 +16,8 @@ SGD, so total = per-rank x ranks) and at the end a summary plus one line
 
 Keras' progress bar is shown on rank 0 only (verbose=1 if rank == 0), and the
 loss it and the progress lines show at epoch ends and log steps is averaged over
-ranks (MetricAverageCallback; an allreduce at each log step).
+ranks (MetricAverageCallback; an allreduce at each log step). --log-local-loss
+makes every rank print its own loss to its stderr as well.
 
 Checkpoints (--checkpoint-dir) are whole models (.keras: weights and optimizer
 state), written by rank 0 only after each epoch; --resume loads the newest one
@@ -62,6 +63,9 @@ def parse_args(argv=None):
                         "bucketed as in training): isolates what --bucket-cap-mb changes")
     p.add_argument("--intra-op-threads", type=int, default=0,
                    help="TF intra-op threads per rank (0: this host's cores / ranks on it)")
+    p.add_argument("--log-local-loss", action="store_true",
+                   help="every rank also prints its own (not averaged) epoch loss to its stderr "
+                        "(to check the averaging or spot a diverging rank; see --output-filename)")
     args = p.parse_args(argv)
     for name in ("batch_size", "image_size", "num_classes", "steps", "epochs", "log_every"):
         if getattr(args, name) < 1:
@@ -174,7 +178,10 @@ def main(argv=None):
         return 0
 
     timer = ThroughputTimer(args, rank, size, untimed, steps_per_epoch)
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+    if args.log_local_loss:  # before MetricAverageCallback: sees this rank's own loss
+        callbacks.append(LocalLossLogger(rank))
+    callbacks.append(hvd.callbacks.MetricAverageCallback())
     if args.lr_warmup_epochs > 0:
         callbacks.append(hvd.callbacks.LearningRateWarmupCallback(args.lr * size, warmup_epochs=args.lr_warmup_epochs,
                                                                   steps_per_epoch=steps_per_epoch, verbose=1))
@@ -256,9 +263,22 @@ def make_dataset(args, rank, size, tf, np):
     return ds.repeat().batch(args.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
 
+def LocalLossLogger(rank):
+    import keras
+
+    class Logger(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if logs and "loss" in logs:
+                print("# rank %d local loss epoch %d: %r" % (rank, epoch + 1, float(logs["loss"])),
+                      file=sys.stderr, flush=True)
+
+    return Logger()
+
+
 def ThroughputTimer(args, rank, size, untimed, steps_per_epoch):
     import keras
     import numpy as np
+    import tensorflow as tf
 
     import nvgroup_tf.keras as hvd
 
@@ -319,6 +339,7 @@ def ThroughputTimer(args, rank, size, untimed, steps_per_epoch):
                 "step_time_ms_median": 1e3 * times[len(times) // 2],
                 "loss_averaged_over_ranks": self.last_loss,
                 "intra_op_threads": args.intra_op_threads, "cores_per_rank": args.cores_per_rank,
+                "intra_op_threads_used": tf.config.threading.get_intra_op_parallelism_threads(),
             }
             print("# ResNet-50: %d rank(s) x batch %d, %dx%d images, %d timed steps x %d epoch(s)"
                   % (size, args.batch_size, args.image_size, args.image_size, args.steps, args.epochs))

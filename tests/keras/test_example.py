@@ -5,6 +5,7 @@ Keras' progress bar on rank 0 only, only rank 0 writes checkpoints, and
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -17,27 +18,67 @@ pytestmark = pytest.mark.skipif(
     reason="TF op library not built")
 
 
+def read_rank_output(directory, rank):
+    """(stdout, stderr) of one rank from nvgrouprun --output-filename DIR."""
+    (rank_dir,) = glob.glob(os.path.join(directory, "rank.*%d" % rank))
+    with open(os.path.join(rank_dir, "stdout")) as out, open(os.path.join(rank_dir, "stderr")) as err:
+        # Keras colours its progress bar even into a file: drop the ANSI codes.
+        return tuple(re.sub(r"\x1b\[[0-9;]*m", "", f.read()) for f in (out, err))
+
+
 def test_resnet50_two_ranks_via_nvgrouprun(tmp_path):
     env = dict(os.environ, **MPI_ENV)
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "nvgroup_tf.runner", "-np", "2", sys.executable,
-           os.path.join(REPO, "examples", "resnet50", "train.py"), "--image-size", "32", "--batch-size", "2",
-           "--num-classes", "10", "--steps", "2", "--warmup-steps", "1", "--log-every", "1",
-           "--bucket-cap-mb", "4", "--checkpoint-dir", str(ckpt)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=400)
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    results = [json.loads(l[len("NVG_RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("NVG_RESULT ")]
-    assert len(results) == 1, "exactly rank 0 reports:\n" + proc.stdout[-4000:]
+    logs = tmp_path / "logs"
+    train = [sys.executable, os.path.join(REPO, "examples", "resnet50", "train.py"), "--image-size", "32",
+             "--batch-size", "2", "--num-classes", "10", "--steps", "2", "--warmup-steps", "1", "--log-every", "1",
+             "--bucket-cap-mb", "4", "--checkpoint-dir", str(ckpt)]
+    runner = [sys.executable, "-m", "nvgroup_tf.runner", "-np", "2"]
+    # Each rank's stdout/stderr in its own file, so what rank 1 prints is seen apart from rank 0.
+    proc = subprocess.run(runner + ["--output-filename", str(logs)] + train + ["--log-local-loss"], env=env,
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+    (out0, err0), (out1, err1) = read_rank_output(logs, 0), read_rank_output(logs, 1)
+    everything = "\n".join([proc.stdout, "--- rank 0 stdout", out0, "--- rank 0 stderr", err0[-3000:],
+                            "--- rank 1 stdout", out1, "--- rank 1 stderr", err1[-3000:]])
+    assert proc.returncode == 0, everything[-12000:]
+    results = [json.loads(l[len("NVG_RESULT "):]) for l in out0.splitlines() if l.startswith("NVG_RESULT ")]
+    assert len(results) == 1, "rank 0 reports once:\n" + everything[-6000:]
     r = results[0]
     assert r["ranks"] == 2 and r["batch_size"] == 2 and r["steps"] == 2 and r["bucket_cap_mb"] == 4.0
     assert r["img_per_sec_per_rank"] > 0 and abs(r["img_per_sec_total"] - 2 * r["img_per_sec_per_rank"]) < 1e-9
-    assert "img/s per rank" in proc.stdout
+    assert "img/s per rank" in out0
     assert [os.path.basename(p) for p in glob.glob(str(ckpt / "*"))] == ["resnet50-001.keras"]
-    # Keras' progress bar on rank 0 only: one final bar line per epoch ("3/3 ...").
-    assert "3/3" in proc.stdout, proc.stdout[-4000:]
-    assert r["loss_averaged_over_ranks"] is not None
 
+    # Keras' progress bar on rank 0 only: rank 0's stdout has the epoch's final
+    # bar ("3/3 ━━━━ ... - loss: X"); rank 1 prints no bar, no loss, no report.
+    # (Written to a file, Keras also prints the last batch's update before the
+    # final bar: that one shows rank 0's own running loss, as with Horovod,
+    # whose MetricAverageCallback averages at the epoch's end.)
+    bars = re.findall(r"^3/3 \S*━\S* .* - loss: ([-+.0-9e]+)", out0, re.M)
+    assert len(bars) >= 1, "no final progress bar on rank 0:\n" + everything[-6000:]
+    rank1_printed = out1 + "\n".join(l for l in err1.splitlines() if not l.startswith("# rank 1 local loss"))
+    for mark in ("━", "loss", "NVG_RESULT", "img/s", "3/3"):
+        assert mark not in rank1_printed, "rank 1 printed %r (progress bar or report):\n%s" % (
+            mark, everything[-6000:])
+
+    # The loss rank 0 prints is the average over ranks of each rank's own loss
+    # (each rank's stderr has its local one, from --log-local-loss).
+    local = []
+    for rank, err in ((0, err0), (1, err1)):
+        found = re.findall(r"^# rank %d local loss epoch 1: (\S+)$" % rank, err, re.M)
+        assert len(found) == 1, "rank %d did not log its local loss:\n%s" % (rank, everything[-6000:])
+        local.append(float(found[0]))
+    mean = (local[0] + local[1]) / 2
+    # Different data on each rank: the average is distinguishable from either rank's loss at the 4
+    # decimals Keras prints (so printing rank 0's own loss fails below).
+    assert abs(local[0] - local[1]) > 1e-3, local
+    bar_loss = float(bars[-1])
+    assert abs(bar_loss - mean) <= 5.1e-5, (bar_loss, local, everything[-4000:])  # Keras prints %.4f
+    # The result line's loss (the last step's, averaged by one allreduce) is the same epoch mean.
+    assert abs(r["loss_averaged_over_ranks"] - mean) <= 1e-5 * max(1.0, abs(mean)), (r, local)
+    assert re.search(r"loss %.4f " % r["loss_averaged_over_ranks"], out0), out0[-3000:]
+
+    cmd = runner + train
     # --resume: every rank loads rank 0's newest checkpoint (optimizer state
     # included) and trains the remaining epoch; pinned to one core each.
     cmd2 = cmd[:cmd.index("--checkpoint-dir")] + ["--checkpoint-dir", str(ckpt), "--epochs", "2", "--resume",

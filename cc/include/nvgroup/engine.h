@@ -78,6 +78,12 @@ struct CollectiveRequest {
   int32_t process_set_id = 0;
 };
 
+// Rows of dimension 0 that rank `rank` of `size` receives from a
+// reducescatter of `dim0` rows (Horovod's split: ranks below dim0 % size get
+// one more row). The engine's split; adapters that must know the output shape
+// before the collective runs (the XLA lowering, ops/xla_ops.cc) call it too.
+int64_t ReducescatterRows(int64_t dim0, int rank, int size);
+
 struct EngineOptions {
   int64_t mpi_comm_fortran = -1;  // MPI_Comm_c2f of the communicator; -1 = COMM_WORLD
   // CUDA builds: create the CUDA communicator (its registered GPU memory) in

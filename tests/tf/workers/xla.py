@@ -7,7 +7,8 @@ GPU through the kit), in one launch per rank count:
                          and root, gradients) compiled by XLA -- the HLO holds our
                          custom call -- and bit for bit equal to the same collective
                          without XLA, both checked against a float64 / exact integer
-                         reference, identical on every rank.
+                         reference, identical on every rank; the calls of one
+                         program chained into one order, the same on every rank.
     xla.py errors        cross-rank mismatches inside an XLA program raise
                          FailedPreconditionError naming the tensor on every rank
                          within seconds; the engine keeps working afterwards.
@@ -25,6 +26,7 @@ Several sections may be given; each rank prints "... N checks, 0 failures".
 """
 import hashlib
 import os
+import re
 import signal
 import sys
 import time
@@ -41,6 +43,44 @@ MAX_SECONDS = 20.0  # "within seconds" for a mismatch error
 
 def hlo_of(fn, *args):
     return fn.experimental_get_compiler_ir(*args)(stage="hlo")
+
+
+def collective_chain(text):
+    """The nvgroup custom calls of HLO `text` in the order their ordering
+    operands chain them (ops/xla_ops.h, "Order"): each call's last operand is
+    the previous call's output (or element 0 of its tuple), the first call's an
+    empty u8[0] constant. None unless all calls form one such chain."""
+    calls, element0 = {}, {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? custom-call\((.*?)\), custom_call_target=\"nvgroup_collective",
+                     line)
+        if m:
+            last = re.findall(r"(\S+) %?([\w.\-]+)$", m.group(2).split(", ")[-1])
+            calls[m.group(1)] = last[0] if last else None
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+ get-tuple-element\(.*? %?([\w.\-]+)\), index=0", line)
+        if m:
+            element0[m.group(1)] = m.group(2)
+    after = {}  # previous call -> next call
+    first = []
+    for name, operand in calls.items():
+        if operand is None:
+            return None
+        shape, source = operand
+        source = element0.get(source, source)
+        if source in calls:
+            if source in after:
+                return None  # two calls after the same one: not a chain
+            after[source] = name
+        elif shape.startswith("u8[0]"):
+            first.append(name)
+        else:
+            return None
+    if len(first) != 1:
+        return None
+    order = first
+    while order[-1] in after:
+        order.append(after[order[-1]])
+    return order if len(order) == len(calls) else None
 
 
 class Digest:
@@ -106,6 +146,37 @@ def section_collectives(c, digest):
         c.check("GPU" in probe(tf.ones([3])).device, "the XLA program did not run on the GPU")
     c.check("custom-call" in text and "nvgroup_collective" in text and "hlo.probe" in text,
             "allreduce HLO lacks the nvgroup custom call:\n%s" % text[:2000])
+
+    c.section("one order of the collective calls on every rank: each takes the previous one's output")
+
+    def several(t):  # independent collectives: only the ordering operands order them
+        return (hvd.allreduce(t, op=hvd.Sum, name="order.ar"), hvd.allgather(t, name="order.ag"),
+                hvd.grouped_allreduce([t, 2 * t], op=hvd.Sum, name="order.gar"),
+                hvd.broadcast(t, 0, name="order.bc"))
+    several_xla = tf.function(several, jit_compile=True)
+    text = hlo_of(several_xla, tf.ones([3]))
+    chain = collective_chain(text)
+    c.check(chain is not None and len(chain) == 4, "the collective calls do not form one chain:\n%s" % text[:4000])
+    order = [n for n in ("order.ag", "order.ar", "order.bc", "order.gar") if "op_name=\"%s\"" % n in text]
+    c.check(len(order) == 4, "the probe's collectives are missing from the HLO")
+    names = hvd.allgather_object([re.sub(r"\.\d+$", "", x) for x in chain or []])
+    c.check(all(n == names[0] for n in names), "ranks chain their calls in different orders: %s" % names)
+    got = several_xla(tf.ones([3]))
+    c.equal(got[0].numpy(), np.full(3, float(n)), "chained allreduce")
+    c.equal(got[2][1].numpy(), np.full(3, 2.0 * n), "chained grouped allreduce")
+    # Rank-dependent HLO (the allgather gradient slices at this rank's offset)
+    # with independent collectives: still one chain, in the same order everywhere.
+    def rank_dependent(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            loss = tf.reduce_sum(hvd.allreduce(t * t, op=hvd.Sum, name="order.g.ar")) + \
+                tf.reduce_sum(hvd.allgather(t, name="order.g.ag") ** 2)
+        return tape.gradient(loss, t)
+    text = hlo_of(tf.function(rank_dependent, jit_compile=True), tf.ones([2, 2]))
+    chain = collective_chain(text)
+    c.check(chain is not None and len(chain) >= 4, "gradient program: no single chain:\n%s" % text[:4000])
+    names = hvd.allgather_object([re.sub(r"\.\d+$", "", x) for x in chain or []])
+    c.check(all(n == names[0] for n in names), "gradient program: ranks chain differently: %s" % names)
 
     c.section("grouped allreduce: mixed dtypes and shapes in one call")
     shapes = [(3,), (4, 5), (1,), (2, 3, 2)]
