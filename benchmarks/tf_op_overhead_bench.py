@@ -4,6 +4,7 @@ so the engine's share of a call is visible.
 
     mpirun -np 2 --bind-to none python benchmarks/tf_op_overhead_bench.py \
         [--calls 2000] [--elements 16] [--json benchmarks/results/tf_op_overhead_cpu_2rank.json]
+        [--png benchmarks/results/tf_op_overhead_cpu_2rank.png]
 
 Three tf.functions on a float32 tensor of --elements elements, each called
 eagerly from Python (the way a training step is), in the same run, interleaved
@@ -52,6 +53,7 @@ def main():
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--elements", type=int, default=16)
     p.add_argument("--json")
+    p.add_argument("--png")
     args = p.parse_args()
     hvd.init()
     from mpi4py import MPI
@@ -116,6 +118,22 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
+        if args.png:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            names = list(runners)
+            vals = [med[k] for k in names]
+            ax.bar(names, vals, color=["tab:gray", "tab:blue", "tab:green"])
+            for i, v in enumerate(vals):
+                ax.text(i, v, "%.0f us" % v, ha="center", va="bottom")
+            ax.set_ylabel("us per call (median over rounds)")
+            ax.set_title("%d ranks, %d float32: engine share %.0f us (%s, %s, load %.1f)" % (
+                size, args.elements, result["engine_share_us"], result["date"][:10], result["commit"][:8],
+                result["machine"]["load_average"][0]), fontsize=8)
+            fig.tight_layout()
+            fig.savefig(args.png, dpi=110)
     hvd.shutdown()
     return 1 if wrong else 0
 

@@ -59,6 +59,9 @@ class CpuCommunicator final : public Communicator {
   Status WaitEvent(void*, void*) override { return Status::Ok(); }
   Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype, double scale,
                            void* stream) override;
+  Status FusedAllreduce(const FusedMember* members, size_t num_members, size_t bytes, DataType dtype,
+                        ReduceOp op, double prescale, double postscale, void* stream,
+                        const PhaseObserver& observer) override;
   Status Synchronize(void*) override { return Status::Ok(); }
   void Abort() override {
     aborted_.store(true, std::memory_order_release);
@@ -77,6 +80,8 @@ class CpuCommunicator final : public Communicator {
                    bool in_registered);
   Status GroupReduceScatter(const void* in, void* out, size_t total, size_t my_offset, size_t mine,
                             DataType dtype, ReduceOp op, bool in_registered);
+  Status FusedGroupAllreduce(const FusedMember* members, size_t num_members, size_t bytes, DataType dtype,
+                             ReduceOp op, double prescale, double postscale, const PhaseObserver& observer);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   Topology topo_;
@@ -343,6 +348,107 @@ Status CpuCommunicator::GroupReduceScatter(const void* in, void* out, size_t tot
     }
     NVG_RETURN_IF_ERROR(shm_->Barrier("reducescatter: reads done"));
   }
+  return Status::Ok();
+}
+
+// Note [Fused bucket on one group]
+// FusedAllreduce with one group of G > 1 members (the auto algorithm): the
+// reference (every member copied into the registered buffer, GroupAllreduce
+// in place, every member copied out) moves each byte through memory four
+// times. Members' buffers are read by the group only for the slices other
+// members own, and the gathered result is needed only in the outputs, so:
+//   copy in   the parts of each member that lie outside our own slice (all of
+//             it when prescale != 1), scaled, to its offset in our buffer;
+//   barrier "inputs in place"   -- every member's copy-in before the reads;
+//   reduce    our slice, member by member, folding the G sources in
+//             group_rank order (ours read straight from the input when
+//             prescale == 1: the bits the copy would have held) into our
+//             buffer, the only slice of it anyone writes;
+//   barrier "slices reduced"    -- every member's slice before the gathers;
+//   copy out  every member's result from the owning member's buffer straight
+//             into its output, postscaled;
+//   barrier "reads done"        -- every member's reads of our buffer before
+//             the next call writes it.
+// The fold and both scalings are the reference's operations on the same bits
+// (ReduceFold, ScaledCopy), so outputs are bitwise the reference's. An output
+// equal to its input is written only after the reduce read it (same thread).
+Status CpuCommunicator::FusedAllreduce(const FusedMember* members, size_t num_members, size_t bytes,
+                                       DataType dtype, ReduceOp op, double prescale, double postscale,
+                                       void* stream, const PhaseObserver& observer) {
+  NVG_RETURN_IF_ERROR(ValidateReduction(dtype, op));
+  NVG_RETURN_IF_ERROR(CheckUsable());
+  if (bytes > shm_->capacity())
+    return Status::InvalidArgument("fused allreduce of " + std::to_string(bytes) +
+                                   " bytes exceeds the registered buffer (" + std::to_string(shm_->capacity()) +
+                                   " bytes)");
+  if (topo_.size == 1)
+    return FusedAllreduceOneRank(members, num_members, dtype, prescale, postscale, stream, observer);
+  if (algorithm_ == AllreduceAlgorithm::kAuto && topo_.group_count == 1 && topo_.group_size > 1)
+    return Track(FusedGroupAllreduce(members, num_members, bytes, dtype, op, prescale, postscale, observer));
+  return FusedAllreduceThroughBuffer(members, num_members, bytes, dtype, op, prescale, postscale, stream,
+                                     observer);
+}
+
+// See Note [Fused bucket on one group].
+Status CpuCommunicator::FusedGroupAllreduce(const FusedMember* members, size_t num_members, size_t bytes,
+                                            DataType dtype, ReduceOp op, double prescale, double postscale,
+                                            const PhaseObserver& observer) {
+  const size_t esize = DataTypeSize(dtype);
+  const int me = topo_.group_rank, group = topo_.group_size;
+  char* reg = shm_->buffer(me);
+  ChunkSlices whole;
+  whole.count = bytes / esize;
+  whole.group_size = group;
+  whole.element_size = esize;
+  const size_t s0 = whole.SliceOffset(me), s1 = s0 + whole.SliceCount(me);
+  const bool direct = prescale == 1.0;  // our slice read from the inputs themselves
+  auto copy_in = [&](const FusedMember& m, size_t a, size_t lo, size_t hi) -> Status {
+    if (lo >= hi) return Status::Ok();
+    return ScaledCopy(dtype, static_cast<const char*>(m.input) + (lo - a) * esize, reg + lo * esize, hi - lo,
+                      prescale);
+  };
+  observer(FusedPhase::kCopyIn, true);
+  for (size_t k = 0; k < num_members; ++k) {
+    const FusedMember& m = members[k];
+    const size_t a = m.offset / esize, b = a + m.count;
+    if (!direct) {
+      NVG_RETURN_IF_ERROR(copy_in(m, a, a, b));
+      continue;
+    }
+    NVG_RETURN_IF_ERROR(copy_in(m, a, a, std::min(b, s0)));
+    NVG_RETURN_IF_ERROR(copy_in(m, a, std::max(a, s1), b));
+  }
+  observer(FusedPhase::kCopyIn, false);
+
+  observer(FusedPhase::kReduce, true);
+  NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: inputs in place"));
+  const int divisor = op == ReduceOp::kAverage ? topo_.size : 1;
+  std::vector<const void*> sources(group);
+  for (size_t k = 0; k < num_members; ++k) {
+    const FusedMember& m = members[k];
+    const size_t a = m.offset / esize, b = a + m.count;
+    const size_t lo = std::max(a, s0), hi = std::min(b, s1);
+    if (lo >= hi) continue;
+    for (int g = 0; g < group; ++g) sources[g] = shm_->buffer(g) + lo * esize;
+    if (direct) sources[me] = static_cast<const char*>(m.input) + (lo - a) * esize;
+    NVG_RETURN_IF_ERROR(ReduceFold(dtype, op, sources.data(), group, reg + lo * esize, hi - lo, divisor));
+  }
+  NVG_RETURN_IF_ERROR(shm_->Barrier("group allreduce: slices reduced"));
+  observer(FusedPhase::kReduce, false);
+
+  observer(FusedPhase::kCopyOut, true);
+  for (size_t k = 0; k < num_members; ++k) {
+    const FusedMember& m = members[k];
+    const size_t a = m.offset / esize, b = a + m.count;
+    for (int g = 0; g < group; ++g) {
+      const size_t lo = std::max(a, whole.SliceOffset(g)), hi = std::min(b, whole.SliceOffset(g) + whole.SliceCount(g));
+      if (lo >= hi) continue;
+      NVG_RETURN_IF_ERROR(ScaledCopy(dtype, shm_->buffer(g) + lo * esize,
+                                     static_cast<char*>(m.output) + (lo - a) * esize, hi - lo, postscale));
+    }
+  }
+  NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: reads done"));
+  observer(FusedPhase::kCopyOut, false);
   return Status::Ok();
 }
 

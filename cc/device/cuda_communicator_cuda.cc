@@ -81,7 +81,9 @@ constexpr int kDefaultTwoShotBlocks = 128;
 // (docs/PERFORMANCE.md "Pipelined two-shot").
 constexpr size_t kDefaultTwoShotChunkBytes = 8u << 20;
 // BatchedScaledCopy descriptor slots in flight (pinned host + device each).
-constexpr int kCopySlots = 4;
+// A fused bucket takes two (copy in, copy out): 16 keep eight buckets in
+// flight before the host waits for the oldest slot's kernel.
+constexpr int kCopySlots = 16;
 // Synchronize: how often it looks at the members' processes while it waits,
 // and how long it still waits for the kernels to give up after an abort.
 constexpr auto kLivenessCheck = std::chrono::milliseconds(2);
@@ -138,6 +140,9 @@ class CudaCommunicator final : public Communicator {
   Status WaitEvent(void* event, void* stream) override;
   Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
                            double scale, void* stream) override;
+  Status FusedAllreduce(const FusedMember* members, size_t num_members, size_t bytes, DataType dtype,
+                        ReduceOp op, double prescale, double postscale, void* stream,
+                        const PhaseObserver& observer) override;
   Status Synchronize(void* stream) override;
   // Synchronize and WaitRecordedEvent: polls `event`, watching the members'
   // processes (Note [Peer processes]).
@@ -961,6 +966,31 @@ Status CudaCommunicator::BatchedScaledCopy(const CopySpec* copies, size_t num_co
   NVG_RETURN_IF_ERROR(LaunchBatchedScaledCopy(slot.device, specs.size(), blocks, dtype, scale, stream));
   NVG_CUDA_CHECK(cudaEventRecord(slot.done, stream));
   return Status::Ok();
+}
+
+// The engine's fused bucket (communicator.h; protocol in cc/kernels/batched_copy.cu,
+// "Fused buckets"). One rank: no registered buffer, the members' scaled copy
+// input -> output is one batched launch (none when every member is in place
+// with unit scales). Several ranks: the members' copy into the registered
+// buffer stays (the group's kernels read it over CUDA IPC), then the in-place
+// allreduce, then one batched launch out of the buffer into the outputs.
+Status CudaCommunicator::FusedAllreduce(const FusedMember* members, size_t num_members, size_t bytes,
+                                        DataType dtype, ReduceOp op, double prescale, double postscale,
+                                        void* stream, const PhaseObserver& observer) {
+  NVG_RETURN_IF_ERROR(CheckHealthy());
+  if (!SupportsReduction(dtype) || !HasDeviceKernel(dtype))
+    return Status::Unimplemented(std::string("allreduce on CUDA: no kernel for dtype ") + DataTypeName(dtype) +
+                                 " (float16/bfloat16/float32/float64/int32/int64 only)");
+  if (static_cast<int>(op) < 0 || static_cast<int>(op) > static_cast<int>(ReduceOp::kProduct))
+    return Status::InvalidArgument("allreduce: unknown reduce op " + std::to_string(static_cast<int>(op)));
+  if (bytes > registered_capacity())
+    return Status::InvalidArgument("fused allreduce of " + std::to_string(bytes) +
+                                   " bytes exceeds the registered buffer (" +
+                                   std::to_string(registered_capacity()) + " bytes)");
+  if (group_.topo.size == 1)
+    return FusedAllreduceOneRank(members, num_members, dtype, prescale, postscale, stream, observer);
+  return FusedAllreduceThroughBuffer(members, num_members, bytes, dtype, op, prescale, postscale, stream,
+                                     observer);
 }
 
 Status CudaCommunicator::Synchronize(void* stream) {

@@ -143,9 +143,11 @@ void Engine::Admit(TensorEntry entry, double now) {
 
 bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
   std::vector<int> slots(order_.size(), -1);
+  std::vector<Pending*> entries(order_.size());  // one name lookup per entry
   std::unordered_map<uint64_t, uint32_t> group_hits;
   for (size_t i = 0; i < order_.size(); ++i) {
-    const RequestMessage& m = pending_[order_[i]]->entry.message;
+    entries[i] = pending_[order_[i]].get();
+    const RequestMessage& m = entries[i]->entry.message;
     int slot = cache_.Find(m.name);
     if (slot >= 0 && RequestMatchesResponse(m, cache_.Get(slot), rank_)) {
       slots[i] = slot;
@@ -154,7 +156,7 @@ bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
   }
   bool must_report = false;
   for (size_t i = 0; i < order_.size(); ++i) {
-    Pending* p = pending_[order_[i]].get();
+    Pending* p = entries[i];
     const RequestMessage& m = p->entry.message;
     // A group hits the cache whole or not at all (all its members arrive in
     // the same cycle: TensorQueue::Push is atomic).
@@ -318,7 +320,7 @@ void Engine::Complete(Pending* p, const Status& status) {
   }
 }
 
-void Engine::CompleteAfterStream(Communicator* comm, std::vector<Pending*> done) {
+void Engine::CompleteAfterStream(Communicator* comm, const std::vector<Pending*>& done) {
   if (comm->device().kind == DeviceKind::kCpu) {
     for (Pending* p : done) Complete(p, Status::Ok());
     return;
@@ -397,10 +399,8 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
     for (size_t i : bucket.responses) NVG_RETURN_IF_ERROR(RunAllreduceAlone(&(*work)[i]));
     return Status::Ok();
   }
-  // Every other bucket, one tensor or many, takes this path: the prescale
-  // rides on the copy in, the postscale (and an Average's division) on the
-  // copy out, and the communicator runs on its registered buffer in place
-  // (on the GPU no pointer checks; no extra scaling pass for a lone tensor).
+  // Every other bucket, one tensor or many, takes this path (on the GPU no
+  // pointer checks; no extra scaling pass for a lone tensor).
   const size_t element = DataTypeSize(first.dtype);
   // Average of floats is a sum with the division folded into the copy out;
   // integers use the communicator's own (truncating) average unless scale
@@ -413,46 +413,48 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
   }
   Add(counters_.buckets);
   Add(counters_.bucket_tensors, bucket.responses.size());
-  char* buffer = static_cast<char*>(comm->registered_buffer());
-  std::vector<Communicator::CopySpec> in, out;
-  std::vector<Pending*> done;
-  in.reserve(bucket.responses.size());
-  out.reserve(bucket.responses.size());
-  done.reserve(bucket.responses.size());
+  BucketScratch& b = bucket_scratch_;
+  b.members.clear();
+  b.done.clear();
+  b.events.clear();
   // Distinct ready events of the bucket (a framework records one event for a
   // whole step's gradients, so usually one).
-  std::vector<void*> events;
   for (size_t k = 0; k < bucket.responses.size(); ++k) {
     Pending* p = (*work)[bucket.responses[k]].pending.get();
     const size_t count = ResponseBytes((*work)[bucket.responses[k]].response) / element;
-    in.push_back({p->entry.request.input, buffer + bucket.offsets[k], count});
-    out.push_back({buffer + bucket.offsets[k], p->entry.request.output, count});
-    done.push_back(p);
+    b.members.push_back({p->entry.request.input, p->entry.request.output, count, bucket.offsets[k]});
+    b.done.push_back(p);
     void* e = p->entry.request.ready_event;
-    if (e != nullptr && std::find(events.begin(), events.end(), e) == events.end()) events.push_back(e);
+    if (e != nullptr && std::find(b.events.begin(), b.events.end(), e) == b.events.end()) b.events.push_back(e);
   }
   // Orders the copy-in after the framework produced the inputs (GPU-side
   // waits, one per distinct event).
-  for (void* e : events) NVG_RETURN_IF_ERROR(comm->WaitEvent(e, nullptr));
-  Add(counters_.ready_event_waits, events.size());
-  auto mark = [&](const char* phase, bool begin) {
-    if (!timeline_.enabled()) return;
-    double t = MonotonicSeconds();
-    for (Pending* p : done)
-      begin ? timeline_.Begin(p->entry.request.name, phase, t) : timeline_.End(p->entry.request.name, phase, t);
-  };
-  if (bucket.bytes > 0) {
-    mark("FUSION_COPY_IN", true);
-    NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(in.data(), in.size(), first.dtype, first.prescale_factor, nullptr));
-    mark("FUSION_COPY_IN", false);
-    mark("ALLREDUCE", true);
-    NVG_RETURN_IF_ERROR(comm->Allreduce(buffer, buffer, bucket.bytes / element, first.dtype, op, nullptr));
-    mark("ALLREDUCE", false);
-    mark("FUSION_COPY_OUT", true);
-    NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(out.data(), out.size(), first.dtype, postscale, nullptr));
-    mark("FUSION_COPY_OUT", false);
+  for (void* e : b.events) NVG_RETURN_IF_ERROR(comm->WaitEvent(e, nullptr));
+  Add(counters_.ready_event_waits, b.events.size());
+  // The timeline's per-tensor phases, from the communicator's phase reports.
+  struct Marker {
+    Timeline* timeline;
+    const std::vector<Pending*>* done;
+  } marker{&timeline_, &b.done};
+  Communicator::PhaseObserver observer;
+  if (timeline_.enabled()) {
+    observer.context = &marker;
+    observer.mark = [](void* context, Communicator::FusedPhase phase, bool begin) {
+      static const char* const kNames[] = {"FUSION_COPY_IN", "ALLREDUCE", "FUSION_COPY_OUT"};
+      const Marker& m = *static_cast<const Marker*>(context);
+      const char* name = kNames[static_cast<int>(phase)];
+      const double t = MonotonicSeconds();
+      for (Pending* p : *m.done)
+        begin ? m.timeline->Begin(p->entry.request.name, name, t) : m.timeline->End(p->entry.request.name, name, t);
+    };
   }
-  CompleteAfterStream(comm, std::move(done));
+  // The communicator fuses the members (Communicator::FusedAllreduce): the
+  // prescale rides on the copy in, the postscale (and an Average's division)
+  // on the copy out, and it skips the registered buffer where no peer reads it.
+  if (bucket.bytes > 0)
+    NVG_RETURN_IF_ERROR(comm->FusedAllreduce(b.members.data(), b.members.size(), bucket.bytes, first.dtype, op,
+                                             first.prescale_factor, postscale, nullptr, observer));
+  CompleteAfterStream(comm, b.done);
   return Status::Ok();
 }
 
@@ -623,12 +625,16 @@ void Engine::MakePlans(const std::vector<Work>& work) {
   if (cache_.capacity() == 0) return;
   std::unordered_map<uint64_t, std::vector<size_t>> members;  // group id -> work indices
   std::vector<uint64_t> order;
+  uint64_t kept = 0;  // the last group found with a valid plan (members are adjacent)
   for (size_t i = 0; i < work.size(); ++i) {
     const ResponseMessage& r = work[i].response;
-    if (r.group_id == 0) continue;
+    if (r.group_id == 0 || (r.group_id == kept && kept != 0)) continue;
     auto existing = plans_.find(r.group_id);
     if (existing != plans_.end()) {
-      if (PlanMatchesCache(existing->second)) continue;
+      if (PlanMatchesCache(existing->second)) {  // checked once per group, not per member
+        kept = r.group_id;
+        continue;
+      }
       plans_digest_ ^= existing->second.id;  // a member was renegotiated: replan below
       plans_.erase(existing);
     }
@@ -720,6 +726,22 @@ Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
 // through pybind or TF (3-10 us), a small fraction of one cycle.
 constexpr double kAdmissionGapS = 30e-6;
 
+// Note [Leftovers start the next cycle]
+// A rank whose cycle left requests pending (some rank had not submitted them
+// yet: the burst was split differently across ranks, or a peer is a little
+// behind) used to wait the whole cycle time (NVGROUP_CYCLE_TIME, 1 ms) for
+// new entries before the next agreement, while the late rank, woken by its
+// own submissions, already waited for it in that agreement: every split burst
+// cost up to a cycle time. Now such a rank starts the next cycle after
+// kLeftoverWaitS and waits for the late rank inside the agreement (WaitMpi:
+// bounded polling, then sleeps), where it meets the late submissions as soon
+// as they come. To keep ranks that wait on each other's different requests
+// (each has leftovers the other lacks) from cycling at that pace, the quick
+// restart is allowed for at most kQuickCycles cycles in a row that execute
+// nothing; then the cycle time applies again until work runs.
+constexpr double kLeftoverWaitS = 20e-6;
+constexpr int kQuickCycles = 8;
+
 void Engine::Loop() {
 #ifdef __linux__
   // Sleeps of this thread (the admission gap, the cycle wait, WaitMpi's
@@ -729,12 +751,17 @@ void Engine::Loop() {
   Status exit_status;
   bool shut_down = false;
   const double cycle_s = knobs_.cycle_time_ms / 1000.0;
+  int quick_cycles = kQuickCycles;  // Note [Leftovers start the next cycle]
+  std::vector<TensorEntry> fresh;
   for (;; ++cycle_) {
     if (abort_) break;  // exit_status is replaced by the abort reason below
-    std::vector<TensorEntry> fresh;
+    fresh.clear();
     bool shutdown_requested = false;
-    AddSeconds(counters_.idle_ns, queue_.WaitAndPop(cycle_s, std::min(kAdmissionGapS, cycle_s), cycle_s,
-                                                    &fresh, &shutdown_requested));
+    const bool leftovers = !pending_.empty() && quick_cycles > 0;
+    AddSeconds(counters_.idle_ns, queue_.WaitAndPop(leftovers ? std::min(kLeftoverWaitS, cycle_s) : cycle_s,
+                                                    std::min(kAdmissionGapS, cycle_s), cycle_s, &fresh,
+                                                    &shutdown_requested));
+    if (leftovers) Add(counters_.quick_cycles);
     Add(counters_.cycles);
     if (liveness_) liveness_->SetProgress(cycle_);
     if (timeline_command_pending_.load(std::memory_order_acquire)) ApplyTimelineCommand();
@@ -759,16 +786,20 @@ void Engine::Loop() {
       must_report = must_report || !stalled_.empty();
     }
     bits[0] = (must_report ? 0 : kNothingToReport) | (shutdown_requested ? 0 : kNoShutdown);
-    MPI_Request req;
-    int rc = MPI_Iallreduce(MPI_IN_PLACE, bits.data(), static_cast<int>(bits.size()), MPI_UINT64_T,
-                            MPI_BAND, comm_, &req);
-    if (rc != MPI_SUCCESS) {
-      exit_status = Status::Internal("MPI_Iallreduce of the cache bits failed: " + MpiErrorString(rc));
-      break;
-    }
     // Orders this cycle after every rank's decision for it: all ranks read the
-    // same bits, so all take the same branches below.
-    exit_status = Wait(&req, "the agreement allreduce");
+    // same bits, so all take the same branches below. With one rank the bits
+    // are already their AND over the ranks: no MPI call.
+    if (size_ > 1) {
+      MPI_Request req;
+      int rc = MPI_Iallreduce(MPI_IN_PLACE, bits.data(), static_cast<int>(bits.size()), MPI_UINT64_T,
+                              MPI_BAND, comm_, &req);
+      if (rc != MPI_SUCCESS) {
+        exit_status = Status::Internal("MPI_Iallreduce of the cache bits failed: " + MpiErrorString(rc));
+        break;
+      }
+      Add(counters_.agreement_allreduces);
+      exit_status = Wait(&req, "the agreement allreduce");
+    }
     const double agreed = MonotonicSeconds();
     AddSeconds(counters_.agree_ns, agreed - now);
     if (!exit_status.ok()) break;
@@ -796,6 +827,7 @@ void Engine::Loop() {
     const double negotiated = MonotonicSeconds();
     AddSeconds(counters_.negotiate_ns, negotiated - agreed);
     if (exit_status.ok()) exit_status = Execute(&work, cache_hits);
+    quick_cycles = work.empty() ? quick_cycles - 1 : kQuickCycles;
     AddSeconds(counters_.execute_ns, MonotonicSeconds() - negotiated);
     if (!exit_status.ok()) {
       exit_status = Cause(exit_status);
@@ -959,6 +991,8 @@ EngineStats Engine::Stats() const {
   st.buckets = get(counters_.buckets);
   st.bucket_tensors = get(counters_.bucket_tensors);
   st.ready_event_waits = get(counters_.ready_event_waits);
+  st.agreement_allreduces = get(counters_.agreement_allreduces);
+  st.quick_cycles = get(counters_.quick_cycles);
   st.idle_s = seconds(counters_.idle_ns);
   st.agree_s = seconds(counters_.agree_ns);
   st.negotiate_s = seconds(counters_.negotiate_ns);

@@ -176,7 +176,7 @@ class Engine {
   void Complete(Pending* p, const Status& status);
   // CPU: completes at once. CUDA: after the bucket's completion event
   // (completion_event_ready hears of it first, engine.h).
-  void CompleteAfterStream(Communicator* comm, std::vector<Pending*> done);
+  void CompleteAfterStream(Communicator* comm, const std::vector<Pending*>& done);
   // `what` names the operation in a timeout or abort message (of this cycle).
   Status Wait(MPI_Request* request, const char* what) {
     return WaitMpi(request, what, knobs_.peer_timeout_s, abort_, static_cast<int64_t>(cycle_));
@@ -228,6 +228,12 @@ class Engine {
   uint64_t plan_clock_ = 0;
   std::atomic<uint64_t> perturb_digest_{0};   // PerturbStateDigest
   std::vector<size_t> slot_to_work_;          // scratch of RunPlans, one per cache slot
+  struct BucketScratch {                      // RunAllreduceBucket's lists, reused across buckets
+    std::vector<Communicator::FusedMember> members;
+    std::vector<Pending*> done;
+    std::vector<void*> events;
+  };
+  BucketScratch bucket_scratch_;
   double report_cached_after_s_;
   StallInspector stall_;      // rank 0
   Coordinator coordinator_;   // rank 0
@@ -261,7 +267,7 @@ class Engine {
   struct Counters {
     std::atomic<uint64_t> cycles{0}, negotiation_rounds{0}, cached_responses{0},
         negotiated_responses{0}, plan_launches{0}, buckets{0}, bucket_tensors{0},
-        ready_event_waits{0};
+        ready_event_waits{0}, agreement_allreduces{0}, quick_cycles{0};
     std::atomic<uint64_t> idle_ns{0}, agree_ns{0}, negotiate_ns{0}, execute_ns{0};
   };
   Counters counters_;

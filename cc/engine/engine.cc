@@ -243,6 +243,7 @@ Status Submit(std::vector<CollectiveRequest> requests, bool grouped) {
   const uint64_t group_id = grouped && requests.size() > 1 ? GroupId(requests) : 0;
   const double now = MonotonicSeconds();
   std::vector<TensorEntry> entries;
+  entries.reserve(requests.size());
   for (CollectiveRequest& q : requests) {
     NVG_RETURN_IF_ERROR(ValidateRequest(q, size));
     if (q.type == CollectiveType::kJoin && group_id != 0)

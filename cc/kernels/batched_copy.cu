@@ -11,6 +11,28 @@
 // (any dtype, NaN payloads and -0 kept); otherwise fp16/bf16 scale in fp32 and
 // round once, fp32 in fp32, fp64 in fp64, integers in fp64 truncated toward
 // zero, saturated to int64 and wrapped (ScaleInteger) -- the contract of cc/cpu/host_reduce.h ScaledCopy.
+//
+// Fused buckets (Communicator::FusedAllreduce, CudaCommunicator's override).
+//  * One rank (topology size 1): the descriptors go straight from each
+//    member's input to its output (src = input, dst = output), one launch on
+//    the communicator's stream after the bucket's ready-event waits; no
+//    registered buffer, no barrier, nothing any other process reads. An
+//    in-place member with unit scales gets no descriptor (no launch at all when
+//    every member is one); when both prescale and postscale differ from 1 a
+//    second launch scales the outputs in place (src == dst, each element read
+//    and written by the same thread), so the bits are the reference's two
+//    roundings. The bucket's completion event is recorded after the last launch.
+//  * Several ranks: unchanged. The copy in (inputs -> own registered buffer)
+//    stays, because the group's P2P kernels read that buffer over CUDA IPC
+//    after their entry barrier (p2p_allreduce.cuh); the copy out (own buffer ->
+//    outputs) is one launch for the whole bucket, ordered after the allreduce
+//    kernels by the stream, and reads only our own buffer, which no peer
+//    writes after the kernels' exit barrier. Writing the allgather phase
+//    straight into the members' outputs (no copy out) would need the two-shot
+//    kernel to take this descriptor list as its destination; not built.
+// Descriptor slots: a ring of kCopySlots pinned + device descriptor arrays;
+// the host reuses a slot only after the event recorded behind the launch that
+// read it (cudaEventSynchronize), so a slot is never rewritten under a kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

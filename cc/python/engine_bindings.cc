@@ -72,12 +72,16 @@ bool EqualsIgnoreCase(const std::string& a, const char* b) {
 
 // The parsers run for every enqueue: no allocation unless the name is bad.
 DataType ParseDataType(const std::string& name) {
+  for (int i = 0; i < kNumDataTypes; ++i)  // the usual spelling first: no case folding
+    if (name == DataTypeName(static_cast<DataType>(i))) return static_cast<DataType>(i);
   for (int i = 0; i < kNumDataTypes; ++i)
     if (EqualsIgnoreCase(name, DataTypeName(static_cast<DataType>(i)))) return static_cast<DataType>(i);
   throw EngineError("INVALID_ARGUMENT: unknown dtype '" + name + "'");
 }
 
 ReduceOp ParseReduceOp(const std::string& name) {
+  for (int i = 0; i <= static_cast<int>(ReduceOp::kProduct); ++i)
+    if (name == ReduceOpName(static_cast<ReduceOp>(i))) return static_cast<ReduceOp>(i);
   for (int i = 0; i <= static_cast<int>(ReduceOp::kProduct); ++i)
     if (EqualsIgnoreCase(name, ReduceOpName(static_cast<ReduceOp>(i)))) return static_cast<ReduceOp>(i);
   throw EngineError("INVALID_ARGUMENT: unknown reduce op '" + name +
@@ -98,11 +102,22 @@ Device ParseDevice(const std::string& name) {
 
 // --- Handles ---------------------------------------------------------------
 
+// WaitAll's one wake-up for many handles: each handle not yet done when
+// wait_all looked counts it down once (under the latch's mutex), and only the
+// last one signals, so a step's 214 completions wake the waiting thread once
+// instead of up to 214 times (each a context switch on a loaded machine).
+struct Latch {
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t remaining = 0;
+};
+
 struct Handle {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   Status status;
+  std::shared_ptr<Latch> latch;  // set by WaitAll (under mu) while it waits
   // Allgather output (allocated by AllocateOutput on the background thread).
   bool is_allgather = false;
   DataType dtype = DataType::kFloat32;
@@ -152,12 +167,22 @@ void Forget(int64_t id) {
 
 DoneCallback DoneFor(const std::shared_ptr<Handle>& h) {
   return [h](const Status& s) {
+    std::shared_ptr<Latch> latch;
     {
       std::lock_guard<std::mutex> lock(h->mu);
       h->status = s;
       h->done = true;
+      latch = std::move(h->latch);
     }
-    h->cv.notify_all();
+    h->cv.notify_all();  // wait()/poll() (no waiter: no system call)
+    if (latch != nullptr) {
+      bool last;
+      {
+        std::lock_guard<std::mutex> lock(latch->mu);
+        last = --latch->remaining == 0;
+      }
+      if (last) latch->cv.notify_all();
+    }
   };
 }
 
@@ -243,10 +268,42 @@ py::object Wait(int64_t id, py::object timeout) {
 py::list WaitAll(const std::vector<int64_t>& ids) {
   std::vector<std::shared_ptr<Handle>> hs;
   hs.reserve(ids.size());
-  for (int64_t id : ids) hs.push_back(Lookup(id));
+  {
+    std::lock_guard<std::mutex> lock(g_handles_mu);  // one lock for all handles
+    for (int64_t id : ids) {
+      auto it = g_handles.find(id);
+      if (it == g_handles.end())
+        throw EngineError("INVALID_ARGUMENT: unknown or already waited handle " + std::to_string(id));
+      hs.push_back(it->second);
+    }
+  }
   {
     py::gil_scoped_release release;
+    auto latch = std::make_shared<Latch>();
+    // Counted before any handle can count down: a handle that is not done gets
+    // the latch under its own mutex, so its done callback counts it down once.
+    latch->remaining = hs.size();
+    // A handle listed twice counts once; one another wait_all already waits
+    // on is waited for through its own condition variable.
+    size_t already = 0;
+    std::vector<Handle*> others;
     for (const std::shared_ptr<Handle>& h : hs) {
+      std::lock_guard<std::mutex> lock(h->mu);
+      if (h->done || h->latch == latch) {
+        ++already;
+      } else if (h->latch != nullptr) {
+        ++already;
+        others.push_back(h.get());
+      } else {
+        h->latch = latch;
+      }
+    }
+    {
+      std::unique_lock<std::mutex> lock(latch->mu);
+      latch->remaining -= already;
+      latch->cv.wait(lock, [&] { return latch->remaining == 0; });
+    }
+    for (Handle* h : others) {
       std::unique_lock<std::mutex> lock(h->mu);
       h->cv.wait(lock, [&] { return h->done; });
     }
@@ -255,8 +312,11 @@ py::list WaitAll(const std::vector<int64_t>& ids) {
   Status first_error;
   py::dict& keep = KeepAlive();
   const bool any_kept = keep.size() > 0;
+  {
+    std::lock_guard<std::mutex> lock(g_handles_mu);
+    for (int64_t id : ids) g_handles.erase(id);
+  }
   for (size_t i = 0; i < ids.size(); ++i) {
-    Forget(ids[i]);
     if (any_kept && keep.contains(py::int_(ids[i]))) keep.attr("pop")(py::int_(ids[i]));
     if (!hs[i]->status.ok()) {
       if (first_error.ok()) first_error = hs[i]->status;
@@ -321,7 +381,16 @@ std::vector<int64_t> SubmitGroup(std::vector<CollectiveRequest> qs, std::vector<
   for (size_t i = 0; i < qs.size(); ++i) qs[i].done = DoneFor(hs[i]);
   ThrowIfError(EnqueueGroup(std::move(qs)));  // GIL held: see SubmitOne
   std::vector<int64_t> ids;
-  for (auto& h : hs) ids.push_back(Register(h));
+  ids.reserve(hs.size());
+  {
+    std::lock_guard<std::mutex> lock(g_handles_mu);  // one lock for the group
+    g_handles.reserve(g_handles.size() + hs.size());
+    for (auto& h : hs) {
+      const int64_t id = g_next_handle++;
+      g_handles.emplace(id, std::move(h));
+      ids.push_back(id);
+    }
+  }
   if (!keepalive.is_none())
     for (int64_t id : ids) KeepAlive()[py::int_(id)] = keepalive;
   return ids;
@@ -571,6 +640,8 @@ void RegisterEngineBindings(py::module_& m) {
           // Each item: (name, in_ptr, out_ptr, shape, dtype[, op, prescale, postscale, device, ready_event]).
           std::vector<CollectiveRequest> qs;
           std::vector<std::shared_ptr<Handle>> hs;
+          qs.reserve(items.size());
+          hs.reserve(items.size());
           for (const py::tuple& t : items) {
             if (t.size() < 5 || t.size() > 10)
               throw EngineError("INVALID_ARGUMENT: grouped_allreduce_async items are (name, in_ptr, out_ptr, "
@@ -604,6 +675,8 @@ void RegisterEngineBindings(py::module_& m) {
           // Each item: (name, in_ptr, shape, dtype[, device, ready_event]).
           std::vector<CollectiveRequest> qs;
           std::vector<std::shared_ptr<Handle>> hs;
+          qs.reserve(items.size());
+          hs.reserve(items.size());
           for (const py::tuple& t : items) {
             if (t.size() < 4 || t.size() > 6)
               throw EngineError("INVALID_ARGUMENT: grouped_allgather_async items are (name, in_ptr, shape, dtype"
@@ -641,6 +714,8 @@ void RegisterEngineBindings(py::module_& m) {
           // Each item: (name, in_ptr, shape, dtype[, device, ready_event]).
           std::vector<CollectiveRequest> qs;
           std::vector<std::shared_ptr<Handle>> hs;
+          qs.reserve(items.size());
+          hs.reserve(items.size());
           for (const py::tuple& t : items) {
             if (t.size() < 4 || t.size() > 6)
               throw EngineError("INVALID_ARGUMENT: grouped_reducescatter_async items are (name, in_ptr, shape, "
@@ -742,6 +817,8 @@ void RegisterEngineBindings(py::module_& m) {
     d["buckets"] = st.buckets;
     d["bucket_tensors"] = st.bucket_tensors;
     d["ready_event_waits"] = st.ready_event_waits;
+    d["agreement_allreduces"] = st.agreement_allreduces;
+    d["quick_cycles"] = st.quick_cycles;
     d["idle_s"] = st.idle_s;
     d["agree_s"] = st.agree_s;
     d["negotiate_s"] = st.negotiate_s;

@@ -18,7 +18,9 @@
 //   allreduce / negotiating / executing (communicator calls, copies,
 //   completions), ready-event waits and plan launches.
 // With `grouped` the step is one EnqueueGroup of every gradient (the
-// DistributedOptimizer's bucket), else one Enqueue per gradient.
+// DistributedOptimizer's bucket), else one Enqueue per gradient. After the
+// timed steps two more grouped calls check the fused bucket's other shapes
+// (scaled, in place) every element against float64; `wrong` counts all.
 //
 // Usage: mpirun -np 2 engine_perf benchmarks/resnet50_gradients.txt [steps] [grouped]
 #include <cuda_runtime.h>
@@ -137,11 +139,14 @@ int main(int argc, char** argv) {
   if (rank == 0)
     std::printf("# engine_perf phases (rank 0, per step, %s): enqueue %.1f us, enqueue->last done %.1f us | "
                 "engine thread: idle %.1f us, agreement %.1f us, negotiation %.1f us, execution %.1f us | "
-                "%.2f cycles, %.2f buckets, %.2f ready-event waits, %.2f plan launches, %.2f negotiation rounds\n",
+                "%.2f cycles, %.2f agreement allreduces, %.2f buckets, %.2f ready-event waits, %.2f plan launches, "
+                "%.2f negotiation rounds\n",
                 grouped ? "one EnqueueGroup" : "one Enqueue per tensor", per_step(enqueue_s) * 1e6,
                 per_step(drain_s) * 1e6, per_step(b.idle_s - a.idle_s) * 1e6, per_step(b.agree_s - a.agree_s) * 1e6,
                 per_step(b.negotiate_s - a.negotiate_s) * 1e6, per_step(b.execute_s - a.execute_s) * 1e6,
-                per_step(static_cast<double>(b.cycles - a.cycles)), per_step(static_cast<double>(b.buckets - a.buckets)),
+                per_step(static_cast<double>(b.cycles - a.cycles)),
+                per_step(static_cast<double>(b.agreement_allreduces - a.agreement_allreduces)),
+                per_step(static_cast<double>(b.buckets - a.buckets)),
                 per_step(static_cast<double>(b.ready_event_waits - a.ready_event_waits)),
                 per_step(static_cast<double>(b.plan_launches - a.plan_launches)),
                 per_step(static_cast<double>(b.negotiation_rounds - a.negotiation_rounds)));
@@ -158,6 +163,73 @@ int main(int argc, char** argv) {
       if (!(std::fabs(got[i] - ref / size) <= bound)) ++wrong;
     }
   }
+  // The fused bucket's other shapes (Communicator::FusedAllreduce; on one rank
+  // the direct copies of cc/kernels/batched_copy.cu "Fused buckets"), one
+  // EnqueueGroup each, every element checked against float64:
+  //   scaled    Sum, prescale 0.5 and postscale 3 (one rank: two launches),
+  //             even tensors out of place, odd ones in place;
+  //   inplace   Sum in place with unit scales (one rank: no launch at all).
+  long long variant_wrong = 0;
+  struct Variant {
+    const char* name;
+    double prescale, postscale;
+    bool all_in_place;
+  };
+  for (const Variant& v : {Variant{"scaled", 0.5, 3.0, false}, Variant{"inplace", 1.0, 1.0, true}}) {
+    std::vector<CollectiveRequest> group;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      pending = n;
+    }
+    for (int t = 0; t < n; ++t) {
+      const bool in_place = v.all_in_place || t % 2 == 1;
+      if (in_place) CheckCuda(cudaMemcpy(d_out[t], d_in[t], counts[t] * 4, cudaMemcpyDeviceToDevice), "D2D");
+      CollectiveRequest q;
+      q.name = std::string("check_") + v.name + "_" + std::to_string(t);
+      q.type = CollectiveType::kAllreduce;
+      q.dtype = DataType::kFloat32;
+      q.device = Device::Cuda(dev);
+      q.shape = {static_cast<int64_t>(counts[t])};
+      q.input = in_place ? d_out[t] : d_in[t];
+      q.output = d_out[t];
+      q.op = ReduceOp::kSum;
+      q.prescale_factor = v.prescale;
+      q.postscale_factor = v.postscale;
+      q.done = [&](const Status& s) {
+        std::lock_guard<std::mutex> l(mu);
+        if (!s.ok() && first_error.ok()) first_error = s;
+        if (--pending == 0) cv.notify_all();
+      };
+      group.push_back(std::move(q));
+    }
+    CheckCuda(cudaDeviceSynchronize(), "sync before the check");  // the D2D copies are the inputs
+    Check(EnqueueGroup(std::move(group)), "EnqueueGroup (check)");
+    {
+      std::unique_lock<std::mutex> l(mu);
+      cv.wait(l, [&] { return pending == 0; });
+    }
+    Check(first_error, v.name);
+    long long bad = 0;
+    for (int t = 0; t < n; ++t) {
+      std::vector<float> got(counts[t]);
+      CheckCuda(cudaMemcpy(got.data(), d_out[t], counts[t] * 4, cudaMemcpyDeviceToHost), "D2H");
+      for (size_t i = 0; i < counts[t]; ++i) {
+        double ref = 0, magnitude = 0;
+        for (int r = 0; r < size; ++r) {
+          const double x = static_cast<double>(static_cast<float>(2.0 * Uniform(t + 1, r, i) - 1.0)) * v.prescale;
+          ref += x;
+          magnitude += std::fabs(x);
+        }
+        ref *= v.postscale;
+        if (!(std::fabs(got[i] - ref) <= (size + 3.0) * std::ldexp(1.0, -24) * magnitude * std::fabs(v.postscale)))
+          ++bad;
+      }
+    }
+    if (rank == 0) std::printf("# engine_perf check %s (pre %g, post %g): %lld wrong of %zu\n", v.name, v.prescale,
+                               v.postscale, bad, total);
+    variant_wrong += bad;
+  }
+  wrong += variant_wrong;
   long long all_wrong = 0;
   NVG_TOOL_MPI(MPI_Allreduce(&wrong, &all_wrong, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
   if (rank == 0)

@@ -74,6 +74,14 @@ def test_fast_path_plans_events_and_state_digest(np):
     assert_all_ranks_ok(run_mpi(worker("engine_fast_path.py"), np, timeout=120), np)
 
 
+def test_one_rank_runs_without_agreement_allreduce_and_buffer():
+    """One rank: no cycle pays an MPI agreement allreduce, and fused buckets
+    (grouped from their plan, and lone tensors) are the members' scaled copies,
+    bitwise round(round(x*pre)*post), every dtype/op, in place or not
+    (engine_one_rank.py)."""
+    assert_all_ranks_ok(run_mpi(worker("engine_one_rank.py"), 1, timeout=90), 1)
+
+
 @pytest.mark.parametrize("np", [2, 3])
 def test_every_algorithm_knob_must_agree_across_ranks(np):
     """One rank with a different NVGROUP_ONESHOT_MAX_BYTES, _PIPELINE_CHUNK,

@@ -177,6 +177,100 @@ class Communicator : public Collectives, public StreamHelpers {
   virtual Status RecordEvent(void* /*event*/, void* /*stream*/) { return Status::Ok(); }
   virtual Status WaitRecordedEvent(void* /*event*/) { return Status::Ok(); }
 
+  // The engine's fused bucket (issue 11): for every member k,
+  //   output_k = postscale * (op over ranks of (prescale * input_k))
+  // computed bit for bit as the three-step reference below does: each input
+  // scaled into registered_buffer() at byte `offset` (ascending, 16-byte
+  // aligned, the same on every rank, all within registered_capacity()), one
+  // in-place Allreduce of the buffer's first `bytes` bytes, each member's
+  // result scaled out of the buffer into its output. Overrides skip the
+  // buffer where no peer needs it (one rank: the scaled copies alone; CPU
+  // with one group: only what the group members read goes through it, the
+  // results are gathered straight into the outputs). Same stream and
+  // completion rules as Allreduce. `observer`, when set, hears the host-side
+  // begin and end of the copy-in, reduction and copy-out phases (the
+  // timeline's FUSION_COPY_IN / ALLREDUCE / FUSION_COPY_OUT).
+  struct FusedMember {
+    const void* input;
+    void* output;  // may equal input
+    size_t count;  // elements
+    size_t offset;  // bytes into registered_buffer()
+  };
+  enum class FusedPhase { kCopyIn = 0, kReduce = 1, kCopyOut = 2 };
+  struct PhaseObserver {
+    void (*mark)(void* context, FusedPhase phase, bool begin) = nullptr;
+    void* context = nullptr;
+    void operator()(FusedPhase phase, bool begin) const {
+      if (mark != nullptr) mark(context, phase, begin);
+    }
+  };
+  virtual Status FusedAllreduce(const FusedMember* members, size_t num_members, size_t bytes,
+                                DataType dtype, ReduceOp op, double prescale, double postscale,
+                                void* stream, const PhaseObserver& observer) {
+    return FusedAllreduceThroughBuffer(members, num_members, bytes, dtype, op, prescale, postscale,
+                                       stream, observer);
+  }
+
+ protected:
+  // The three-step reference of FusedAllreduce (every member through the
+  // registered buffer); implementations fall back to it where they have no
+  // shorter path.
+  Status FusedAllreduceThroughBuffer(const FusedMember* members, size_t num_members, size_t bytes,
+                                     DataType dtype, ReduceOp op, double prescale, double postscale,
+                                     void* stream, const PhaseObserver& observer) {
+    char* buffer = static_cast<char*>(registered_buffer());
+    std::vector<CopySpec> in(num_members), out(num_members);
+    for (size_t k = 0; k < num_members; ++k) {
+      in[k] = {members[k].input, buffer + members[k].offset, members[k].count};
+      out[k] = {buffer + members[k].offset, members[k].output, members[k].count};
+    }
+    if (bytes == 0) return Status::Ok();
+    const size_t element = DataTypeSize(dtype);
+    observer(FusedPhase::kCopyIn, true);
+    Status s = BatchedScaledCopy(in.data(), in.size(), dtype, prescale, stream);
+    observer(FusedPhase::kCopyIn, false);
+    if (!s.ok()) return s;
+    observer(FusedPhase::kReduce, true);
+    s = Allreduce(buffer, buffer, bytes / element, dtype, op, stream);
+    observer(FusedPhase::kReduce, false);
+    if (!s.ok()) return s;
+    observer(FusedPhase::kCopyOut, true);
+    s = BatchedScaledCopy(out.data(), out.size(), dtype, postscale, stream);
+    observer(FusedPhase::kCopyOut, false);
+    return s;
+  }
+
+  // FusedAllreduce on a communicator of one rank: any op over one rank is the
+  // identity, so output = postscale * (prescale * input), rounded after each
+  // factor as the reference rounds into and out of the buffer. No buffer: one
+  // batched scaled copy input -> output (two when both factors are not 1;
+  // none for an in-place member when both are 1).
+  Status FusedAllreduceOneRank(const FusedMember* members, size_t num_members, DataType dtype,
+                               double prescale, double postscale, void* stream,
+                               const PhaseObserver& observer) {
+    const bool pre = prescale != 1.0, post = postscale != 1.0;
+    std::vector<CopySpec> first, second;
+    first.reserve(num_members);
+    for (size_t k = 0; k < num_members; ++k) {
+      const FusedMember& m = members[k];
+      if (m.count == 0 || (!pre && !post && m.input == m.output)) continue;
+      first.push_back({m.input, m.output, m.count});
+      if (pre && post) second.push_back({m.output, m.output, m.count});
+    }
+    observer(FusedPhase::kCopyIn, true);
+    observer(FusedPhase::kCopyIn, false);
+    observer(FusedPhase::kReduce, true);
+    observer(FusedPhase::kReduce, false);
+    observer(FusedPhase::kCopyOut, true);
+    Status s;
+    if (!first.empty()) s = BatchedScaledCopy(first.data(), first.size(), dtype, pre ? prescale : postscale, stream);
+    if (s.ok() && !second.empty()) s = BatchedScaledCopy(second.data(), second.size(), dtype, postscale, stream);
+    observer(FusedPhase::kCopyOut, false);
+    return s;
+  }
+
+ public:
+
   // Makes every spin wait in flight or started later return kAborted promptly.
   // Safe to call from any thread (used on shutdown and when a peer is lost).
   virtual void Abort() = 0;

@@ -179,7 +179,7 @@ namespace nvgroup {
 // Cumulative since Init, read without stopping the engine (each field is read
 // atomically; fields are not a consistent snapshot of one instant).
 struct EngineStats {
-  uint64_t cycles = 0;                // background-loop cycles (one agreement allreduce each)
+  uint64_t cycles = 0;                // background-loop cycles (one agreement each)
   uint64_t negotiation_rounds = 0;    // cycles that went through rank 0 (gather + broadcast)
   uint64_t cached_responses = 0;      // requests agreed through the response cache
   uint64_t negotiated_responses = 0;  // requests (and errors) decided by rank 0
@@ -187,6 +187,8 @@ struct EngineStats {
   uint64_t buckets = 0;               // allreduce buckets run (fused or one tensor)
   uint64_t bucket_tensors = 0;        // tensors in those buckets
   uint64_t ready_event_waits = 0;     // CUDA: WaitEvent calls (one per distinct event per bucket)
+  uint64_t agreement_allreduces = 0;  // cycles' agreement allreduces run over MPI (none with one rank)
+  uint64_t quick_cycles = 0;          // cycles started early for leftover requests (background_loop.cc)
   // Seconds the background thread spent, per phase.
   double idle_s = 0;       // waiting for requests (the cycle wait and admission batching)
   double agree_s = 0;      // the cycle's agreement allreduce (cache bits, plan ids, flags)
