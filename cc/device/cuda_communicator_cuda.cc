@@ -978,9 +978,9 @@ Status CudaCommunicator::FusedAllreduce(const FusedMember* members, size_t num_m
                                         DataType dtype, ReduceOp op, double prescale, double postscale,
                                         void* stream, const PhaseObserver& observer) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
-  if (!SupportsReduction(dtype) || !HasDeviceKernel(dtype))
-    return Status::Unimplemented(std::string("allreduce on CUDA: no kernel for dtype ") + DataTypeName(dtype) +
-                                 " (float16/bfloat16/float32/float64/int32/int64 only)");
+  if (!SupportsReduction(dtype))
+    return Status::InvalidArgument(std::string("allreduce: dtype ") + DataTypeName(dtype) +
+                                   " cannot be reduced");
   if (static_cast<int>(op) < 0 || static_cast<int>(op) > static_cast<int>(ReduceOp::kProduct))
     return Status::InvalidArgument("allreduce: unknown reduce op " + std::to_string(static_cast<int>(op)));
   if (bytes > registered_capacity())
