@@ -18,7 +18,7 @@ CXXFLAGS="-O3 -std=c++17 -Wall -Wno-unused-function -DOMPI_SKIP_MPICXX=1 -DNVGRO
 NVFLAGS="-O3 -std=c++17 $GENCODE -DNVGROUP_WITH_CUDA=1 -Icc/include -Icc"
 
 # The communicator's closure: common, topology, host folds (tools' reference), device, tools.
-HOST_SRCS="cc/common/env.cc cc/common/status.cc cc/common/types.cc cc/topology/topology.cc cc/cpu/host_reduce.cc cc/algorithms/cross_exchange.cc cc/device/peer_access_advice.cc"
+HOST_SRCS="cc/common/collective_args.cc cc/common/env.cc cc/common/status.cc cc/common/types.cc cc/topology/topology.cc cc/cpu/host_reduce.cc cc/algorithms/cross_exchange.cc cc/device/peer_access_advice.cc"
 CUDA_CC_SRCS=$(ls cc/device/*_cuda.cc)
 CU_SRCS=$(ls cc/kernels/*.cu)
 # engine_perf links the whole engine (as setup.py's engine_sources()).
