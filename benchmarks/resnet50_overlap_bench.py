@@ -69,17 +69,8 @@ import time
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
 
-MPI_ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "OMPI_MCA_rmaps_base_oversubscribe": "1",
-    "OMPI_MCA_btl": "self,vader,tcp",
-    "OMPI_MCA_pml": "ob1",
-    "OMPI_MCA_btl_tcp_if_include": "lo",
-    "OMPI_MCA_oob_tcp_if_include": "lo",
-    "PYTHONUNBUFFERED": "1",
-    "TF_CPP_MIN_LOG_LEVEL": "2",
-}
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from mpi_util import MPI_ENV  # noqa: E402  (the tests' Open MPI settings; PYTHONPATH is set per variant)
 
 
 # ---------------------------------------------------------------- worker
