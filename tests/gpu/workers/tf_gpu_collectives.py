@@ -14,8 +14,9 @@ import sys
 import numpy as np
 from mpi4py import MPI  # noqa: F401  (initializes MPI first; init() accepts that)
 
-from gpu_common import (ALL_DTYPES, FLOAT_DTYPES, GPU, REDUCE_DTYPES, Checker, Digests, event_stats,
-                        hvd, init_on_gpu, on_gpu, random_array, reference, run, tf, to_numpy)
+from gpu_common import (ALL_DTYPES, FLOAT_DTYPES, GPU, REDUCE_DTYPES, Checker, Digests, check_reduced,
+                        event_stats, hvd, init_on_gpu, magnitude, on_gpu, random_array, reference, run, tf,
+                        to_numpy)
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max, "product": hvd.Product}
 MODES = ("eager", "function")
@@ -43,21 +44,6 @@ def gpu_tensor(a, dtype):
         t = tf.constant(a, dtype=dtype)
     assert on_gpu(t), t.device
     return t
-
-
-def magnitude(arrays, op, n):
-    stack = np.abs(np.stack([tf.cast(a, tf.float64).numpy() for a in arrays]))
-    if op == "product":
-        return stack.prod(axis=0)
-    return stack.sum(axis=0) / (n if op == "average" else 1)
-
-
-def check_reduced(c, got, arrays, op_name, dtype, what):
-    want = reference(arrays, op_name, dtype)
-    if dtype.is_integer or op_name in ("min", "max"):
-        c.equal(to_numpy(got).astype(np.float64 if dtype.is_floating else np.int64), want, what)
-    else:
-        c.close(to_numpy(got), want, magnitude(arrays, op_name, hvd.size()), dtype, what)
 
 
 def check_result(c, d, got, what, dtype):

@@ -11,8 +11,8 @@ import warnings
 import numpy as np
 from mpi4py import MPI  # first: mpi4py initializes MPI, init() must accept that
 
-from common import (ALL_DTYPES, FLOAT_DTYPES, REDUCE_DTYPES, Checker, hvd, random_array,
-                    reference, run, tf, to_numpy)
+from common import (ALL_DTYPES, FLOAT_DTYPES, REDUCE_DTYPES, Checker, check_reduced, hvd, magnitude,
+                    random_array, reference, run, tf, to_numpy)
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
        "product": hvd.Product}
@@ -27,21 +27,6 @@ def per_rank(case, fn):
 def shape_for(case, ndims):
     rng = np.random.default_rng([case, 10 ** 6])
     return tuple(int(d) for d in rng.integers(1, 6, size=ndims))
-
-
-def magnitude(arrays, op, n):
-    stack = np.abs(np.stack([tf.cast(a, tf.float64).numpy() for a in arrays]))
-    if op == "product":
-        return stack.prod(axis=0)
-    return stack.sum(axis=0) / (n if op == "average" else 1)
-
-
-def check_result(c, got, arrays, op, dtype, what):
-    want = reference(arrays, op, dtype)
-    if dtype.is_integer or op in ("min", "max"):
-        c.equal(to_numpy(got).astype(np.float64 if dtype.is_floating else np.int64), want, what)
-    else:
-        c.close(to_numpy(got), want, magnitude(arrays, op, hvd.size()), dtype, what)
 
 
 def check_topology(c):
@@ -69,14 +54,14 @@ def check_allreduce_matrix(c):
                 got = hvd.allreduce(tf.constant(mine, dtype=dtype), op=op,
                                     name="matrix.%s.%s.%d" % (op_name, dtype.name, ndims))
                 c.equal(got.dtype, dtype, "allreduce %s %s dtype" % (op_name, dtype.name))
-                check_result(c, got, arrays, op_name, dtype,
+                check_reduced(c, got, arrays, op_name, dtype,
                              "allreduce %s %s shape %s" % (op_name, dtype.name, shape))
     # Empty tensor and a large one (several fusion/pipeline chunks' worth).
     empty = hvd.allreduce(tf.zeros([0, 3]), op=hvd.Sum, name="empty")
     c.equal(empty.shape.as_list(), [0, 3], "allreduce of an empty tensor keeps its shape")
     arrays, mine = per_rank(999, lambda g: random_array(g, tf.float32, (3, 1 << 20)))
     got = hvd.allreduce(tf.constant(mine), op=hvd.Sum, name="large")
-    check_result(c, got, arrays, "sum", tf.float32, "allreduce 12 MiB float32")
+    check_reduced(c, got, arrays, "sum", tf.float32, "allreduce 12 MiB float32")
 
 
 def check_average_and_scales(c):
@@ -119,7 +104,7 @@ def check_grouped(c):
             op=OPS[op_name], name="grouped." + op_name)
         c.equal(len(outs), len(dtypes), "grouped_allreduce returns one tensor per input")
         for (arrays, _), d, out in zip(data, dtypes, outs):
-            check_result(c, out, arrays, op_name, d, "grouped %s %s" % (op_name, d.name))
+            check_reduced(c, out, arrays, op_name, d, "grouped %s %s" % (op_name, d.name))
     c.equal(hvd.grouped_allreduce([], name="grouped.empty"), [], "grouped_allreduce([])")
 
 
@@ -236,12 +221,12 @@ def check_in_tf_function(c):
     for repeat in range(3):  # the traced graph reruns with the same names
         s, g, b, grouped, auto = step(tf.constant(mine), tf.constant(rows[hvd.rank()]))
         what = "tf.function run %d: " % repeat
-        check_result(c, s, arrays, "sum", tf.float32, what + "allreduce")
+        check_reduced(c, s, arrays, "sum", tf.float32, what + "allreduce")
         c.equal(g.numpy(), np.concatenate(rows), what + "allgather")
         c.equal(b.numpy(), arrays[n - 1], what + "broadcast")
-        check_result(c, grouped[0], arrays, "max", tf.float32, what + "grouped[0]")
-        check_result(c, grouped[1], [2 * a for a in arrays], "max", tf.float32, what + "grouped[1]")
-        check_result(c, auto, arrays, "min", tf.float32, what + "unnamed allreduce")
+        check_reduced(c, grouped[0], arrays, "max", tf.float32, what + "grouped[0]")
+        check_reduced(c, grouped[1], [2 * a for a in arrays], "max", tf.float32, what + "grouped[1]")
+        check_reduced(c, auto, arrays, "min", tf.float32, what + "unnamed allreduce")
     c.check(step.experimental_get_tracing_count() == 1, "tf.function traced once")
 
 
@@ -263,7 +248,7 @@ def check_random_order(c):
 
     outs = independent([tf.constant(mine) for _, mine in data])
     for i, (arrays, _) in enumerate(data):
-        check_result(c, outs[i], arrays, "sum", tf.float32, "tf.function random order tensor %d" % i)
+        check_reduced(c, outs[i], arrays, "sum", tf.float32, "tf.function random order tensor %d" % i)
 
     results = [None] * count
     started = []
@@ -282,7 +267,7 @@ def check_random_order(c):
         if results[i] is None:
             c.check(False, "threaded tensor %d has no result" % i)
         else:
-            check_result(c, results[i], arrays, "sum", tf.float32, "threaded random order %d" % i)
+            check_reduced(c, results[i], arrays, "sum", tf.float32, "threaded random order %d" % i)
 
 
 def check_extras(c):

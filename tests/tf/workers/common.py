@@ -159,3 +159,20 @@ def to_numpy(t):
     if t.dtype in (tf.bfloat16, tf.float16):
         return tf.cast(t, tf.float64).numpy()
     return t.numpy()
+
+
+def magnitude(arrays, op, n):
+    """Bound on the size of the terms of a reduction (float64): what Checker.close scales by."""
+    stack = np.abs(np.stack([tf.cast(a, tf.float64).numpy() for a in arrays]))
+    if op == "product":
+        return stack.prod(axis=0)
+    return stack.sum(axis=0) / (n if op == "average" else 1)
+
+
+def check_reduced(c, got, arrays, op, dtype, what):
+    """A reduction's result vs the float64 / exact-integer reference of `arrays` (one per rank)."""
+    want = reference(arrays, op, dtype)
+    if dtype.is_integer or op in ("min", "max"):
+        c.equal(to_numpy(got).astype(np.float64 if dtype.is_floating else np.int64), want, what)
+    else:
+        c.close(to_numpy(got), want, magnitude(arrays, op, hvd.size()), dtype, what)
