@@ -14,7 +14,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tf", "workers"))
 
 from common import (ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, REDUCE_DTYPES, Checker, hvd,  # noqa: E402,F401
-                    check_reduced, magnitude, random_array, reference, run, tf, to_numpy)
+                    check_reduced, magnitude, per_rank, random_array, reference, run, shape_for, tf,
+                    to_numpy)
 
 tf.get_logger().setLevel("ERROR")  # one tf.function per case: retracing warnings are expected
 GPU = "/GPU:0"

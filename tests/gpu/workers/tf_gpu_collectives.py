@@ -15,21 +15,11 @@ import numpy as np
 from mpi4py import MPI  # noqa: F401  (initializes MPI first; init() accepts that)
 
 from gpu_common import (ALL_DTYPES, FLOAT_DTYPES, GPU, REDUCE_DTYPES, Checker, Digests, check_reduced,
-                        event_stats, hvd, init_on_gpu, magnitude, on_gpu, random_array, reference, run, tf,
-                        to_numpy)
+                        event_stats, hvd, init_on_gpu, magnitude, on_gpu, per_rank, random_array, reference, run,
+                        shape_for, tf, to_numpy)
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max, "product": hvd.Product}
 MODES = ("eager", "function")
-
-
-def per_rank(case, fn):
-    values = [fn(np.random.default_rng([case, r])) for r in range(hvd.size())]
-    return values, values[hvd.rank()]
-
-
-def shape_for(case, ndims):
-    rng = np.random.default_rng([case, 10 ** 6])
-    return tuple(int(d) for d in rng.integers(1, 6, size=ndims))
 
 
 def call(mode, fn, *args):

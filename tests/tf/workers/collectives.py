@@ -12,21 +12,10 @@ import numpy as np
 from mpi4py import MPI  # first: mpi4py initializes MPI, init() must accept that
 
 from common import (ALL_DTYPES, FLOAT_DTYPES, REDUCE_DTYPES, Checker, check_reduced, hvd, magnitude,
-                    random_array, reference, run, tf, to_numpy)
+                    per_rank, random_array, reference, run, shape_for, tf, to_numpy)
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
        "product": hvd.Product}
-
-
-def per_rank(case, fn):
-    """fn(rng) for every rank's generator (same on all ranks), and this rank's."""
-    values = [fn(np.random.default_rng([case, r])) for r in range(hvd.size())]
-    return values, values[hvd.rank()]
-
-
-def shape_for(case, ndims):
-    rng = np.random.default_rng([case, 10 ** 6])
-    return tuple(int(d) for d in rng.integers(1, 6, size=ndims))
 
 
 def check_topology(c):

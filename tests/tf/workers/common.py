@@ -176,3 +176,14 @@ def check_reduced(c, got, arrays, op, dtype, what):
         c.equal(to_numpy(got).astype(np.float64 if dtype.is_floating else np.int64), want, what)
     else:
         c.close(to_numpy(got), want, magnitude(arrays, op, hvd.size()), dtype, what)
+
+
+def per_rank(case, fn):
+    """fn(rng) for every rank's generator (same on all ranks), and this rank's."""
+    values = [fn(np.random.default_rng([case, r])) for r in range(hvd.size())]
+    return values, values[hvd.rank()]
+
+
+def shape_for(case, ndims):
+    rng = np.random.default_rng([case, 10 ** 6])
+    return tuple(int(d) for d in rng.integers(1, 6, size=ndims))
