@@ -81,6 +81,7 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
       topology_(cpu_comm_->topology()),
       cache_(knobs.cache_capacity),
       cache_words_((knobs.cache_capacity + 63) / 64),
+      claimed_slots_(std::max(knobs.cache_capacity, 0), 0),
       stall_(size, knobs.stall_warning_s, knobs.stall_shutdown_s),
       coordinator_(size, &stall_) {
   // See Note [Reporting stuck cache hits].
@@ -126,19 +127,93 @@ Engine::~Engine() { Stop(); }
 // so steady-state steps never pay for a report, while the default 60 s stall
 // warning still sees the name almost from the start.
 
+void Engine::TimelineAdmitted(const TensorEntry& entry, double now) {
+  timeline_.Begin(entry.request.name, "QUEUE", entry.enqueue_time);
+  timeline_.End(entry.request.name, "QUEUE", now);
+  timeline_.Begin(entry.request.name, "NEGOTIATE", now);
+}
+
 void Engine::Admit(TensorEntry entry, double now) {
-  if (timeline_.enabled()) {
-    timeline_.Begin(entry.request.name, "QUEUE", entry.enqueue_time);
-    timeline_.End(entry.request.name, "QUEUE", now);
-    timeline_.Begin(entry.request.name, "NEGOTIATE", now);
-  }
+  if (timeline_.enabled()) TimelineAdmitted(entry, now);
   if (entry.request.type == CollectiveType::kJoin) joined_ = true;
+  Add(counters_.admitted_entries);
   auto p = std::make_unique<Pending>();
   p->since = now;
   std::string name = entry.request.name;
   p->entry = std::move(entry);
   order_.push_back(name);
   pending_[name] = std::move(p);
+}
+
+const Engine::Plan* Engine::PlanFor(const Submission& s) const {
+  if (s.group_id == 0 || joined_) return nullptr;
+  auto it = plans_.find(s.group_id);
+  if (it == plans_.end()) return nullptr;
+  const Plan& plan = it->second;
+  if (plan.entry_of.size() != s.entries.size() || !PlanMatchesCache(plan)) return nullptr;
+  // Names are unique among the submission's entries (TensorQueue::Push), so
+  // a match of every member makes entry_of a one-to-one map.
+  for (size_t k = 0; k < plan.slots.size(); ++k) {
+    const uint32_t e = plan.entry_of[k];
+    if (e >= s.entries.size() || !EntryMatchesResponse(s.entries[e], cache_.Get(plan.slots[k]), rank_))
+      return nullptr;
+  }
+  return &plan;
+}
+
+void Engine::AdmitSubmission(Submission submission, double now) {
+  Add(counters_.queue_entries);
+  if (PlanFor(submission) != nullptr) {  // Note [Cached groups]
+    if (timeline_.enabled())
+      for (const TensorEntry& e : submission.entries) TimelineAdmitted(e, now);
+    auto g = std::make_unique<CachedGroup>();
+    g->submission = std::move(submission);
+    g->since = now;
+    cached_groups_.push_back(std::move(g));
+    Add(counters_.cached_group_admissions);
+    return;
+  }
+  for (TensorEntry& e : submission.entries) Admit(std::move(e), now);
+}
+
+void Engine::DemoteCachedGroups(double now, bool all) {
+  size_t kept = 0;
+  for (std::unique_ptr<CachedGroup>& g : cached_groups_) {
+    // A plan that changed while the group waited (evicted, a member
+    // renegotiated) no longer describes it: PlanFor checks it again.
+    if (!all && now - g->since < report_cached_after_s_ && PlanFor(g->submission) != nullptr) {
+      cached_groups_[kept++] = std::move(g);
+      continue;
+    }
+    Add(counters_.cached_group_demotions);
+    for (TensorEntry& e : g->submission.entries) {
+      // Admit, without the timeline's admission events (written already).
+      Add(counters_.admitted_entries);
+      auto p = std::make_unique<Pending>();
+      p->since = g->since;
+      std::string name = e.request.name;
+      p->entry = std::move(e);
+      order_.push_back(name);
+      pending_[name] = std::move(p);
+    }
+  }
+  cached_groups_.resize(kept);
+}
+
+void Engine::TakeReadyCachedGroups(const std::vector<uint64_t>& bits) {
+  size_t kept = 0;
+  for (std::unique_ptr<CachedGroup>& g : cached_groups_) {
+    const Plan& plan = plans_.at(g->submission.group_id);  // checked by DemoteCachedGroups this cycle
+    bool ready = true;
+    for (const auto& [word, mask] : plan.bit_words) ready = ready && (bits[1 + word] & mask) == mask;
+    if (!ready) {
+      cached_groups_[kept++] = std::move(g);
+      continue;
+    }
+    for (int slot : plan.slots) claimed_slots_[slot] = 1;
+    ready_groups_.push_back(std::move(g));
+  }
+  cached_groups_.resize(kept);
 }
 
 bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
@@ -148,8 +223,8 @@ bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
   for (size_t i = 0; i < order_.size(); ++i) {
     entries[i] = pending_[order_[i]].get();
     const RequestMessage& m = entries[i]->entry.message;
-    int slot = cache_.Find(m.name);
-    if (slot >= 0 && RequestMatchesResponse(m, cache_.Get(slot), rank_)) {
+    int slot = cache_.Find(entries[i]->entry.request.name);
+    if (slot >= 0 && EntryMatchesResponse(entries[i]->entry, cache_.Get(slot), rank_)) {
       slots[i] = slot;
       if (m.group_id != 0) ++group_hits[m.group_id];
     }
@@ -167,6 +242,8 @@ bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
     if (slots[i] >= 0) (*bits)[1 + slots[i] / 64] |= uint64_t{1} << (slots[i] % 64);
     if (!p->reported && (slots[i] < 0 || now - p->since >= report_cached_after_s_)) must_report = true;
   }
+  for (const std::unique_ptr<CachedGroup>& g : cached_groups_)  // Note [Cached groups]
+    for (const auto& [word, mask] : plans_.at(g->submission.group_id).bit_words) (*bits)[1 + word] |= mask;
   if (joined_) SetJoinedCacheBits(bits);
   return must_report;
 }
@@ -174,14 +251,23 @@ bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
 std::vector<Engine::Work> Engine::TakeCacheHits(const std::vector<uint64_t>& bits) {
   std::vector<int> hits;
   std::unordered_map<uint64_t, uint32_t> group_hits;
-  for (int slot = 0; slot < cache_.capacity(); ++slot) {
-    if (!(bits[1 + slot / 64] >> (slot % 64) & 1)) continue;
-    hits.push_back(slot);
-    if (cache_.Get(slot).group_id != 0) ++group_hits[cache_.Get(slot).group_id];
+  for (int word = 0; word < cache_words_; ++word) {
+    for (uint64_t b = bits[1 + word]; b != 0; b &= b - 1) {
+      const int slot = word * 64 + __builtin_ctzll(b);
+      hits.push_back(slot);
+      if (!claimed_slots_[slot] && cache_.Get(slot).group_id != 0) ++group_hits[cache_.Get(slot).group_id];
+    }
   }
+  const bool forget = rank_ == 0 && coordinator_.HoldsReports();
   std::vector<Work> work;
   for (int slot : hits) {
     const ResponseMessage& r = cache_.Get(slot);
+    if (claimed_slots_[slot]) {  // a member of a ready cached group (RunPlans runs it)
+      claimed_slots_[slot] = 0;
+      cache_.Touch(slot);  // in slot order with the other hits: the LRU stays the same on every rank
+      if (forget) coordinator_.Forget(r.name);
+      continue;
+    }
     if (r.group_id != 0 && group_hits[r.group_id] != r.group_size) continue;
     Work w;
     w.response = r;
@@ -194,7 +280,7 @@ std::vector<Engine::Work> Engine::TakeCacheHits(const std::vector<uint64_t>& bit
       w.pending = MakeJoinStandIn(r);  // ...or, on a joined rank, for stand-ins
     }
     cache_.Touch(slot);
-    if (rank_ == 0) coordinator_.Forget(r.name);
+    if (forget) coordinator_.Forget(r.name);
     work.push_back(std::move(w));
   }
   return work;
@@ -206,7 +292,7 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
     auto it = pending_.find(name);
     if (it == pending_.end() || it->second->reported) continue;
     it->second->reported = true;
-    mine.push_back(it->second->entry.message);
+    mine.push_back(it->second->entry.Report());
   }
   CycleBuffers& b = *mpi_buffers_;
   b.request_bytes = EncodeRequestList(mine);
@@ -309,20 +395,27 @@ StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
   return cuda_comm_.get();
 }
 
-void Engine::Complete(Pending* p, const Status& status) {
-  queue_.Finish(p->entry.request.name);
-  DoneCallback done = std::move(p->entry.request.done);
-  p->entry.request.done = nullptr;  // a moved-from std::function is unspecified; this marks "completed"
+void Engine::CallDone(TensorEntry* e, const Status& status) {
+  DoneCallback done = std::move(e->request.done);
+  e->request.done = nullptr;  // a moved-from std::function is unspecified; this marks "completed"
   try {
     done(status);
   } catch (...) {  // a callback must not take the loop down
-    NVG_LOG(kError) << "the done callback of '" << p->entry.request.name << "' threw; ignored";
+    NVG_LOG(kError) << "the done callback of '" << e->request.name << "' threw; ignored";
   }
 }
 
-void Engine::CompleteAfterStream(Communicator* comm, const std::vector<Pending*>& done) {
+void Engine::Complete(TensorEntry* e, const Status& status) {
+  queue_.Finish(e->request.name);
+  CallDone(e, status);
+}
+
+void Engine::CompleteAfterStream(Communicator* comm, const std::vector<TensorEntry*>& done) {
   if (comm->device().kind == DeviceKind::kCpu) {
-    for (Pending* p : done) Complete(p, Status::Ok());
+    const double start = MonotonicSeconds();
+    queue_.Finish(done.data(), done.size());  // one lock for the bucket
+    for (TensorEntry* e : done) CallDone(e, Status::Ok());
+    AddSeconds(counters_.complete_ns, MonotonicSeconds() - start);
     return;
   }
   // One event per bucket, recorded after its copy out: the finalizer waits for
@@ -349,19 +442,22 @@ void Engine::CompleteAfterStream(Communicator* comm, const std::vector<Pending*>
     DoneCallback done;
     bool finished_early = false;
   };
+  // The entries die with the cycle and nothing reads their names after this
+  // (the timeline's events are written): the names move, not copy.
   std::vector<Callback> callbacks;
+  callbacks.reserve(done.size());
   bool any_early = false;
-  for (Pending* p : done) {
-    CollectiveRequest& q = p->entry.request;
-    Callback c{q.name, std::move(q.done), false};
+  for (TensorEntry* e : done) {
+    CollectiveRequest& q = e->request;
+    Callback c{std::move(q.name), std::move(q.done), false};
     q.done = nullptr;
     if (event != nullptr && q.completion_event_ready) {
-      queue_.Finish(q.name);
+      queue_.Finish(c.name);
       c.finished_early = any_early = true;
       try {
         q.completion_event_ready(event);
       } catch (...) {
-        NVG_LOG(kError) << "the completion_event_ready callback of '" << q.name << "' threw; ignored";
+        NVG_LOG(kError) << "the completion_event_ready callback of '" << c.name << "' threw; ignored";
       }
     }
     callbacks.push_back(std::move(c));
@@ -386,9 +482,10 @@ void Engine::CompleteAfterStream(Communicator* comm, const std::vector<Pending*>
   });
 }
 
-Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>* work) {
-  const ResponseMessage& first = (*work)[bucket.responses[0]].response;
-  const Device device = (*work)[bucket.responses[0]].pending->entry.request.device;
+Status Engine::RunAllreduceBucket(const FusionBucket& bucket, const BucketMember* members) {
+  const size_t n = bucket.offsets.size();
+  const ResponseMessage& first = *members[0].response;
+  const Device device = members[0].entry->request.device;
   StatusOr<Communicator*> comm_or = GetCommunicator(device);
   if (!comm_or.ok()) return comm_or.status();
   Communicator* comm = comm_or.value();
@@ -396,7 +493,7 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
     // Larger than this device's registered buffer: one tensor at a time, the
     // communicator cutting each into pieces. The arithmetic is the fused
     // path's (same scaled copies, same fold), so the bits are too.
-    for (size_t i : bucket.responses) NVG_RETURN_IF_ERROR(RunAllreduceAlone(&(*work)[i]));
+    for (size_t k = 0; k < n; ++k) NVG_RETURN_IF_ERROR(RunAllreduceAlone(members[k]));
     return Status::Ok();
   }
   // Every other bucket, one tensor or many, takes this path (on the GPU no
@@ -412,19 +509,19 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
     postscale /= size_;
   }
   Add(counters_.buckets);
-  Add(counters_.bucket_tensors, bucket.responses.size());
+  Add(counters_.bucket_tensors, n);
   BucketScratch& b = bucket_scratch_;
   b.members.clear();
   b.done.clear();
   b.events.clear();
   // Distinct ready events of the bucket (a framework records one event for a
   // whole step's gradients, so usually one).
-  for (size_t k = 0; k < bucket.responses.size(); ++k) {
-    Pending* p = (*work)[bucket.responses[k]].pending.get();
-    const size_t count = ResponseBytes((*work)[bucket.responses[k]].response) / element;
-    b.members.push_back({p->entry.request.input, p->entry.request.output, count, bucket.offsets[k]});
+  for (size_t k = 0; k < n; ++k) {
+    TensorEntry* p = members[k].entry;
+    const size_t count = ResponseBytes(*members[k].response) / element;
+    b.members.push_back({p->request.input, p->request.output, count, bucket.offsets[k]});
     b.done.push_back(p);
-    void* e = p->entry.request.ready_event;
+    void* e = p->request.ready_event;
     if (e != nullptr && std::find(b.events.begin(), b.events.end(), e) == b.events.end()) b.events.push_back(e);
   }
   // Orders the copy-in after the framework produced the inputs (GPU-side
@@ -434,7 +531,7 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
   // The timeline's per-tensor phases, from the communicator's phase reports.
   struct Marker {
     Timeline* timeline;
-    const std::vector<Pending*>* done;
+    const std::vector<TensorEntry*>* done;
   } marker{&timeline_, &b.done};
   Communicator::PhaseObserver observer;
   if (timeline_.enabled()) {
@@ -444,8 +541,8 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
       const Marker& m = *static_cast<const Marker*>(context);
       const char* name = kNames[static_cast<int>(phase)];
       const double t = MonotonicSeconds();
-      for (Pending* p : *m.done)
-        begin ? m.timeline->Begin(p->entry.request.name, name, t) : m.timeline->End(p->entry.request.name, name, t);
+      for (TensorEntry* p : *m.done)
+        begin ? m.timeline->Begin(p->request.name, name, t) : m.timeline->End(p->request.name, name, t);
     };
   }
   // The communicator fuses the members (Communicator::FusedAllreduce): the
@@ -458,9 +555,9 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>*
   return Status::Ok();
 }
 
-Status Engine::RunAllreduceAlone(Work* w) {
-  const ResponseMessage& r = w->response;
-  const CollectiveRequest& q = w->pending->entry.request;
+Status Engine::RunAllreduceAlone(const BucketMember& m) {
+  const ResponseMessage& r = *m.response;
+  const CollectiveRequest& q = m.entry->request;
   StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
   if (!comm_or.ok()) return comm_or.status();
   Communicator* comm = comm_or.value();
@@ -487,7 +584,7 @@ Status Engine::RunAllreduceAlone(Work* w) {
     NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&post, 1, r.dtype, postscale, nullptr));
   }
   if (timeline_.enabled()) timeline_.End(q.name, "ALLREDUCE", MonotonicSeconds());
-  CompleteAfterStream(comm, {w->pending.get()});
+  CompleteAfterStream(comm, {m.entry});
   return Status::Ok();
 }
 
@@ -524,7 +621,7 @@ Status Engine::RunAllgather(Work* w) {
     Complete(w->pending.get(), alloc.WithContext("allocating the allgather output"));
     return Status::Ok();
   }
-  CompleteAfterStream(comm, {w->pending.get()});
+  CompleteAfterStream(comm, {&w->pending->entry});
   return Status::Ok();
 }
 
@@ -543,7 +640,7 @@ Status Engine::RunBroadcast(Work* w) {
   }
   if (bytes > 0) NVG_RETURN_IF_ERROR(comm->Broadcast(q.output, bytes, r.root_rank, nullptr));
   if (timeline_.enabled()) timeline_.End(q.name, "BROADCAST", MonotonicSeconds());
-  CompleteAfterStream(comm, {w->pending.get()});
+  CompleteAfterStream(comm, {&w->pending->entry});
   return Status::Ok();
 }
 
@@ -555,7 +652,11 @@ Status Engine::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
   }
   Status s;
   switch (first.response.type) {
-    case CollectiveType::kAllreduce: s = RunAllreduceBucket(bucket, work); break;
+    case CollectiveType::kAllreduce: {
+      plan_members_.clear();
+      for (size_t i : bucket.responses) plan_members_.push_back({&(*work)[i].response, &(*work)[i].pending->entry});
+      return RunMembers(bucket, plan_members_.data());
+    }
     case CollectiveType::kAllgather: s = RunAllgather(&first); break;
     case CollectiveType::kBroadcast: s = RunBroadcast(&first); break;
     case CollectiveType::kReducescatter: s = RunReducescatter(&first); break;
@@ -563,19 +664,38 @@ Status Engine::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
     case CollectiveType::kJoin: s = RunJoin(&first); break;
   }
   if (s.ok()) return s;
-  s = Cause(s);
+  std::vector<TensorEntry*> entries;
+  for (size_t i : bucket.responses)
+    if ((*work)[i].pending != nullptr) entries.push_back(&(*work)[i].pending->entry);
+  return FailEntries(s, entries.data(), entries.size());
+}
+
+Status Engine::RunMembers(const FusionBucket& bucket, const BucketMember* members) {
+  Status s = RunAllreduceBucket(bucket, members);
+  if (s.ok()) return s;
+  std::vector<TensorEntry*> entries;
+  for (size_t k = 0; k < bucket.offsets.size(); ++k) entries.push_back(members[k].entry);
+  return FailEntries(s, entries.data(), entries.size());
+}
+
+Status Engine::FailEntries(const Status& status, TensorEntry* const* entries, size_t n) {
+  if (status.ok()) return status;
+  const Status s = Cause(status);
   // The same call failed on every rank (same arguments, same order); fail the
   // bucket's requests. A lost or aborted peer ends the loop.
-  for (size_t i : bucket.responses) {
-    Pending* p = (*work)[i].pending.get();
-    if (p != nullptr && p->entry.request.done) Complete(p, s);
-  }
+  for (size_t i = 0; i < n; ++i)
+    if (entries[i]->request.done) Complete(entries[i], s);
   if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kAborted) return s;
   return Status::Ok();
 }
 
 Status Engine::RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<bool>* done) {
   if (plans_.empty()) return Status::Ok();
+  plan_runs_.clear();
+  for (const std::unique_ptr<CachedGroup>& g : ready_groups_) {
+    Plan& plan = plans_.at(g->submission.group_id);
+    plan_runs_.push_back({plan.first_slot, &plan, g.get()});
+  }
   // The cache hits of whole groups (TakeCacheHits takes groups whole), in
   // order of their first member.
   std::vector<uint64_t> groups;
@@ -603,13 +723,29 @@ Status Engine::RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<
       plans_.erase(it);
       continue;
     }
+    plan_runs_.push_back({plan.first_slot, &plan, nullptr});
+  }
+  // Every rank runs the same plans in the same order (lowest member slot
+  // first), whether it admitted a group whole or entry by entry.
+  std::sort(plan_runs_.begin(), plan_runs_.end(),
+            [](const PlanRun& a, const PlanRun& b) { return a.first_slot < b.first_slot; });
+  for (const PlanRun& run : plan_runs_) {
+    Plan& plan = *run.plan;
     plan.last_use = ++plan_clock_;
     Add(counters_.plan_launches);
+    if (run.group != nullptr) Add(counters_.cached_group_runs);
     for (const FusionBucket& b : plan.buckets) {
-      FusionBucket mapped = b;
-      for (size_t& k : mapped.responses) k = slot_to_work_[plan.slots[k]];
-      for (size_t i : mapped.responses) (*done)[i] = true;
-      NVG_RETURN_IF_ERROR(RunBucket(mapped, work));
+      plan_members_.clear();
+      for (size_t k : b.responses) {
+        if (run.group != nullptr) {
+          plan_members_.push_back({&cache_.Get(plan.slots[k]), &run.group->submission.entries[plan.entry_of[k]]});
+        } else {
+          const size_t i = slot_to_work_[plan.slots[k]];
+          (*done)[i] = true;
+          plan_members_.push_back({&(*work)[i].response, &(*work)[i].pending->entry});
+        }
+      }
+      NVG_RETURN_IF_ERROR(RunMembers(b, plan_members_.data()));
     }
   }
   return Status::Ok();
@@ -660,6 +796,24 @@ void Engine::MakePlans(const std::vector<Work>& work) {
     }
     if (!ok) continue;
     plan.buckets = PlanFusion(responses, threshold);
+    // This rank's own: how to admit the group whole next time (Note [Cached
+    // groups]); a member without its own entry (a join's stand-in) leaves
+    // entry_of empty, so the group is always admitted entry by entry.
+    plan.first_slot = *std::min_element(plan.slots.begin(), plan.slots.end());
+    for (size_t i : idx) {
+      const Pending* p = work[i].pending.get();
+      if (p == nullptr || joined_) {
+        plan.entry_of.clear();
+        break;
+      }
+      plan.entry_of.push_back(p->entry.group_index);
+    }
+    std::vector<int> sorted = plan.slots;
+    std::sort(sorted.begin(), sorted.end());
+    for (int slot : sorted) {
+      if (plan.bit_words.empty() || plan.bit_words.back().first != slot / 64) plan.bit_words.push_back({slot / 64, 0});
+      plan.bit_words.back().second |= uint64_t{1} << (slot % 64);
+    }
     uint64_t h = group;
     auto mix = [&h](uint64_t v) {
       h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);  // boost::hash_combine's constant
@@ -690,15 +844,18 @@ void Engine::MakePlans(const std::vector<Work>& work) {
 }
 
 Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
-  if (work->empty()) return Status::Ok();
+  if (work->empty() && ready_groups_.empty()) return Status::Ok();
   NVG_LOG(kDebug) << "cycle " << cycle_ << ": executing " << work->size() << " responses ("
                   << cache_hits << " from the response cache, " << work->size() - cache_hits
-                  << " negotiated through rank 0)";
+                  << " negotiated through rank 0) and " << ready_groups_.size() << " cached groups";
   const double now = MonotonicSeconds();
   if (mark_cycles_ && timeline_.enabled()) timeline_.MarkCycle(now);
-  if (timeline_.enabled())
+  if (timeline_.enabled()) {
     for (const Work& w : *work)
       if (w.pending) timeline_.End(w.response.name, "NEGOTIATE", now);
+    for (const std::unique_ptr<CachedGroup>& g : ready_groups_)
+      for (const TensorEntry& e : g->submission.entries) timeline_.End(e.request.name, "NEGOTIATE", now);
+  }
   // Whole cached groups with a plan first (Note [Cached plans]), then the rest
   // through the fusion planner, in response order.
   std::vector<bool> done(work->size(), false);
@@ -752,7 +909,7 @@ void Engine::Loop() {
   bool shut_down = false;
   const double cycle_s = knobs_.cycle_time_ms / 1000.0;
   int quick_cycles = kQuickCycles;  // Note [Leftovers start the next cycle]
-  std::vector<TensorEntry> fresh;
+  std::vector<Submission> fresh;
   for (;; ++cycle_) {
     if (abort_) break;  // exit_status is replaced by the abort reason below
     fresh.clear();
@@ -771,7 +928,11 @@ void Engine::Loop() {
     order_.erase(std::remove_if(order_.begin(), order_.end(),
                                 [this](const std::string& n) { return !pending_.count(n); }),
                  order_.end());
-    for (TensorEntry& e : fresh) Admit(std::move(e), now);
+    for (Submission& s : fresh) AdmitSubmission(std::move(s), now);
+    // Note [Cached groups]: groups that waited too long or whose plan changed.
+    if (!cached_groups_.empty()) DemoteCachedGroups(now, joined_);
+    const double admitted = MonotonicSeconds();
+    AddSeconds(counters_.admit_ns, admitted - now);
 
     std::vector<uint64_t>& bits = mpi_buffers_->bits;
     // Flag word, cache bits, then the state digest and its complement (see
@@ -781,6 +942,7 @@ void Engine::Loop() {
     bits[1 + cache_words_] = digest;
     bits[2 + cache_words_] = ~digest;
     bool must_report = FillCacheBits(now, &bits);
+    AddSeconds(counters_.lookup_ns, MonotonicSeconds() - admitted);
     if (rank_ == 0) {
       for (ResponseMessage& r : coordinator_.TakeStalledResponses(now)) stalled_.push_back(std::move(r));
       must_report = must_report || !stalled_.empty();
@@ -816,10 +978,19 @@ void Engine::Loop() {
       shut_down = true;
       break;
     }
+    const double lookup_start = MonotonicSeconds();
+    const bool round = !(bits[0] & kNothingToReport);
+    // Note [Cached groups]: a round's cycle runs everything entry by entry.
+    if (!cached_groups_.empty()) {
+      if (round) DemoteCachedGroups(agreed, true);
+      else TakeReadyCachedGroups(bits);
+    }
     std::vector<Work> work = TakeCacheHits(bits);
+    AddSeconds(counters_.lookup_ns, MonotonicSeconds() - lookup_start);
     const size_t cache_hits = work.size();
     Add(counters_.cached_responses, cache_hits);
-    if (!(bits[0] & kNothingToReport)) {
+    for (const std::unique_ptr<CachedGroup>& g : ready_groups_) Add(counters_.cached_responses, g->submission.entries.size());
+    if (round) {
       exit_status = Negotiate(now, &work);
       Add(counters_.negotiation_rounds);
       Add(counters_.negotiated_responses, work.size() - cache_hits);
@@ -827,15 +998,20 @@ void Engine::Loop() {
     const double negotiated = MonotonicSeconds();
     AddSeconds(counters_.negotiate_ns, negotiated - agreed);
     if (exit_status.ok()) exit_status = Execute(&work, cache_hits);
-    quick_cycles = work.empty() ? quick_cycles - 1 : kQuickCycles;
+    quick_cycles = work.empty() && ready_groups_.empty() ? quick_cycles - 1 : kQuickCycles;
     AddSeconds(counters_.execute_ns, MonotonicSeconds() - negotiated);
     if (!exit_status.ok()) {
       exit_status = Cause(exit_status);
       // Requests taken out of pending_ this cycle but not completed yet.
       for (Work& w : work)
         if (w.pending != nullptr && w.pending->entry.request.done) Complete(w.pending.get(), exit_status);
+      for (std::unique_ptr<CachedGroup>& g : ready_groups_)
+        for (TensorEntry& e : g->submission.entries)
+          if (e.request.done) Complete(&e, exit_status);
+      ready_groups_.clear();
       break;
     }
+    ready_groups_.clear();
   }
 
   if (!shut_down) {
@@ -862,8 +1038,10 @@ void Engine::Loop() {
   }
   // Fail what is left: pending entries, then anything queued after the last cycle.
   const Status closed = shut_down ? Status::Aborted("nvgroup_tf was shut down") : exit_status;
-  std::vector<TensorEntry> queued = queue_.Close(closed);
-  for (TensorEntry& e : queued) Admit(std::move(e), MonotonicSeconds());
+  std::vector<Submission> queued = queue_.Close(closed);
+  DemoteCachedGroups(MonotonicSeconds(), true);
+  for (Submission& s : queued)
+    for (TensorEntry& e : s.entries) Admit(std::move(e), MonotonicSeconds());
   for (const std::string& name : order_) {
     auto it = pending_.find(name);
     if (it == pending_.end()) continue;
@@ -993,6 +1171,14 @@ EngineStats Engine::Stats() const {
   st.ready_event_waits = get(counters_.ready_event_waits);
   st.agreement_allreduces = get(counters_.agreement_allreduces);
   st.quick_cycles = get(counters_.quick_cycles);
+  st.queue_entries = get(counters_.queue_entries);
+  st.admitted_entries = get(counters_.admitted_entries);
+  st.cached_group_admissions = get(counters_.cached_group_admissions);
+  st.cached_group_runs = get(counters_.cached_group_runs);
+  st.cached_group_demotions = get(counters_.cached_group_demotions);
+  st.admit_s = seconds(counters_.admit_ns);
+  st.lookup_s = seconds(counters_.lookup_ns);
+  st.complete_s = seconds(counters_.complete_ns);
   st.idle_s = seconds(counters_.idle_ns);
   st.agree_s = seconds(counters_.agree_ns);
   st.negotiate_s = seconds(counters_.negotiate_ns);

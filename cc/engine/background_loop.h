@@ -79,7 +79,7 @@ class Engine {
 
   const Topology& topology() const { return topology_; }
   int size() const { return size_; }
-  Status Submit(std::vector<TensorEntry> entries) { return queue_.Push(std::move(entries)); }
+  Status Submit(Submission submission) { return queue_.Push(std::move(submission)); }
   // Agrees on shutdown with the other ranks, fails what is in flight with
   // kAborted, joins the thread and frees the communicators. Idempotent.
   Status Stop();
@@ -134,10 +134,56 @@ class Engine {
     std::vector<FusionBucket> buckets;  // indices into `slots`
     uint64_t id = 0;                    // hash of the three above (and the group id)
     uint64_t last_use = 0;
+    int first_slot = 0;                 // the lowest of `slots`: plans run in this order
+    // This rank's own (not agreed, not in `id`): where member k sat in the
+    // Submission it was planned from (TensorEntry::group_index), and the
+    // members' cache bits as (word, mask) pairs. See Note [Cached groups].
+    std::vector<uint32_t> entry_of;
+    std::vector<std::pair<int, uint64_t>> bit_words;
   };
   static constexpr size_t kMaxPlans = 256;
-  // Runs the cycle's whole cached groups that have a valid plan; marks their
-  // work entries in `done`.
+
+  // Note [Cached groups]
+  // A group submitted again exactly as its plan was made (same group id, the
+  // members in the same submission order, each matching its slot's cached
+  // response, every slot's generation unchanged) is admitted whole: one queue
+  // entry, one plan lookup and one comparison per member (no name hashing,
+  // no per-member Pending, no response copies), and it sets its cache bits
+  // from the plan's precomputed words. After the agreement allreduce, in a
+  // cycle without a negotiation round, a group whose bits all survived the
+  // AND runs from its plan (RunPlans, in first-slot order with the plans of
+  // groups admitted entry by entry, so every rank runs the same sequence
+  // whichever way each admitted it) and completes in one pass per bucket.
+  // The cache bits still carry the agreement: a rank whose group changed
+  // (or that admitted it entry by entry) sets exactly the bits it matches,
+  // so a mismatch negotiates and fails on every rank as before. Anything
+  // that needs per-name state turns the group back into entries (Demote):
+  // a negotiation round in the cycle (its members must be reportable, and
+  // rank 0's new responses may change cache slots), waiting past
+  // report_cached_after_s_ (Note [Reporting stuck cache hits]), a join, or a
+  // plan that went stale while it waited.
+  struct CachedGroup {
+    Submission submission;
+    double since = 0;  // when the loop admitted it
+  };
+  // One member of an allreduce bucket: its agreed response and its entry.
+  struct BucketMember {
+    const ResponseMessage* response;
+    TensorEntry* entry;
+  };
+  // One submission from the queue: whole, if it fits its plan, else per entry.
+  void AdmitSubmission(Submission submission, double now);
+  // The plan `s` can run from unchanged, or null.
+  const Plan* PlanFor(const Submission& s) const;
+  // Admits the cached groups' entries one by one (Note [Cached groups]);
+  // `all`: every group, else only those that can no longer run whole.
+  void DemoteCachedGroups(double now, bool all);
+  // Moves the cached groups whose bits survived the agreement into
+  // ready_groups_ and marks their slots in claimed_slots_.
+  void TakeReadyCachedGroups(const std::vector<uint64_t>& bits);
+  // Runs the cycle's whole cached groups that have a valid plan (those from
+  // ready_groups_ and those in the first `cache_hits` work entries); marks
+  // their work entries in `done`.
   Status RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<bool>* done);
   // Records plans for groups of this cycle that ran whole without one.
   void MakePlans(const std::vector<Work>& work);
@@ -150,16 +196,23 @@ class Engine {
   // (e.g. a peer died) every failure is a consequence of it.
   Status Cause(const Status& s);
   void Admit(TensorEntry entry, double now);
+  void TimelineAdmitted(const TensorEntry& entry, double now);
   bool FillCacheBits(double now, std::vector<uint64_t>* bits);
   std::vector<Work> TakeCacheHits(const std::vector<uint64_t>& bits);
   Status Negotiate(double now, std::vector<Work>* work);
   // The first `cache_hits` entries of `work` came from the response cache.
   Status Execute(std::vector<Work>* work, size_t cache_hits);
-  Status RunAllreduceBucket(const FusionBucket& bucket, std::vector<Work>* work);
+  // Runs an allreduce bucket over `members` (one per bucket.offsets entry).
+  Status RunAllreduceBucket(const FusionBucket& bucket, const BucketMember* members);
   // Runs `bucket` (PlanFusion's, indices into *work) and fails its requests
   // with the cause if it fails; returns the error that ends the loop, if any.
   Status RunBucket(const FusionBucket& bucket, std::vector<Work>* work);
-  Status RunAllreduceAlone(Work* w);
+  // RunAllreduceBucket, then on failure what RunBucket does.
+  Status RunMembers(const FusionBucket& bucket, const BucketMember* members);
+  // `s` OK: OK. Else fails the entries not completed yet with the cause and
+  // returns it if it ends the loop (a lost or aborted peer), else OK.
+  Status FailEntries(const Status& s, TensorEntry* const* entries, size_t n);
+  Status RunAllreduceAlone(const BucketMember& m);
   Status RunAllgather(Work* w);
   Status RunBroadcast(Work* w);
   // Added collectives and join (collectives_extra.cc).
@@ -173,10 +226,14 @@ class Engine {
   // stand in for.
   void SetJoinedCacheBits(std::vector<uint64_t>* bits);
   StatusOr<Communicator*> GetCommunicator(const Device& device);
-  void Complete(Pending* p, const Status& status);
-  // CPU: completes at once. CUDA: after the bucket's completion event
-  // (completion_event_ready hears of it first, engine.h).
-  void CompleteAfterStream(Communicator* comm, const std::vector<Pending*>& done);
+  void Complete(TensorEntry* e, const Status& status);
+  void Complete(Pending* p, const Status& status) { Complete(&p->entry, status); }
+  // Runs the entry's done callback once (it must have one), catching throws.
+  static void CallDone(TensorEntry* e, const Status& status);
+  // CPU: completes at once (one Finish for all, then the callbacks in one
+  // loop). CUDA: after the bucket's completion event (completion_event_ready
+  // hears of it first, engine.h).
+  void CompleteAfterStream(Communicator* comm, const std::vector<TensorEntry*>& done);
   // `what` names the operation in a timeout or abort message (of this cycle).
   Status Wait(MPI_Request* request, const char* what) {
     return WaitMpi(request, what, knobs_.peer_timeout_s, abort_, static_cast<int64_t>(cycle_));
@@ -228,9 +285,19 @@ class Engine {
   uint64_t plan_clock_ = 0;
   std::atomic<uint64_t> perturb_digest_{0};   // PerturbStateDigest
   std::vector<size_t> slot_to_work_;          // scratch of RunPlans, one per cache slot
+  std::vector<std::unique_ptr<CachedGroup>> cached_groups_;  // admitted whole, waiting (oldest first)
+  std::vector<std::unique_ptr<CachedGroup>> ready_groups_;   // this cycle's, to run from their plans
+  std::vector<uint8_t> claimed_slots_;        // slots of ready_groups_ (TakeCacheHits skips them)
+  struct PlanRun {                            // RunPlans' list: one group to run from its plan
+    int first_slot;
+    Plan* plan;
+    CachedGroup* group;  // null: the members are work entries
+  };
+  std::vector<PlanRun> plan_runs_;
+  std::vector<BucketMember> plan_members_;    // RunPlans' members of one bucket
   struct BucketScratch {                      // RunAllreduceBucket's lists, reused across buckets
     std::vector<Communicator::FusedMember> members;
-    std::vector<Pending*> done;
+    std::vector<TensorEntry*> done;
     std::vector<void*> events;
   };
   BucketScratch bucket_scratch_;
@@ -267,8 +334,10 @@ class Engine {
   struct Counters {
     std::atomic<uint64_t> cycles{0}, negotiation_rounds{0}, cached_responses{0},
         negotiated_responses{0}, plan_launches{0}, buckets{0}, bucket_tensors{0},
-        ready_event_waits{0}, agreement_allreduces{0}, quick_cycles{0};
-    std::atomic<uint64_t> idle_ns{0}, agree_ns{0}, negotiate_ns{0}, execute_ns{0};
+        ready_event_waits{0}, agreement_allreduces{0}, quick_cycles{0}, queue_entries{0},
+        admitted_entries{0}, cached_group_admissions{0}, cached_group_runs{0}, cached_group_demotions{0};
+    std::atomic<uint64_t> idle_ns{0}, agree_ns{0}, negotiate_ns{0}, execute_ns{0}, admit_ns{0}, lookup_ns{0},
+        complete_ns{0};
   };
   Counters counters_;
   static void Add(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }

@@ -94,7 +94,7 @@ Status Engine::RunReducescatter(Work* w) {
     Complete(w->pending.get(), alloc.WithContext("allocating the reducescatter output"));
     return Status::Ok();
   }
-  CompleteAfterStream(comm, {w->pending.get()});
+  CompleteAfterStream(comm, {&w->pending->entry});
   return Status::Ok();
 }
 
@@ -138,7 +138,7 @@ Status Engine::RunAlltoall(Work* w) {
     Complete(w->pending.get(), alloc.WithContext("allocating the alltoall output"));
     return Status::Ok();
   }
-  CompleteAfterStream(comm, {w->pending.get()});
+  CompleteAfterStream(comm, {&w->pending->entry});
   return Status::Ok();
 }
 
@@ -181,7 +181,6 @@ std::unique_ptr<Engine::Pending> Engine::MakeJoinStandIn(const ResponseMessage& 
     };
   }
   q.done = [zeros](const Status&) {};
-  p->entry.message.name = r.name;
   p->entry.message.type = r.type;
   return p;
 }

@@ -41,6 +41,8 @@ class Coordinator {
   void AddRequest(int rank, RequestMessage request, double now);
   // `name` completed through the response cache: drop what rank 0 holds for it.
   void Forget(const std::string& name);
+  // Whether any rank's report is held (else Forget has nothing to drop).
+  bool HoldsReports() const { return !table_.empty(); }
   // Responses released since the last call, in execution order.
   std::vector<ResponseMessage> TakeReadyResponses();
   // Error responses for names stalled past NVGROUP_STALL_SHUTDOWN_TIME (and

@@ -242,15 +242,16 @@ Status Submit(std::vector<CollectiveRequest> requests, bool grouped) {
   const int size = engine.value()->size();
   const uint64_t group_id = grouped && requests.size() > 1 ? GroupId(requests) : 0;
   const double now = MonotonicSeconds();
-  std::vector<TensorEntry> entries;
+  Submission submission;
+  submission.group_id = group_id;
+  std::vector<TensorEntry>& entries = submission.entries;
   entries.reserve(requests.size());
   for (CollectiveRequest& q : requests) {
     NVG_RETURN_IF_ERROR(ValidateRequest(q, size));
     if (q.type == CollectiveType::kJoin && group_id != 0)
       return Status::InvalidArgument("join cannot be part of a grouped collective");
     TensorEntry e;
-    RequestMessage& m = e.message;
-    m.name = q.name;
+    RequestMessage& m = e.message;  // name and shape stay in e.request (TensorEntry::Report)
     m.type = q.type;
     m.dtype = q.dtype;
     m.device_kind = q.device.kind;
@@ -258,16 +259,16 @@ Status Submit(std::vector<CollectiveRequest> requests, bool grouped) {
     m.prescale_factor = q.prescale_factor;
     m.postscale_factor = q.postscale_factor;
     m.root_rank = q.root_rank;
-    m.shape = q.shape;
     m.group_id = group_id;
     m.group_size = group_id != 0 ? static_cast<uint32_t>(requests.size()) : 0;
     if (q.type == CollectiveType::kAlltoall)
       m.splits = q.splits.empty() ? std::vector<int64_t>(size, q.shape[0] / size) : q.splits;
     e.request = std::move(q);
     e.enqueue_time = now;
+    e.group_index = static_cast<uint32_t>(entries.size());
     entries.push_back(std::move(e));
   }
-  return engine.value()->Submit(std::move(entries));
+  return engine.value()->Submit(std::move(submission));
 }
 
 // Memory of Init's non-blocking exchanges; leaked when a wait gives up, since

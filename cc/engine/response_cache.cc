@@ -6,7 +6,12 @@ namespace nvgroup {
 
 bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage& response,
                             int rank) {
-  if (!response.ok() || request.name != response.name || request.type != response.type ||
+  return RequestMatchesResponse(request, request.name, request.shape, response, rank);
+}
+
+bool RequestMatchesResponse(const RequestMessage& request, const std::string& name,
+                            const std::vector<int64_t>& shape, const ResponseMessage& response, int rank) {
+  if (!response.ok() || name != response.name || request.type != response.type ||
       request.dtype != response.dtype || request.device_kind != response.device_kind ||
       request.op != response.op || request.prescale_factor != response.prescale_factor ||
       request.postscale_factor != response.postscale_factor ||
@@ -20,17 +25,17 @@ bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage
     if (rank < 0 || n == 0 || response.first_dims.size() != n * n || static_cast<size_t>(rank) >= n) return false;
     if (!std::equal(request.splits.begin(), request.splits.end(), response.first_dims.begin() + rank * n))
       return false;
-    if (request.shape.size() != response.shape.size() || request.shape.empty()) return false;
-    for (size_t d = 1; d < request.shape.size(); ++d)
-      if (request.shape[d] != response.shape[d]) return false;
+    if (shape.size() != response.shape.size() || shape.empty()) return false;
+    for (size_t d = 1; d < shape.size(); ++d)
+      if (shape[d] != response.shape[d]) return false;
     return true;
   }
-  if (request.type != CollectiveType::kAllgather) return request.shape == response.shape;
-  if (request.shape.size() != response.shape.size() || request.shape.empty()) return false;
+  if (request.type != CollectiveType::kAllgather) return shape == response.shape;
+  if (shape.size() != response.shape.size() || shape.empty()) return false;
   if (rank < 0 || static_cast<size_t>(rank) >= response.first_dims.size()) return false;
-  if (request.shape[0] != response.first_dims[rank]) return false;
-  for (size_t d = 1; d < request.shape.size(); ++d)
-    if (request.shape[d] != response.shape[d]) return false;
+  if (shape[0] != response.first_dims[rank]) return false;
+  for (size_t d = 1; d < shape.size(); ++d)
+    if (shape[d] != response.shape[d]) return false;
   return true;
 }
 

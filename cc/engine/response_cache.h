@@ -36,6 +36,10 @@ namespace nvgroup {
 // first dimension as recorded for `rank`).
 bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage& response,
                             int rank);
+// The same, with the request's name and shape given apart (a TensorEntry
+// keeps them only in its CollectiveRequest); request.name/shape are ignored.
+bool RequestMatchesResponse(const RequestMessage& request, const std::string& name,
+                            const std::vector<int64_t>& shape, const ResponseMessage& response, int rank);
 
 // A hash of every field of `response` (FNV-1a 64 over its encoding).
 uint64_t ResponseDigest(const ResponseMessage& response);

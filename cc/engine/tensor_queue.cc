@@ -4,7 +4,8 @@
 
 namespace nvgroup {
 
-Status TensorQueue::Push(std::vector<TensorEntry> entries) {
+Status TensorQueue::Push(Submission submission) {
+  std::vector<TensorEntry>& entries = submission.entries;
   bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -19,7 +20,7 @@ Status TensorQueue::Push(std::vector<TensorEntry> entries) {
                                        "until the previous request completes");
       }
     }
-    for (TensorEntry& e : entries) queued_.push_back(std::move(e));
+    queued_.push_back(std::move(submission));
     last_push_ = std::chrono::steady_clock::now();
     // Only the loop's wait for a first entry needs a wake-up; admission
     // batching rereads last_push_ when its own timer fires, so a burst does
@@ -32,7 +33,7 @@ Status TensorQueue::Push(std::vector<TensorEntry> entries) {
 }
 
 double TensorQueue::WaitAndPop(double timeout_s, double gap_s, double max_batch_s,
-                               std::vector<TensorEntry>* out, bool* shutdown_requested) {
+                               std::vector<Submission>* out, bool* shutdown_requested) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
@@ -53,7 +54,7 @@ double TensorQueue::WaitAndPop(double timeout_s, double gap_s, double max_batch_
       cv_.wait_until(lock, until);
     }
   }
-  for (TensorEntry& e : queued_) out->push_back(std::move(e));
+  for (Submission& s : queued_) out->push_back(std::move(s));
   queued_.clear();
   *shutdown_requested = shutdown_requested_;
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -72,10 +73,15 @@ void TensorQueue::Finish(const std::string& name) {
   in_flight_.erase(name);
 }
 
-std::vector<TensorEntry> TensorQueue::Close(const Status& status) {
+void TensorQueue::Finish(TensorEntry* const* entries, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) in_flight_.erase(entries[i]->request.name);
+}
+
+std::vector<Submission> TensorQueue::Close(const Status& status) {
   std::lock_guard<std::mutex> lock(mu_);
   closed_ = status;
-  std::vector<TensorEntry> left;
+  std::vector<Submission> left;
   left.swap(queued_);
   return left;
 }

@@ -17,6 +17,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "engine/response_cache.h"
 #include "engine/wire_format.h"
 #include "nvgroup/engine.h"
 
@@ -26,18 +27,40 @@ namespace nvgroup {
 // this rank reports to rank 0 about it.
 struct TensorEntry {
   CollectiveRequest request;
+  // What this rank reports to rank 0, but for the name and the shape: they
+  // stay in `request` (no copies on the enqueue path). Report() is the whole.
   RequestMessage message;
+  RequestMessage Report() const {
+    RequestMessage m = message;
+    m.name = request.name;
+    m.shape = request.shape;
+    return m;
+  }
   double enqueue_time = 0;  // engine clock, for the timeline
+  uint32_t group_index = 0;  // position in its Submission (the order the caller gave)
+};
+
+// One Enqueue or EnqueueGroup: its entries travel as one queue entry from
+// Push to the background loop, which admits a cached group whole (Note
+// [Cached groups] in background_loop.h) and anything else entry by entry.
+// Whether `entry` is what `response` was negotiated for (RequestMatchesResponse).
+inline bool EntryMatchesResponse(const TensorEntry& entry, const ResponseMessage& response, int rank) {
+  return RequestMatchesResponse(entry.message, entry.request.name, entry.request.shape, response, rank);
+}
+
+struct Submission {
+  std::vector<TensorEntry> entries;
+  uint64_t group_id = 0;  // the entries' message.group_id (0: not grouped)
 };
 
 class TensorQueue {
  public:
-  // All or none of `entries` are queued (a group is never split).
-  Status Push(std::vector<TensorEntry> entries);
+  // All or none of the entries are queued (a group is never split).
+  Status Push(Submission submission);
   // Waits until something is queued, shutdown was requested, or `timeout_s`
   // passed; then, while pushes keep arriving less than `gap_s` apart, keeps
   // collecting them for up to `max_batch_s` after the first one; appends the
-  // queued entries to `out`. Returns the seconds spent waiting.
+  // queued submissions to `out`. Returns the seconds spent waiting.
   //
   // Note [Admission batching]
   // A framework enqueues a step's gradients as a burst of separate calls
@@ -49,17 +72,19 @@ class TensorQueue {
   // been quiet for `gap_s` (the engine uses 30 us, see background_loop.cc)
   // makes a burst one cycle on every rank; a lone request pays at most the
   // gap, and a never-ending stream at most `max_batch_s` (the cycle time).
-  double WaitAndPop(double timeout_s, double gap_s, double max_batch_s, std::vector<TensorEntry>* out,
+  double WaitAndPop(double timeout_s, double gap_s, double max_batch_s, std::vector<Submission>* out,
                     bool* shutdown_requested);
   void RequestShutdown();
   void Finish(const std::string& name);
-  // Later pushes fail with `status`; returns the entries still queued.
-  std::vector<TensorEntry> Close(const Status& status);
+  // Finish for `n` entries under one lock (a bucket's members).
+  void Finish(TensorEntry* const* entries, size_t n);
+  // Later pushes fail with `status`; returns the submissions still queued.
+  std::vector<Submission> Close(const Status& status);
 
  private:
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<TensorEntry> queued_;
+  std::vector<Submission> queued_;
   std::chrono::steady_clock::time_point last_push_;
   std::unordered_set<std::string> in_flight_;
   bool shutdown_requested_ = false;

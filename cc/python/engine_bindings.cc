@@ -819,10 +819,18 @@ void RegisterEngineBindings(py::module_& m) {
     d["ready_event_waits"] = st.ready_event_waits;
     d["agreement_allreduces"] = st.agreement_allreduces;
     d["quick_cycles"] = st.quick_cycles;
+    d["queue_entries"] = st.queue_entries;
+    d["admitted_entries"] = st.admitted_entries;
+    d["cached_group_admissions"] = st.cached_group_admissions;
+    d["cached_group_runs"] = st.cached_group_runs;
+    d["cached_group_demotions"] = st.cached_group_demotions;
     d["idle_s"] = st.idle_s;
     d["agree_s"] = st.agree_s;
     d["negotiate_s"] = st.negotiate_s;
     d["execute_s"] = st.execute_s;
+    d["admit_s"] = st.admit_s;
+    d["lookup_s"] = st.lookup_s;
+    d["complete_s"] = st.complete_s;
     return d;
   }, "Engine counters since init (nvgroup/engine.h EngineStats) as a dict.");
   m.def("wait", &Wait, py::arg("handle"), py::arg("timeout") = py::none(),

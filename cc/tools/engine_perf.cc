@@ -11,23 +11,35 @@
 // for the same bytes from the same run (docs/PERFORMANCE.md).
 //
 // Per-phase breakdown (issue 11), means per step over the timed steps:
-//   enqueue   host time of the step's Enqueue calls (validation, queueing)
+//   enqueue   host time of the step's Enqueue calls (building the requests,
+//             validation, queueing)
 //   drain     last Enqueue -> last done callback
 //   and the engine's own counters (nvgroup::GetEngineStats): cycles and
 //   buckets per step, background-thread seconds idle / in the agreement
 //   allreduce / negotiating / executing (communicator calls, copies,
-//   completions), ready-event waits and plan launches.
+//   completions), ready-event waits and plan launches; then the parts of
+//   those phases (admission, cache lookups, CPU completions) and the
+//   group-level bookkeeping (queue entries, entries admitted one by one,
+//   groups admitted and run whole, groups turned back into entries; Note
+//   [Cached groups] in cc/engine/background_loop.h).
 // With `grouped` the step is one EnqueueGroup of every gradient (the
 // DistributedOptimizer's bucket), else one Enqueue per gradient. After the
 // timed steps two more grouped calls check the fused bucket's other shapes
 // (scaled, in place) every element against float64; `wrong` counts all.
 //
-// Usage: mpirun -np 2 engine_perf benchmarks/resnet50_gradients.txt [steps] [grouped]
+// `cpu`: the same on host buffers (Device::Cpu, no CUDA call), for the
+// engine's own cost on a machine without a GPU; `scale=N` divides every
+// gradient's size by N (at least one element), as the CPU benchmark does.
+//
+// Usage: mpirun -np 2 engine_perf benchmarks/resnet50_gradients.txt [steps] [grouped] [cpu] [scale=N]
 #include <cuda_runtime.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <sstream>
@@ -44,13 +56,37 @@ int main(int argc, char** argv) {
   NVG_TOOL_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided));
   if (argc < 2) Die("usage: engine_perf GRADIENT_TABLE [steps]");
   const int steps = argc > 2 ? std::stoi(argv[2]) : 20;
-  const bool grouped = argc > 3 && std::string(argv[3]) == "grouped";
+  bool grouped = false, cpu = false;
+  size_t scale = 1;
+  for (int a = 3; a < argc; ++a) {
+    const std::string arg = argv[a];
+    if (arg == "grouped") grouped = true;
+    else if (arg == "cpu") cpu = true;
+    else if (arg.rfind("scale=", 0) == 0) scale = std::max<size_t>(1, std::stoul(arg.substr(6)));
+    else if (arg != "per_tensor") Die("unknown argument " + arg);
+  }
   Check(Init(EngineOptions{}), "engine Init");
   const int rank = Rank().value(), size = Size().value(), local = LocalRank().value();
-  int devices = 0;
-  CheckCuda(cudaGetDeviceCount(&devices), "device count");
-  const int dev = local % devices;
-  CheckCuda(cudaSetDevice(dev), "set device");
+  int dev = 0;
+  if (!cpu) {
+    int devices = 0;
+    CheckCuda(cudaGetDeviceCount(&devices), "device count");
+    dev = local % devices;
+    CheckCuda(cudaSetDevice(dev), "set device");
+  }
+  const Device device = cpu ? Device::Cpu() : Device::Cuda(dev);
+  // Buffers: device memory, or host memory with `cpu` (then copies are memcpy).
+  auto alloc = [&](size_t bytes) -> float* {
+    void* p = nullptr;
+    if (cpu) p = std::malloc(std::max<size_t>(bytes, 1));
+    else CheckCuda(cudaMalloc(&p, bytes), "cudaMalloc");
+    if (p == nullptr) Die("out of host memory");
+    return static_cast<float*>(p);
+  };
+  auto copy = [&](void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+    if (cpu) std::memcpy(dst, src, bytes);
+    else CheckCuda(cudaMemcpy(dst, src, bytes, kind), "cudaMemcpy");
+  };
 
   std::ifstream in(argv[1]);
   if (!in) Die(std::string("cannot read ") + argv[1]);
@@ -60,7 +96,7 @@ int main(int argc, char** argv) {
     std::istringstream ss(line);
     size_t idx, n;
     ss >> idx >> n;
-    counts.push_back(n);
+    counts.push_back(std::max<size_t>(1, n / scale));
   }
   const int n = static_cast<int>(counts.size());
   size_t total = 0;
@@ -71,15 +107,17 @@ int main(int argc, char** argv) {
     host[t].resize(counts[t]);
     for (size_t i = 0; i < counts[t]; ++i)
       host[t][i] = static_cast<float>(2.0 * Uniform(t + 1, rank, i) - 1.0);
-    CheckCuda(cudaMalloc(&d_in[t], counts[t] * 4), "cudaMalloc");
-    CheckCuda(cudaMalloc(&d_out[t], counts[t] * 4), "cudaMalloc");
-    CheckCuda(cudaMemcpy(d_in[t], host[t].data(), counts[t] * 4, cudaMemcpyHostToDevice), "H2D");
+    d_in[t] = alloc(counts[t] * 4);
+    d_out[t] = alloc(counts[t] * 4);
+    copy(d_in[t], host[t].data(), counts[t] * 4, cudaMemcpyHostToDevice);
   }
-  cudaStream_t stream;
-  cudaEvent_t ready;
-  CheckCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  CheckCuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "event");
-  CheckCuda(cudaDeviceSynchronize(), "sync");
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr;
+  if (!cpu) {
+    CheckCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    CheckCuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "event");
+    CheckCuda(cudaDeviceSynchronize(), "sync");
+  }
 
   std::mutex mu;
   std::condition_variable cv;
@@ -87,7 +125,7 @@ int main(int argc, char** argv) {
   Status first_error;
   double enqueue_s = 0, drain_s = 0;  // summed over steps
   auto step = [&] {
-    CheckCuda(cudaEventRecord(ready, stream), "record");  // "the gradients are produced"
+    if (!cpu) CheckCuda(cudaEventRecord(ready, stream), "record");  // "the gradients are produced"
     {
       std::lock_guard<std::mutex> l(mu);
       pending = n;
@@ -99,7 +137,7 @@ int main(int argc, char** argv) {
       q.name = "grad_" + std::to_string(t);
       q.type = CollectiveType::kAllreduce;
       q.dtype = DataType::kFloat32;
-      q.device = Device::Cuda(dev);
+      q.device = device;
       q.shape = {static_cast<int64_t>(counts[t])};
       q.input = d_in[t];
       q.output = d_out[t];
@@ -150,13 +188,24 @@ int main(int argc, char** argv) {
                 per_step(static_cast<double>(b.ready_event_waits - a.ready_event_waits)),
                 per_step(static_cast<double>(b.plan_launches - a.plan_launches)),
                 per_step(static_cast<double>(b.negotiation_rounds - a.negotiation_rounds)));
+  auto count = [&](uint64_t before_v, uint64_t after_v) { return per_step(static_cast<double>(after_v - before_v)); };
+  if (rank == 0)
+    std::printf("# engine_perf parts (rank 0, per step): admission %.1f us, cache lookups %.1f us, completions "
+                "%.1f us (CPU only) | %.2f queue entries, %.2f entries admitted one by one, %.2f groups admitted "
+                "whole, %.2f run whole, %.2f turned back into entries\n",
+                per_step(b.admit_s - a.admit_s) * 1e6, per_step(b.lookup_s - a.lookup_s) * 1e6,
+                per_step(b.complete_s - a.complete_s) * 1e6, count(a.queue_entries, b.queue_entries),
+                count(a.admitted_entries, b.admitted_entries),
+                count(a.cached_group_admissions, b.cached_group_admissions),
+                count(a.cached_group_runs, b.cached_group_runs),
+                count(a.cached_group_demotions, b.cached_group_demotions));
 
   // Verify the last step: every element of every gradient vs float64 / size.
   long long wrong = 0;
   const double bound = (size + 2.0) * std::ldexp(1.0, -24);
   for (int t = 0; t < n; ++t) {
     std::vector<float> got(counts[t]);
-    CheckCuda(cudaMemcpy(got.data(), d_out[t], counts[t] * 4, cudaMemcpyDeviceToHost), "D2H");
+    copy(got.data(), d_out[t], counts[t] * 4, cudaMemcpyDeviceToHost);
     for (size_t i = 0; i < counts[t]; ++i) {
       double ref = 0;
       for (int r = 0; r < size; ++r) ref += static_cast<float>(2.0 * Uniform(t + 1, r, i) - 1.0);
@@ -183,12 +232,12 @@ int main(int argc, char** argv) {
     }
     for (int t = 0; t < n; ++t) {
       const bool in_place = v.all_in_place || t % 2 == 1;
-      if (in_place) CheckCuda(cudaMemcpy(d_out[t], d_in[t], counts[t] * 4, cudaMemcpyDeviceToDevice), "D2D");
+      if (in_place) copy(d_out[t], d_in[t], counts[t] * 4, cudaMemcpyDeviceToDevice);
       CollectiveRequest q;
       q.name = std::string("check_") + v.name + "_" + std::to_string(t);
       q.type = CollectiveType::kAllreduce;
       q.dtype = DataType::kFloat32;
-      q.device = Device::Cuda(dev);
+      q.device = device;
       q.shape = {static_cast<int64_t>(counts[t])};
       q.input = in_place ? d_out[t] : d_in[t];
       q.output = d_out[t];
@@ -202,7 +251,7 @@ int main(int argc, char** argv) {
       };
       group.push_back(std::move(q));
     }
-    CheckCuda(cudaDeviceSynchronize(), "sync before the check");  // the D2D copies are the inputs
+    if (!cpu) CheckCuda(cudaDeviceSynchronize(), "sync before the check");  // the D2D copies are the inputs
     Check(EnqueueGroup(std::move(group)), "EnqueueGroup (check)");
     {
       std::unique_lock<std::mutex> l(mu);
@@ -212,7 +261,7 @@ int main(int argc, char** argv) {
     long long bad = 0;
     for (int t = 0; t < n; ++t) {
       std::vector<float> got(counts[t]);
-      CheckCuda(cudaMemcpy(got.data(), d_out[t], counts[t] * 4, cudaMemcpyDeviceToHost), "D2H");
+      copy(got.data(), d_out[t], counts[t] * 4, cudaMemcpyDeviceToHost);
       for (size_t i = 0; i < counts[t]; ++i) {
         double ref = 0, magnitude = 0;
         for (int r = 0; r < size; ++r) {
@@ -233,12 +282,18 @@ int main(int argc, char** argv) {
   long long all_wrong = 0;
   NVG_TOOL_MPI(MPI_Allreduce(&wrong, &all_wrong, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
   if (rank == 0)
-    std::printf("# engine_perf: %d ranks, %d tensors, %zu floats (%.1f MB): %.1f us per step "
+    std::printf("# engine_perf: %d ranks, %d tensors, %zu floats (%.1f MB, %s): %.1f us per step "
                 "(mean of %d, enqueue -> last callback), wrong %lld\n",
-                size, n, total, total * 4 / 1e6, sum / size, steps, all_wrong);
+                size, n, total, total * 4 / 1e6, cpu ? "host memory" : "device memory", sum / size, steps,
+                all_wrong);
   for (int t = 0; t < n; ++t) {
-    CheckCuda(cudaFree(d_in[t]), "cudaFree");
-    CheckCuda(cudaFree(d_out[t]), "cudaFree");
+    if (cpu) {
+      std::free(d_in[t]);
+      std::free(d_out[t]);
+    } else {
+      CheckCuda(cudaFree(d_in[t]), "cudaFree");
+      CheckCuda(cudaFree(d_out[t]), "cudaFree");
+    }
   }
   Check(Shutdown(), "Shutdown");
   NVG_TOOL_MPI(MPI_Finalize());

@@ -189,11 +189,21 @@ struct EngineStats {
   uint64_t ready_event_waits = 0;     // CUDA: WaitEvent calls (one per distinct event per bucket)
   uint64_t agreement_allreduces = 0;  // cycles' agreement allreduces run over MPI (none with one rank)
   uint64_t quick_cycles = 0;          // cycles started early for leftover requests (background_loop.cc)
+  // Group-level bookkeeping (Note [Cached groups], background_loop.h):
+  uint64_t queue_entries = 0;            // submissions the loop took (one per Enqueue or EnqueueGroup)
+  uint64_t admitted_entries = 0;         // requests admitted one by one (name lookups, a Pending each)
+  uint64_t cached_group_admissions = 0;  // groups admitted whole (one plan lookup, no per-member state)
+  uint64_t cached_group_runs = 0;        // of those, groups run whole from their plan
+  uint64_t cached_group_demotions = 0;   // groups turned back into entries (a round, a stall, a join)
   // Seconds the background thread spent, per phase.
   double idle_s = 0;       // waiting for requests (the cycle wait and admission batching)
   double agree_s = 0;      // the cycle's agreement allreduce (cache bits, plan ids, flags)
   double negotiate_s = 0;  // negotiation rounds through rank 0
   double execute_s = 0;    // communicator calls, fusion copies and done callbacks
+  // Parts of the phases above (background thread):
+  double admit_s = 0;      // admitting the cycle's submissions (in agree_s)
+  double lookup_s = 0;     // cache lookups: this rank's cache bits (in agree_s) and taking the hits (in negotiate_s)
+  double complete_s = 0;   // completions: in-flight names released, done callbacks run (in execute_s; CPU)
 };
 
 // Fails with kFailedPrecondition before Init.

@@ -2,6 +2,9 @@
   1. a grouped collective repeated over steps runs from its cached plan
      (stats: plan_launches, no negotiation), results checked every step
      against a float64 reference, every element, and bitwise across ranks;
+     it is one queue entry, admitted and run whole (b); two cached groups
+     and a lone tensor in one burst, one rank giving a group in another
+     order (c); a rank 1.5 s late (d); one rank's changed member (e);
   2. the group changed (one member's shape, then one member more): it
      negotiates again, the results are right, and the new group gets a plan;
   3. lone tensors run on the fused path (results, prescale/postscale, average);
@@ -62,6 +65,97 @@ check(delta(s0, s1, "plan_launches") == steps, "plan launches %d, expected %d" %
 check(delta(s0, s1, "negotiated_responses") == 0, "a cached group negotiated again (%d responses)"
       % delta(s0, s1, "negotiated_responses"))
 check(delta(s0, s1, "cached_responses") == steps * len(shapes), "cached responses %d" % delta(s0, s1, "cached_responses"))
+
+# 1b. Group-level bookkeeping (Note [Cached groups]): each step of the cached
+#     group is one queue entry, admitted whole (no member admitted one by one)
+#     and run whole from its plan.
+check(delta(s0, s1, "queue_entries") == steps, "queue entries %d for %d steps" % (delta(s0, s1, "queue_entries"), steps))
+check(delta(s0, s1, "admitted_entries") == 0, "%d members admitted one by one" % delta(s0, s1, "admitted_entries"))
+check(delta(s0, s1, "cached_group_admissions") == steps and delta(s0, s1, "cached_group_runs") == steps,
+      "cached groups admitted %d, run %d, expected %d" % (delta(s0, s1, "cached_group_admissions"),
+                                                          delta(s0, s1, "cached_group_runs"), steps))
+
+
+def submit_group(prefix, shapes, seed, order):
+    """One grouped_allreduce_async with the members in `order`; returns (handles, ys, check)."""
+    xs = [rank_data(seed + i, rank, sh, "float32") for i, sh in enumerate(shapes)]
+    ys = [np.zeros_like(x) for x in xs]
+    items = [("%s/%d" % (prefix, i), xs[i].ctypes.data, ys[i].ctypes.data, list(shapes[i]), "float32")
+             for i in order]
+
+    def verify():
+        for i, (sh, y) in enumerate(zip(shapes, ys)):
+            check_close("%s/%d" % (prefix, i), y, reference(seed + i, size, sh, "float32", "sum"), "float32")
+        digest_same_on_all_ranks(ys, prefix)
+    return E.grouped_allreduce_async(items), (xs, ys), verify
+
+
+# 1c. Two cached groups and a lone tensor in one burst, the last rank giving
+#     group B's members in another order than its plan's (so it admits B
+#     entry by entry) and the groups in the other order: every rank runs the
+#     same plans in the same order whichever way it admitted them.
+shapes_a, shapes_b = [[5], [40, 2], [3], [64]], [[9], [1], [17, 3]]
+lone_x = rank_data(620, rank, [11], "float32")
+lone_y = np.zeros_like(lone_x)
+last = rank == size - 1
+
+
+def mixed_step(shuffled):
+    order_b = list(range(len(shapes_b)))[::-1] if shuffled and last else list(range(len(shapes_b)))
+    keep = {}
+    hs = []
+    for name in (("b", "a") if shuffled and last else ("a", "b")):
+        h, bufs, verify = (submit_group("mixA", shapes_a, 600, range(len(shapes_a))) if name == "a"
+                           else submit_group("mixB", shapes_b, 610, order_b))
+        hs += h
+        keep[name] = (bufs, verify)
+        if name == "a":
+            hs.append(E.allreduce_async("mixL", lone_x.ctypes.data, lone_y.ctypes.data, [11], "float32"))
+    E.wait_all(hs)
+    for name in ("a", "b"):  # the same order on every rank (the digests are compared collectively)
+        keep[name][1]()
+    check_close("mixL", lone_y, reference(620, size, [11], "float32", "sum"), "float32")
+
+
+mixed_step(False)  # negotiated; both plans made in the given order
+mixed_step(False)
+a = E.stats()
+for step in range(steps):
+    mixed_step(True)
+b = E.stats()
+check(delta(a, b, "plan_launches") == 2 * steps, "mixed: %d plan launches, expected %d" % (delta(a, b, "plan_launches"), 2 * steps))
+check(delta(a, b, "negotiated_responses") == 0, "mixed: negotiated %d" % delta(a, b, "negotiated_responses"))
+expect_whole = steps if last else 2 * steps
+expect_single = steps * (1 + (len(shapes_b) if last else 0))
+check(delta(a, b, "cached_group_runs") == expect_whole and delta(a, b, "admitted_entries") == expect_single,
+      "mixed: %d groups run whole (expected %d), %d entries admitted one by one (expected %d)"
+      % (delta(a, b, "cached_group_runs"), expect_whole, delta(a, b, "admitted_entries"), expect_single))
+
+# 1d. The last rank submits a cached group 1.5 s late: the others' whole group
+#     is turned back into entries and reported (Note [Reporting stuck cache
+#     hits]), then completes right when the late rank comes.
+comm.Barrier()
+a = E.stats()
+if last:
+    import time
+    time.sleep(1.5)
+h, bufs, verify = submit_group("mixA", shapes_a, 600, range(len(shapes_a)))
+E.wait_all(h)
+verify()
+b = E.stats()
+if not last:
+    check(delta(a, b, "cached_group_demotions") == 1, "late peer: %d demotions" % delta(a, b, "cached_group_demotions"))
+
+# 1e. The last rank changes one member's shape while the others admit the
+#     cached group whole: the mismatch fails on every rank, naming the shapes;
+#     the unchanged group then runs right again.
+comm.Barrier()
+bad_shapes = [[5], [40, 2], [4], [64]] if last else shapes_a
+h, bufs, verify = submit_group("mixA", bad_shapes, 600, range(len(shapes_a)))
+expect_error(lambda: E.wait_all(h), "tensor shapes")
+h, bufs, verify = submit_group("mixA", shapes_a, 600, range(len(shapes_a)))
+E.wait_all(h)
+verify()
 
 # 2. The group changes: a member's shape, then an extra member. Negotiates, right
 #    results, then runs from its new plan.
