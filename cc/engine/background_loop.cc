@@ -139,10 +139,14 @@ void Engine::Admit(TensorEntry entry, double now) {
   Add(counters_.admitted_entries);
   auto p = std::make_unique<Pending>();
   p->since = now;
-  std::string name = entry.request.name;
   p->entry = std::move(entry);
-  order_.push_back(name);
-  pending_[name] = std::move(p);
+  order_.push_back(p.get());
+  const std::string& name = p->entry.request.name;
+  pending_.emplace(name, std::move(p));
+}
+
+void Engine::DropTaken() {
+  order_.erase(std::remove_if(order_.begin(), order_.end(), [](const Pending* p) { return p->taken; }), order_.end());
 }
 
 const Engine::Plan* Engine::PlanFor(const Submission& s) const {
@@ -191,10 +195,10 @@ void Engine::DemoteCachedGroups(double now, bool all) {
       Add(counters_.admitted_entries);
       auto p = std::make_unique<Pending>();
       p->since = g->since;
-      std::string name = e.request.name;
       p->entry = std::move(e);
-      order_.push_back(name);
-      pending_[name] = std::move(p);
+      order_.push_back(p.get());
+      const std::string& name = p->entry.request.name;
+      pending_.emplace(name, std::move(p));
     }
   }
   cached_groups_.resize(kept);
@@ -218,10 +222,9 @@ void Engine::TakeReadyCachedGroups(const std::vector<uint64_t>& bits) {
 
 bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
   std::vector<int> slots(order_.size(), -1);
-  std::vector<Pending*> entries(order_.size());  // one name lookup per entry
+  const std::vector<Pending*>& entries = order_;
   std::unordered_map<uint64_t, uint32_t> group_hits;
   for (size_t i = 0; i < order_.size(); ++i) {
-    entries[i] = pending_[order_[i]].get();
     const RequestMessage& m = entries[i]->entry.message;
     int slot = cache_.Find(entries[i]->entry.request.name);
     if (slot >= 0 && EntryMatchesResponse(entries[i]->entry, cache_.Get(slot), rank_)) {
@@ -270,11 +273,12 @@ std::vector<Engine::Work> Engine::TakeCacheHits(const std::vector<uint64_t>& bit
     }
     if (r.group_id != 0 && group_hits[r.group_id] != r.group_size) continue;
     Work w;
-    w.response = r;
+    w.response = &r;
     w.slot = slot;
     auto it = pending_.find(r.name);
     if (it != pending_.end()) {
       w.pending = std::move(it->second);  // the bit is set only for pending names...
+      w.pending->taken = true;
       pending_.erase(it);
     } else {
       w.pending = MakeJoinStandIn(r);  // ...or, on a joined rank, for stand-ins
@@ -288,11 +292,10 @@ std::vector<Engine::Work> Engine::TakeCacheHits(const std::vector<uint64_t>& bit
 
 Status Engine::Negotiate(double now, std::vector<Work>* work) {
   std::vector<RequestMessage> mine;
-  for (const std::string& name : order_) {
-    auto it = pending_.find(name);
-    if (it == pending_.end() || it->second->reported) continue;
-    it->second->reported = true;
-    mine.push_back(it->second->entry.Report());
+  for (Pending* p : order_) {  // the cycle's cache hits left order_ (DropTaken)
+    if (p->reported) continue;
+    p->reported = true;
+    mine.push_back(p->entry.Report());
   }
   CycleBuffers& b = *mpi_buffers_;
   b.request_bytes = EncodeRequestList(mine);
@@ -353,6 +356,7 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
     auto it = pending_.find(r.name);
     if (it != pending_.end()) {
       w.pending = std::move(it->second);
+      w.pending->taken = true;
       pending_.erase(it);
     } else if (r.ok() && joined_) {
       w.pending = MakeJoinStandIn(r);  // rank 0 counted this joined rank in
@@ -362,7 +366,8 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
     } else if (r.ok()) {
       return Status::Internal("rank 0 released '" + r.name + "', which this rank never submitted");
     }
-    w.response = std::move(r);
+    w.owned = std::make_unique<ResponseMessage>(std::move(r));
+    w.response = w.owned.get();
     work->push_back(std::move(w));
   }
   return Status::Ok();
@@ -589,7 +594,7 @@ Status Engine::RunAllreduceAlone(const BucketMember& m) {
 }
 
 Status Engine::RunAllgather(Work* w) {
-  const ResponseMessage& r = w->response;
+  const ResponseMessage& r = *w->response;
   const CollectiveRequest& q = w->pending->entry.request;
   StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
   if (!comm_or.ok()) return comm_or.status();
@@ -626,7 +631,7 @@ Status Engine::RunAllgather(Work* w) {
 }
 
 Status Engine::RunBroadcast(Work* w) {
-  const ResponseMessage& r = w->response;
+  const ResponseMessage& r = *w->response;
   const CollectiveRequest& q = w->pending->entry.request;
   StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
   if (!comm_or.ok()) return comm_or.status();
@@ -646,15 +651,15 @@ Status Engine::RunBroadcast(Work* w) {
 
 Status Engine::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
   Work& first = (*work)[bucket.responses[0]];
-  if (!first.response.ok()) {  // error responses are buckets of their own
-    if (first.pending) Complete(first.pending.get(), Status(first.response.error_code, first.response.error_message));
+  if (!first.response->ok()) {  // error responses are buckets of their own
+    if (first.pending) Complete(first.pending.get(), Status(first.response->error_code, first.response->error_message));
     return Status::Ok();
   }
   Status s;
-  switch (first.response.type) {
+  switch (first.response->type) {
     case CollectiveType::kAllreduce: {
       plan_members_.clear();
-      for (size_t i : bucket.responses) plan_members_.push_back({&(*work)[i].response, &(*work)[i].pending->entry});
+      for (size_t i : bucket.responses) plan_members_.push_back({(*work)[i].response, &(*work)[i].pending->entry});
       return RunMembers(bucket, plan_members_.data());
     }
     case CollectiveType::kAllgather: s = RunAllgather(&first); break;
@@ -700,7 +705,7 @@ Status Engine::RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<
   // order of their first member.
   std::vector<uint64_t> groups;
   for (size_t i = 0; i < cache_hits; ++i) {
-    const ResponseMessage& r = (*work)[i].response;
+    const ResponseMessage& r = *(*work)[i].response;
     if (r.group_id == 0 || (*done)[i]) continue;
     if (std::find(groups.begin(), groups.end(), r.group_id) == groups.end()) groups.push_back(r.group_id);
   }
@@ -718,7 +723,7 @@ Status Engine::RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<
       const int slot = plan.slots[k];
       valid = slot_to_work_[slot] < cache_hits && (*work)[slot_to_work_[slot]].slot == slot;
     }
-    if (!valid || plan.slots.size() != (*work)[slot_to_work_[plan.slots[0]]].response.group_size) {
+    if (!valid || plan.slots.size() != (*work)[slot_to_work_[plan.slots[0]]].response->group_size) {
       plans_digest_ ^= plan.id;  // a member changed: the group replans after it runs
       plans_.erase(it);
       continue;
@@ -742,7 +747,7 @@ Status Engine::RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<
         } else {
           const size_t i = slot_to_work_[plan.slots[k]];
           (*done)[i] = true;
-          plan_members_.push_back({&(*work)[i].response, &(*work)[i].pending->entry});
+          plan_members_.push_back({(*work)[i].response, &(*work)[i].pending->entry});
         }
       }
       NVG_RETURN_IF_ERROR(RunMembers(b, plan_members_.data()));
@@ -763,7 +768,7 @@ void Engine::MakePlans(const std::vector<Work>& work) {
   std::vector<uint64_t> order;
   uint64_t kept = 0;  // the last group found with a valid plan (members are adjacent)
   for (size_t i = 0; i < work.size(); ++i) {
-    const ResponseMessage& r = work[i].response;
+    const ResponseMessage& r = *work[i].response;
     if (r.group_id == 0 || (r.group_id == kept && kept != 0)) continue;
     auto existing = plans_.find(r.group_id);
     if (existing != plans_.end()) {
@@ -783,9 +788,9 @@ void Engine::MakePlans(const std::vector<Work>& work) {
     const std::vector<size_t>& idx = members[group];
     Plan plan;
     std::vector<ResponseMessage> responses;
-    bool ok = idx.size() == work[idx[0]].response.group_size;
+    bool ok = idx.size() == work[idx[0]].response->group_size;
     for (size_t i : idx) {
-      const ResponseMessage& r = work[i].response;
+      const ResponseMessage& r = *work[i].response;
       const int slot = work[i].slot >= 0 ? work[i].slot : cache_.Find(r.name);
       ok = ok && r.ok() && r.type == CollectiveType::kAllreduce && slot >= 0 &&
            ResponseDigest(cache_.Get(slot)) == ResponseDigest(r);
@@ -852,7 +857,7 @@ Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
   if (mark_cycles_ && timeline_.enabled()) timeline_.MarkCycle(now);
   if (timeline_.enabled()) {
     for (const Work& w : *work)
-      if (w.pending) timeline_.End(w.response.name, "NEGOTIATE", now);
+      if (w.pending) timeline_.End(w.response->name, "NEGOTIATE", now);
     for (const std::unique_ptr<CachedGroup>& g : ready_groups_)
       for (const TensorEntry& e : g->submission.entries) timeline_.End(e.request.name, "NEGOTIATE", now);
   }
@@ -861,7 +866,7 @@ Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
   std::vector<bool> done(work->size(), false);
   NVG_RETURN_IF_ERROR(RunPlans(work, cache_hits, &done));
   std::vector<size_t> rest;
-  std::vector<ResponseMessage> responses;
+  std::vector<const ResponseMessage*> responses;
   for (size_t i = 0; i < work->size(); ++i) {
     if (done[i]) continue;
     rest.push_back(i);
@@ -923,11 +928,6 @@ void Engine::Loop() {
     if (liveness_) liveness_->SetProgress(cycle_);
     if (timeline_command_pending_.load(std::memory_order_acquire)) ApplyTimelineCommand();
     const double now = MonotonicSeconds();
-    // Drop names that completed in the last cycle before admitting new ones
-    // (a completed name may come back at once).
-    order_.erase(std::remove_if(order_.begin(), order_.end(),
-                                [this](const std::string& n) { return !pending_.count(n); }),
-                 order_.end());
     for (Submission& s : fresh) AdmitSubmission(std::move(s), now);
     // Note [Cached groups]: groups that waited too long or whose plan changed.
     if (!cached_groups_.empty()) DemoteCachedGroups(now, joined_);
@@ -986,12 +986,15 @@ void Engine::Loop() {
       else TakeReadyCachedGroups(bits);
     }
     std::vector<Work> work = TakeCacheHits(bits);
+    DropTaken();
     AddSeconds(counters_.lookup_ns, MonotonicSeconds() - lookup_start);
     const size_t cache_hits = work.size();
     Add(counters_.cached_responses, cache_hits);
     for (const std::unique_ptr<CachedGroup>& g : ready_groups_) Add(counters_.cached_responses, g->submission.entries.size());
     if (round) {
+      for (Work& w : work) w.Own();  // Negotiate's Puts may change the hits' slots
       exit_status = Negotiate(now, &work);
+      DropTaken();
       Add(counters_.negotiation_rounds);
       Add(counters_.negotiated_responses, work.size() - cache_hits);
     }
@@ -1042,14 +1045,11 @@ void Engine::Loop() {
   DemoteCachedGroups(MonotonicSeconds(), true);
   for (Submission& s : queued)
     for (TensorEntry& e : s.entries) Admit(std::move(e), MonotonicSeconds());
-  for (const std::string& name : order_) {
-    auto it = pending_.find(name);
-    if (it == pending_.end()) continue;
-    Complete(it->second.get(),
-             shut_down ? Status::Aborted("nvgroup_tf was shut down with '" + name + "' in flight")
-                       : exit_status);
-    pending_.erase(it);
-  }
+  for (Pending* p : order_)
+    Complete(p, shut_down ? Status::Aborted("nvgroup_tf was shut down with '" + p->entry.request.name + "' in flight")
+                          : exit_status);
+  order_.clear();
+  pending_.clear();
   timeline_.Close();
   {
     std::lock_guard<std::mutex> lock(timeline_mu_);

@@ -103,14 +103,24 @@ class Engine {
   struct Pending {
     TensorEntry entry;
     bool reported = false;  // sent to rank 0 in a negotiation round
+    bool taken = false;     // moved out of pending_ this cycle (order_ drops it)
     double since = 0;       // when the loop took it from the queue
   };
   // A response with this rank's entry (absent for error responses about names
   // this rank never submitted).
   struct Work {
-    ResponseMessage response;
+    // A cache hit's slot in cache_ (not copied: the cache does not change
+    // between TakeCacheHits and the end of Execute, but in a cycle with a
+    // negotiation round, whose Puts may, so Loop makes the hits Own() theirs
+    // before it), or `owned`.
+    const ResponseMessage* response = nullptr;
+    std::unique_ptr<ResponseMessage> owned;
     std::unique_ptr<Pending> pending;
     int slot = -1;  // the response cache slot it came from (cache hits only)
+    void Own() {
+      if (owned == nullptr) owned = std::make_unique<ResponseMessage>(*response);
+      response = owned.get();
+    }
   };
 
   // Note [Cached plans]
@@ -277,7 +287,10 @@ class Engine {
 
   // Background-thread state.
   std::unordered_map<std::string, std::unique_ptr<Pending>> pending_;
-  std::vector<std::string> order_;  // pending_ names, oldest first
+  std::vector<Pending*> order_;  // pending_'s entries, oldest first
+  // Drops the entries taken out of pending_ from order_ (before they die
+  // with the cycle's work).
+  void DropTaken();
   ResponseCache cache_;
   const int cache_words_;
   std::unordered_map<uint64_t, Plan> plans_;  // by group id; the same on every rank

@@ -31,7 +31,7 @@ bool StandInPossible(const ResponseMessage& r) {
 }  // namespace
 
 Status Engine::RunReducescatter(Work* w) {
-  const ResponseMessage& r = w->response;
+  const ResponseMessage& r = *w->response;
   const CollectiveRequest& q = w->pending->entry.request;
   StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
   if (!comm_or.ok()) return comm_or.status();
@@ -99,7 +99,7 @@ Status Engine::RunReducescatter(Work* w) {
 }
 
 Status Engine::RunAlltoall(Work* w) {
-  const ResponseMessage& r = w->response;
+  const ResponseMessage& r = *w->response;
   const CollectiveRequest& q = w->pending->entry.request;
   StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
   if (!comm_or.ok()) return comm_or.status();
@@ -145,7 +145,7 @@ Status Engine::RunAlltoall(Work* w) {
 Status Engine::RunJoin(Work* w) {
   joined_ = false;
   const CollectiveRequest& q = w->pending->entry.request;
-  const int32_t last = w->response.root_rank;
+  const int32_t last = w->response->root_rank;
   std::memcpy(q.output, &last, sizeof(last));
   Complete(w->pending.get(), Status::Ok());
   return Status::Ok();

@@ -25,21 +25,30 @@ size_t ResponseBytes(const ResponseMessage& response) {
 
 std::vector<FusionBucket> PlanFusion(const std::vector<ResponseMessage>& responses,
                                      size_t threshold) {
+  std::vector<const ResponseMessage*> pointers;
+  pointers.reserve(responses.size());
+  for (const ResponseMessage& r : responses) pointers.push_back(&r);
+  return PlanFusion(pointers, threshold);
+}
+
+std::vector<FusionBucket> PlanFusion(const std::vector<const ResponseMessage*>& list,
+                                     size_t threshold) {
+  auto responses = [&list](size_t i) -> const ResponseMessage& { return *list[i]; };
   std::vector<FusionBucket> buckets;
-  std::vector<bool> placed(responses.size(), false);
-  for (size_t i = 0; i < responses.size(); ++i) {
+  std::vector<bool> placed(list.size(), false);
+  for (size_t i = 0; i < list.size(); ++i) {
     if (placed[i]) continue;
     placed[i] = true;
     FusionBucket bucket;
     bucket.responses.push_back(i);
     bucket.offsets.push_back(0);
-    bucket.bytes = ResponseBytes(responses[i]);
-    bucket.fusable = Fusable(responses[i]);
+    bucket.bytes = ResponseBytes(responses(i));
+    bucket.fusable = Fusable(responses(i));
     if (bucket.fusable && bucket.bytes <= threshold) {
       size_t padded = AlignUp(bucket.bytes);
-      for (size_t j = i + 1; j < responses.size(); ++j) {
-        if (placed[j] || !Fusable(responses[j]) || !Compatible(responses[i], responses[j])) continue;
-        size_t bytes = ResponseBytes(responses[j]);
+      for (size_t j = i + 1; j < list.size(); ++j) {
+        if (placed[j] || !Fusable(responses(j)) || !Compatible(responses(i), responses(j))) continue;
+        size_t bytes = ResponseBytes(responses(j));
         if (padded + bytes > threshold) continue;
         placed[j] = true;
         bucket.responses.push_back(j);
