@@ -1176,6 +1176,7 @@ EngineStats Engine::Stats() const {
   st.cached_group_admissions = get(counters_.cached_group_admissions);
   st.cached_group_runs = get(counters_.cached_group_runs);
   st.cached_group_demotions = get(counters_.cached_group_demotions);
+  st.groups_not_batched = queue_.groups_not_batched();
   st.admit_s = seconds(counters_.admit_ns);
   st.lookup_s = seconds(counters_.lookup_ns);
   st.complete_s = seconds(counters_.complete_ns);

@@ -20,12 +20,13 @@ Status TensorQueue::Push(Submission submission) {
                                        "until the previous request completes");
       }
     }
+    last_was_group_ = submission.group_id != 0 && submission.entries.size() > 1;
     queued_.push_back(std::move(submission));
     last_push_ = std::chrono::steady_clock::now();
     // Only the loop's wait for a first entry needs a wake-up; admission
     // batching rereads last_push_ when its own timer fires, so a burst does
-    // not wake the loop once per enqueue.
-    wake = waiting_for_first_;
+    // not wake the loop once per enqueue (a group ends the batching: wake).
+    wake = waiting_for_first_ || (batching_ && last_was_group_);
   }
   // Ordered after the push by the mutex.
   if (wake) cv_.notify_one();
@@ -47,12 +48,18 @@ double TensorQueue::WaitAndPop(double timeout_s, double gap_s, double max_batch_
     const Clock::time_point first = Clock::now();
     const auto gap = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap_s));
     const auto cap = first + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(max_batch_s));
+    batching_ = true;
     for (;;) {
+      if (last_was_group_) {  // a grouped collective: a whole burst by itself
+        groups_not_batched_.fetch_add(1, std::memory_order_relaxed);
+        break;
+      }
       const Clock::time_point quiet_at = last_push_ + gap;
       const Clock::time_point until = std::min(quiet_at, cap);
       if (Clock::now() >= until || shutdown_requested_) break;
       cv_.wait_until(lock, until);
     }
+    batching_ = false;
   }
   for (Submission& s : queued_) out->push_back(std::move(s));
   queued_.clear();

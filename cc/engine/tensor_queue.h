@@ -10,6 +10,7 @@
 // given status and hands back whatever was still queued.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -72,12 +73,17 @@ class TensorQueue {
   // been quiet for `gap_s` (the engine uses 30 us, see background_loop.cc)
   // makes a burst one cycle on every rank; a lone request pays at most the
   // gap, and a never-ending stream at most `max_batch_s` (the cycle time).
+  // A grouped collective (EnqueueGroup of several) is a burst already: when
+  // the latest push was one, the wait ends at once, so a step's group does
+  // not wait out the gap (one gap per step, 30 us, on the cached-group path).
   double WaitAndPop(double timeout_s, double gap_s, double max_batch_s, std::vector<Submission>* out,
                     bool* shutdown_requested);
   void RequestShutdown();
   void Finish(const std::string& name);
   // Finish for `n` entries under one lock (a bucket's members).
   void Finish(TensorEntry* const* entries, size_t n);
+  // Pushes of grouped collectives that ended admission batching at once.
+  uint64_t groups_not_batched() const { return groups_not_batched_.load(std::memory_order_relaxed); }
   // Later pushes fail with `status`; returns the submissions still queued.
   std::vector<Submission> Close(const Status& status);
 
@@ -89,7 +95,10 @@ class TensorQueue {
   std::unordered_set<std::string> in_flight_;
   bool shutdown_requested_ = false;
   bool waiting_for_first_ = false;  // WaitAndPop waits for a first entry (Push wakes it)
+  bool last_was_group_ = false;     // the latest push was a grouped collective of several
+  bool batching_ = false;           // WaitAndPop is in admission batching (a group push wakes it)
   Status closed_;  // non-OK once closed
+  std::atomic<uint64_t> groups_not_batched_{0};
 };
 
 }  // namespace nvgroup

@@ -71,6 +71,8 @@ check(delta(s0, s1, "cached_responses") == steps * len(shapes), "cached response
 #     and run whole from its plan.
 check(delta(s0, s1, "queue_entries") == steps, "queue entries %d for %d steps" % (delta(s0, s1, "queue_entries"), steps))
 check(delta(s0, s1, "admitted_entries") == 0, "%d members admitted one by one" % delta(s0, s1, "admitted_entries"))
+check(delta(s0, s1, "groups_not_batched") == steps, "a group waited out the admission gap (%d of %d did not)"
+      % (delta(s0, s1, "groups_not_batched"), steps))
 check(delta(s0, s1, "cached_group_admissions") == steps and delta(s0, s1, "cached_group_runs") == steps,
       "cached groups admitted %d, run %d, expected %d" % (delta(s0, s1, "cached_group_admissions"),
                                                           delta(s0, s1, "cached_group_runs"), steps))
