@@ -136,13 +136,17 @@ void Engine::TimelineAdmitted(const TensorEntry& entry, double now) {
 void Engine::Admit(TensorEntry entry, double now) {
   if (timeline_.enabled()) TimelineAdmitted(entry, now);
   if (entry.request.type == CollectiveType::kJoin) joined_ = true;
+  AddPending(std::move(entry), now);
+}
+
+void Engine::AddPending(TensorEntry entry, double since) {
   Add(counters_.admitted_entries);
   auto p = std::make_unique<Pending>();
-  p->since = now;
+  p->since = since;
   p->entry = std::move(entry);
   order_.push_back(p.get());
   const std::string& name = p->entry.request.name;
-  pending_.emplace(name, std::move(p));
+  pending_.emplace(name, std::move(p));  // names in flight are unique (TensorQueue::Push)
 }
 
 void Engine::DropTaken() {
@@ -190,16 +194,8 @@ void Engine::DemoteCachedGroups(double now, bool all) {
       continue;
     }
     Add(counters_.cached_group_demotions);
-    for (TensorEntry& e : g->submission.entries) {
-      // Admit, without the timeline's admission events (written already).
-      Add(counters_.admitted_entries);
-      auto p = std::make_unique<Pending>();
-      p->since = g->since;
-      p->entry = std::move(e);
-      order_.push_back(p.get());
-      const std::string& name = p->entry.request.name;
-      pending_.emplace(name, std::move(p));
-    }
+    // The timeline's admission events were written when the group came.
+    for (TensorEntry& e : g->submission.entries) AddPending(std::move(e), g->since);
   }
   cached_groups_.resize(kept);
 }

@@ -206,6 +206,8 @@ class Engine {
   // (e.g. a peer died) every failure is a consequence of it.
   Status Cause(const Status& s);
   void Admit(TensorEntry entry, double now);
+  // Admit's bookkeeping: a Pending in pending_ and order_, waiting since `since`.
+  void AddPending(TensorEntry entry, double since);
   void TimelineAdmitted(const TensorEntry& entry, double now);
   bool FillCacheBits(double now, std::vector<uint64_t>* bits);
   std::vector<Work> TakeCacheHits(const std::vector<uint64_t>& bits);

@@ -250,7 +250,8 @@ Status Submit(std::vector<CollectiveRequest> requests, bool grouped) {
     NVG_RETURN_IF_ERROR(ValidateRequest(q, size));
     if (q.type == CollectiveType::kJoin && group_id != 0)
       return Status::InvalidArgument("join cannot be part of a grouped collective");
-    TensorEntry e;
+    TensorEntry& e = entries.emplace_back();  // built in place: the request moves once
+    e.group_index = static_cast<uint32_t>(entries.size() - 1);
     RequestMessage& m = e.message;  // name and shape stay in e.request (TensorEntry::Report)
     m.type = q.type;
     m.dtype = q.dtype;
@@ -265,8 +266,6 @@ Status Submit(std::vector<CollectiveRequest> requests, bool grouped) {
       m.splits = q.splits.empty() ? std::vector<int64_t>(size, q.shape[0] / size) : q.splits;
     e.request = std::move(q);
     e.enqueue_time = now;
-    e.group_index = static_cast<uint32_t>(entries.size());
-    entries.push_back(std::move(e));
   }
   return engine.value()->Submit(std::move(submission));
 }
