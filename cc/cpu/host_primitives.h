@@ -36,6 +36,7 @@
 
 #include "algorithms/cross_exchange.h"
 #include "algorithms/hierarchical_allreduce.h"
+#include "algorithms/hierarchical_reduce_scatter.h"
 #include "nvgroup/communicator.h"
 #include "nvgroup/status.h"
 #include "nvgroup/types.h"
@@ -74,6 +75,53 @@ class HostPrimitives {
   std::vector<char>* cross_scratch_;  // [2], by chunk parity
   int final_divisor_;  // divisor of the fold that produces the final value
   bool in_flight_[2] = {false, false};  // a cross job of that parity was started
+  uint64_t ticket_[2] = {0, 0};
+};
+
+// The CPU primitives of the hierarchical reduce-scatter
+// (cc/algorithms/hierarchical_reduce_scatter.h), one per ReduceScatter call:
+//  * GroupFold(chunk): at a piece's first chunk, when G > 1: barrier "reads
+//    done" (not before the first piece: the previous call ended with one),
+//    our piece of `in` copied to the start of our registered buffer (unless
+//    `in` is that buffer), barrier "inputs in place". Then our parts (j, l) of
+//    the chunk, j in group_index order, folded over the members' buffers in
+//    group_rank order (ReduceFold, no division) into send[index % 2]. Nobody
+//    writes a registered buffer but its owner's copy-in, so no barrier is
+//    needed between chunks. G == 1: the parts are copied from `in`.
+//  * CrossStart(chunk): CrossExchange::StartReduceScatter of send[k] into
+//    recv[k]; the fold over groups (ReduceFold, divisor size for Average)
+//    writes our part straight into `out`. Skipped when the chunk has nothing
+//    for our group rank (the same on every peer).
+//  * CrossFinish(chunk): waits for the job.
+//  * Finish(): G > 1: barrier "reads done" (our buffer's readers are done
+//    before the next call writes it).
+class HostScatterPrimitives {
+ public:
+  // `scratch[0..1]` send, `scratch[2..3]` receive buffers (the communicator's).
+  HostScatterPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross, const RowScatterPlan& plan,
+                        const void* in, bool in_registered, void* out, DataType dtype, ReduceOp op,
+                        std::vector<char>* scratch);
+
+  Status GroupFold(const RowChunk& chunk);
+  Status CrossStart(const RowChunk& chunk);
+  Status CrossFinish(const RowChunk& chunk);
+  Status Finish();
+
+ private:
+  const Topology& topo_;
+  ShmGroup* shm_;
+  CrossExchange* cross_;
+  const RowScatterPlan& plan_;
+  const char* in_;
+  bool in_registered_;
+  char* out_;
+  DataType dtype_;
+  ReduceOp op_;
+  size_t esize_;
+  std::vector<char>* scratch_;
+  std::vector<const void*> sources_;   // one per member
+  std::vector<size_t> parts_[2];       // part counts of the chunk in flight, by parity
+  bool in_flight_[2] = {false, false};
   uint64_t ticket_[2] = {0, 0};
 };
 
