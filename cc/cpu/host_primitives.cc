@@ -162,7 +162,7 @@ Status HostScatterPrimitives::CrossStart(const RowChunk& chunk) {
   job.send = scratch_[k].data();
   job.part_counts = parts.data();
   job.recv = recv.data();
-  job.result = out_ + (plan_.PartBegin(chunk, plan_.me()) - plan_.my_offset()) * esize_;
+  job.result = mine > 0 ? out_ + (plan_.PartBegin(chunk, plan_.me()) - plan_.my_offset()) * esize_ : nullptr;
   job.element_size = esize_;
   const DataType dtype = dtype_;
   const ReduceOp op = op_;
