@@ -96,10 +96,10 @@ class CpuCommunicator final : public Communicator {
   std::vector<char> flat_scratch_;   // OrderedAllreduce over all ranks
   std::vector<char> scatter_scratch_;  // ReduceScatter through a full allreduce (NVGROUP_ALLREDUCE_ALGORITHM=mpi)
   // The hierarchical ReduceScatter (several groups): who sits where, the
-  // call's plan and its send (0, 1) / receive (2, 3) buffers, kept between calls.
+  // call's plan and its buffers, kept between calls.
   RowOwners row_owners_;
   RowScatterPlan row_plan_;
-  std::vector<char> row_scratch_[4];
+  HostScatterBuffers row_buffers_;
   std::vector<char> cross_scratch_[2];  // CrossExchange receive buffers, by chunk parity
   // The cross-group step (group_count > 1). Declared last: destroyed first, it
   // completes the exchanges in flight before the buffers above go away.
@@ -379,7 +379,7 @@ Status CpuCommunicator::HierarchicalReduceScatter(const void* in, void* out, con
   NVG_RETURN_IF_ERROR(row_plan_.Build(counts, row_owners_, topo_.group_rank, topo_.group_index, piece, capacity,
                                       capacity));
   HostScatterPrimitives prims(topo_, shm_.get(), cross_.get(), row_plan_, in, in_registered, out, dtype, op,
-                              row_scratch_);
+                              &row_buffers_);
   return RunHierarchicalReduceScatter(prims, row_plan_);
 }
 

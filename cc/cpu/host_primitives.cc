@@ -104,7 +104,7 @@ Status HostPrimitives::GroupAllgather(const ChunkSlices& chunk, void* out) {
 
 HostScatterPrimitives::HostScatterPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross,
                                              const RowScatterPlan& plan, const void* in, bool in_registered,
-                                             void* out, DataType dtype, ReduceOp op, std::vector<char>* scratch)
+                                             void* out, DataType dtype, ReduceOp op, HostScatterBuffers* buffers)
     : topo_(topo),
       shm_(shm),
       cross_(cross),
@@ -115,8 +115,9 @@ HostScatterPrimitives::HostScatterPrimitives(const Topology& topo, ShmGroup* shm
       dtype_(dtype),
       op_(op),
       esize_(DataTypeSize(dtype)),
-      scratch_(scratch),
-      sources_(topo.group_size) {}
+      buf_(buffers) {
+  buf_->sources.resize(topo.group_size);
+}
 
 Status HostScatterPrimitives::GroupFold(const RowChunk& chunk) {
   const int G = topo_.group_size;
@@ -127,7 +128,7 @@ Status HostScatterPrimitives::GroupFold(const RowChunk& chunk) {
     NVG_RETURN_IF_ERROR(shm_->Barrier("reducescatter: inputs in place"));
   }
   const int k = static_cast<int>(chunk.index % 2);
-  std::vector<char>& send = scratch_[k];
+  std::vector<char>& send = buf_->send[k];
   send.resize(std::max(send.size(), plan_.SendCount(chunk) * esize_));
   char* dst = send.data();
   for (int j = 0; j < plan_.peers(); ++j) {
@@ -137,8 +138,8 @@ Status HostScatterPrimitives::GroupFold(const RowChunk& chunk) {
     if (G == 1) {
       std::memcpy(dst, in_ + b * esize_, n * esize_);
     } else {
-      for (int m = 0; m < G; ++m) sources_[m] = shm_->buffer(m) + (b - chunk.piece_begin) * esize_;
-      NVG_RETURN_IF_ERROR(ReduceFold(dtype_, op_, sources_.data(), G, dst, n, 1));
+      for (int m = 0; m < G; ++m) buf_->sources[m] = shm_->buffer(m) + (b - chunk.piece_begin) * esize_;
+      NVG_RETURN_IF_ERROR(ReduceFold(dtype_, op_, buf_->sources.data(), G, dst, n, 1));
     }
     dst += n * esize_;
   }
@@ -152,14 +153,14 @@ Status HostScatterPrimitives::CrossStart(const RowChunk& chunk) {
   if (plan_.SendCount(chunk) == 0) return Status::Ok();  // nothing for our group rank: every peer skips
   if (cross_ == nullptr) return Status::Internal("cross-group step without a CrossExchange");
   const int P = plan_.peers();
-  std::vector<size_t>& parts = parts_[k];
+  std::vector<size_t>& parts = buf_->parts[k];
   parts.resize(P);
   for (int j = 0; j < P; ++j) parts[j] = plan_.PartCount(chunk, j);
   const size_t mine = parts[plan_.me()];
-  std::vector<char>& recv = scratch_[2 + k];
+  std::vector<char>& recv = buf_->recv[k];
   recv.resize(std::max(recv.size(), std::max<size_t>(1, mine * P * esize_)));
   CrossExchange::ScatterJob job;
-  job.send = scratch_[k].data();
+  job.send = buf_->send[k].data();
   job.part_counts = parts.data();
   job.recv = recv.data();
   job.result = mine > 0 ? out_ + (plan_.PartBegin(chunk, plan_.me()) - plan_.my_offset()) * esize_ : nullptr;

@@ -95,12 +95,21 @@ class HostPrimitives {
 //  * CrossFinish(chunk): waits for the job.
 //  * Finish(): G > 1: barrier "reads done" (our buffer's readers are done
 //    before the next call writes it).
+// The communicator's buffers of the hierarchical reduce-scatter, kept between
+// calls (they only grow): send/receive buffers and part counts by chunk
+// parity, one source pointer per member.
+struct HostScatterBuffers {
+  std::vector<char> send[2];
+  std::vector<char> recv[2];
+  std::vector<size_t> parts[2];
+  std::vector<const void*> sources;
+};
+
 class HostScatterPrimitives {
  public:
-  // `scratch[0..1]` send, `scratch[2..3]` receive buffers (the communicator's).
   HostScatterPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross, const RowScatterPlan& plan,
                         const void* in, bool in_registered, void* out, DataType dtype, ReduceOp op,
-                        std::vector<char>* scratch);
+                        HostScatterBuffers* buffers);
 
   Status GroupFold(const RowChunk& chunk);
   Status CrossStart(const RowChunk& chunk);
@@ -118,9 +127,7 @@ class HostScatterPrimitives {
   DataType dtype_;
   ReduceOp op_;
   size_t esize_;
-  std::vector<char>* scratch_;
-  std::vector<const void*> sources_;   // one per member
-  std::vector<size_t> parts_[2];       // part counts of the chunk in flight, by parity
+  HostScatterBuffers* buf_;
   bool in_flight_[2] = {false, false};
   uint64_t ticket_[2] = {0, 0};
 };
