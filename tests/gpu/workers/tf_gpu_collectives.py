@@ -320,8 +320,14 @@ def check_allgather_race(c, d):
             x = tf.py_function(lambda t: sleep_then(t, delay), [x], tf.float32)
             x.set_shape((rows, cols))
         g = hvd.allgather(x, name="race")   # no dependency on the chain below
-        # The chain starts after the allgather has started (a 2 ms gate).
-        y = y + tf.py_function(lambda: sleep_then(tf.constant(0.0), 0.002), [], tf.float32)
+        # The chain starts after the allgather has started (a 2 ms gate), and
+        # behind GPU work that is quick to launch and slow to run (sorts of
+        # the whole tensor), so TF's stream is still far behind its host side
+        # when rank 0's output is allocated. 0 * (a finite value) adds nothing.
+        blocker = tf.reshape(y, [-1])
+        for _ in range(3):
+            blocker = tf.sort(blocker)
+        y = y + 0.0 * blocker[0] + tf.py_function(lambda: sleep_then(tf.constant(0.0), 0.002), [], tf.float32)
         for k in range(steps):           # temporaries of g's size, each freed at once
             y = y + float(k % 3 + 1)
         return g, y
