@@ -17,7 +17,7 @@ def test_extra_collectives(np):
 
 
 def test_extra_collectives_hierarchical():
-    """4 ranks as 2 NV-groups of 2: reducescatter through the allreduce's fold."""
+    """4 ranks as 2 NV-groups of 2: reducescatter through the hierarchical reduce-scatter."""
     result = run_mpi(WORKER, 4, env={"NVGROUP_GROUP_SIZE": "2"}, timeout=240)
     for r in range(4):
         assert "[rank %d] OK" % r in result.output, result.output[-20000:]
