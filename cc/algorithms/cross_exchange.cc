@@ -30,6 +30,7 @@ struct CrossExchange::Active {
   uint64_t ticket = 0;
   Job job;
   Stage stage = kWaitReady;
+  bool scatter_only = false;  // StartReduceScatter: no allgatherv, result at `result` itself
   MPI_Request request = MPI_REQUEST_NULL;
   // Byte counts and displacements of the parts (MPI counts are int).
   std::vector<int> part_bytes, part_displs, recv_bytes, recv_displs;
@@ -101,12 +102,50 @@ Status CrossExchange::Start(Job job, uint64_t* ticket) {
     a->part_displs[p] = static_cast<int>(parts.SliceOffset(p) * es);
     a->recv_displs[p] = p * mine;
   }
+  return Enqueue(std::move(a), ticket);
+}
+
+Status CrossExchange::StartReduceScatter(ScatterJob sj, uint64_t* ticket) {
+  if (!sj.fold) return Status::InvalidArgument("cross-group reduce-scatter without a fold");
+  if (sj.part_counts == nullptr) return Status::InvalidArgument("cross-group reduce-scatter without part counts");
+  const size_t es = sj.element_size;
+  size_t send_elems = 0;
+  for (int p = 0; p < peers_; ++p) send_elems += sj.part_counts[p];
+  const size_t mine = sj.part_counts[me_];
+  if (send_elems * es > static_cast<size_t>(INT_MAX) || mine * es * peers_ > static_cast<size_t>(INT_MAX))
+    return Status::InvalidArgument("cross-group reduce-scatter chunk of " + std::to_string(send_elems * es) +
+                                   " bytes exceeds MPI's int counts");
+  auto a = std::make_shared<Active>();
+  a->scatter_only = true;
+  a->job.send = sj.send;
+  a->job.recv = sj.recv;
+  a->job.result = sj.result;
+  a->job.count = mine;
+  a->job.element_size = es;
+  a->job.fold = std::move(sj.fold);
+  a->job.ready = std::move(sj.ready);
+  a->job.done = std::move(sj.done);
+  a->part_bytes.resize(peers_);
+  a->part_displs.resize(peers_);
+  a->recv_bytes.assign(peers_, static_cast<int>(mine * es));
+  a->recv_displs.resize(peers_);
+  size_t displ = 0;
+  for (int p = 0; p < peers_; ++p) {
+    a->part_bytes[p] = static_cast<int>(sj.part_counts[p] * es);
+    a->part_displs[p] = static_cast<int>(displ);
+    displ += sj.part_counts[p] * es;
+    a->recv_displs[p] = static_cast<int>(p * mine * es);
+  }
+  return Enqueue(std::move(a), ticket);
+}
+
+Status CrossExchange::Enqueue(std::shared_ptr<Active> a, uint64_t* ticket) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok()) return failure_;
     a->ticket = next_ticket_++;
     *ticket = a->ticket;
-    active_.push_back(a);
+    active_.push_back(std::move(a));
   }
   cv_.notify_all();
   if (!threaded_) ProgressOnce();  // post what can be posted now
@@ -169,8 +208,15 @@ Status CrossExchange::Advance(Active& a, bool failed, bool* moved) {
     const size_t mine = a.recv_bytes[me_] / j.element_size;
     if (mine > 0)
       NVG_RETURN_IF_ERROR_CTX(
-          j.fold(j.recv, peers_, static_cast<char*>(j.result) + a.part_displs[me_], mine),
+          j.fold(j.recv, peers_, static_cast<char*>(j.result) + (a.scatter_only ? 0 : a.part_displs[me_]), mine),
           "folding the cross-group parts");
+    if (a.scatter_only) {  // the reduce-scatter half only: done after the fold
+      ++next_ag_post_;     // keeps the allgatherv order of the jobs after this one
+      if (j.done) NVG_RETURN_IF_ERROR_CTX(j.done(), "after the cross-group reduce-scatter");
+      a.stage = Active::kFinished;
+      *moved = true;
+      return Status::Ok();
+    }
     NVG_MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, j.result, a.part_bytes.data(),
                                   a.part_displs.data(), MPI_BYTE, ag_comm_, &a.request));
     g_bytes_sent.fetch_add(static_cast<uint64_t>(a.recv_bytes[me_]) * (peers_ - 1),

@@ -89,13 +89,33 @@ class CrossExchange {
 
   // Queues the exchange of one slice; *ticket identifies it for Wait().
   Status Start(Job job, uint64_t* ticket);
+
+  // The reduce-scatter half alone, with parts of any size (the hierarchical
+  // reduce-scatter, cc/algorithms/hierarchical_reduce_scatter.h): `send` holds
+  // part p for peer p (part_counts[p] elements), consecutive in peer order;
+  // the P copies of our part arrive in `recv` (P * part_counts[me] elements,
+  // peer order) and `fold` folds them into `result` (part_counts[me]
+  // elements). Stage 3 (the allgatherv) is left out: `done` runs after the
+  // fold. Same queue, posting order and buffer rules as Start().
+  struct ScatterJob {
+    const void* send = nullptr;
+    const size_t* part_counts = nullptr;  // peers() entries, read inside the call only
+    void* recv = nullptr;
+    void* result = nullptr;
+    size_t element_size = 4;
+    Fold fold;
+    std::function<Status(bool* ready)> ready;
+    std::function<Status()> done;
+  };
+  Status StartReduceScatter(ScatterJob job, uint64_t* ticket);
   // Blocks until the job of `ticket` finished; its status (the first error of
   // any job breaks the exchange: later calls return it).
   Status Wait(uint64_t ticket);
 
   // Bytes this process posted to other ranks in cross exchanges (all
   // exchanges of the process): per job the alltoallv's parts for the other
-  // peers plus (P-1) times our part in the allgatherv.
+  // peers plus (P-1) times our part in the allgatherv (none for a
+  // reduce-scatter-only job).
   static uint64_t BytesSent();
 
  private:
@@ -106,6 +126,7 @@ class CrossExchange {
   // if anything moved. mu_ is held only around the queue, never across MPI.
   bool ProgressOnce();
   Status Advance(Active& a, bool failed, bool* moved);
+  Status Enqueue(std::shared_ptr<Active> a, uint64_t* ticket);
 
   MPI_Comm rs_comm_ = MPI_COMM_NULL;  // alltoallvs, in job order
   MPI_Comm ag_comm_ = MPI_COMM_NULL;  // allgathervs, in job order

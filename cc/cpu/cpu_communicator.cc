@@ -80,6 +80,8 @@ class CpuCommunicator final : public Communicator {
                    bool in_registered);
   Status GroupReduceScatter(const void* in, void* out, size_t total, size_t my_offset, size_t mine,
                             DataType dtype, ReduceOp op, bool in_registered);
+  Status HierarchicalReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
+                                   DataType dtype, ReduceOp op, bool in_registered);
   Status FusedGroupAllreduce(const FusedMember* members, size_t num_members, size_t bytes, DataType dtype,
                              ReduceOp op, double prescale, double postscale, const PhaseObserver& observer);
 
@@ -92,7 +94,12 @@ class CpuCommunicator final : public Communicator {
   std::unique_ptr<ShmGroup> shm_;
   std::string first_failure_;        // non-empty once a collective failed mid-way
   std::vector<char> flat_scratch_;   // OrderedAllreduce over all ranks
-  std::vector<char> scatter_scratch_;  // ReduceScatter through a full allreduce
+  std::vector<char> scatter_scratch_;  // ReduceScatter through a full allreduce (NVGROUP_ALLREDUCE_ALGORITHM=mpi)
+  // The hierarchical ReduceScatter (several groups): who sits where, the
+  // call's plan and its buffers, kept between calls.
+  RowOwners row_owners_;
+  RowScatterPlan row_plan_;
+  HostScatterBuffers row_buffers_;
   std::vector<char> cross_scratch_[2];  // CrossExchange receive buffers, by chunk parity
   // The cross-group step (group_count > 1). Declared last: destroyed first, it
   // completes the exchanges in flight before the buffers above go away.
@@ -125,6 +132,7 @@ Status CpuCommunicator::Init(MPI_Comm comm, const CommunicatorOptions& options, 
   if (!shm.ok()) return shm.status().WithContext("setting up the group's shared memory");
   shm_ = shm.consume();
   if (topo_.group_count > 1) {
+    NVG_RETURN_IF_ERROR_CTX(RowOwners::Gather(comm_, topo_, &row_owners_), "placing the ranks in their groups");
     StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(comms_.cross);
     if (!cross.ok()) return cross.status().WithContext("setting up the cross-group exchange");
     cross_ = cross.consume();
@@ -314,7 +322,10 @@ Status CpuCommunicator::ReduceScatter(const void* in, void* out, const std::vect
   if (total == 0) return Status::Ok();
   const bool one_group = topo_.group_count == 1 && topo_.group_size > 1 && algorithm_ != AllreduceAlgorithm::kMpi;
   if (one_group) return Track(GroupReduceScatter(in, out, total, my_offset, mine, dtype, op, in_registered));
-  // Several groups (or the flat path): the allreduce's own fold, then our rows.
+  if (topo_.group_count > 1 && algorithm_ != AllreduceAlgorithm::kMpi)
+    return Track(HierarchicalReduceScatter(in, out, counts, dtype, op, in_registered));
+  // The flat path (NVGROUP_ALLREDUCE_ALGORITHM=mpi; one rank): the allreduce's
+  // own fold, then our rows.
   scatter_scratch_.resize(total * esize);
   NVG_RETURN_IF_ERROR(Allreduce(in, scatter_scratch_.data(), total, dtype, op, nullptr));
   if (mine > 0) std::memcpy(out, scatter_scratch_.data() + my_offset * esize, mine * esize);
@@ -349,6 +360,27 @@ Status CpuCommunicator::GroupReduceScatter(const void* in, void* out, size_t tot
     NVG_RETURN_IF_ERROR(shm_->Barrier("reducescatter: reads done"));
   }
   return Status::Ok();
+}
+
+// Several groups: the skeleton of cc/algorithms/hierarchical_reduce_scatter.h
+// over HostScatterPrimitives (protocol there and in cc/cpu/host_primitives.h).
+// Pieces of the registered capacity when G > 1 (the group reads the members'
+// registered buffers); with groups of one rank nothing is shared and the whole
+// message is one piece. A rank's parts of one chunk hold at most a member's
+// share of the pipeline chunk (chunk / G, as the allreduce's slice).
+Status CpuCommunicator::HierarchicalReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
+                                                  DataType dtype, ReduceOp op, bool in_registered) {
+  const size_t esize = DataTypeSize(dtype);
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  const size_t piece = topo_.group_size == 1 || in_registered ? total : shm_->capacity() / esize;
+  const size_t capacity = std::max<size_t>(2 * static_cast<size_t>(topo_.group_count),
+                                           chunk_bytes_ / esize / topo_.group_size);
+  NVG_RETURN_IF_ERROR(row_plan_.Build(counts, row_owners_, topo_.group_rank, topo_.group_index, piece, capacity,
+                                      capacity));
+  HostScatterPrimitives prims(topo_, shm_.get(), cross_.get(), row_plan_, in, in_registered, out, dtype, op,
+                              &row_buffers_);
+  return RunHierarchicalReduceScatter(prims, row_plan_);
 }
 
 // Note [Fused bucket on one group]

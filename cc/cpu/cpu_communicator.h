@@ -16,6 +16,10 @@
 // overlap the registered buffer only as the buffer itself, with the input
 // there too (the engine's fused in-place call); an input inside the buffer
 // must start at its start.
+// ReduceScatter: one group: the group step alone (GroupReduceScatter); several
+// groups: RunHierarchicalReduceScatter (cc/algorithms/
+// hierarchical_reduce_scatter.h) over HostScatterPrimitives; the flat
+// algorithm: OrderedAllreduce, then this rank's rows.
 // Allgatherv and Broadcast are plain MPI (after a cross-rank argument check).
 // Knobs read at creation (cc/common/env.h): NVGROUP_GROUP_SIZE,
 // NVGROUP_ALLREDUCE_ALGORITHM, NVGROUP_PIPELINE_CHUNK (chunk of the skeleton and

@@ -102,4 +102,93 @@ Status HostPrimitives::GroupAllgather(const ChunkSlices& chunk, void* out) {
   return Status::Ok();
 }
 
+HostScatterPrimitives::HostScatterPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross,
+                                             const RowScatterPlan& plan, const void* in, bool in_registered,
+                                             void* out, DataType dtype, ReduceOp op, HostScatterBuffers* buffers)
+    : topo_(topo),
+      shm_(shm),
+      cross_(cross),
+      plan_(plan),
+      in_(static_cast<const char*>(in)),
+      in_registered_(in_registered),
+      out_(static_cast<char*>(out)),
+      dtype_(dtype),
+      op_(op),
+      esize_(DataTypeSize(dtype)),
+      buf_(buffers) {
+  buf_->sources.resize(topo.group_size);
+}
+
+Status HostScatterPrimitives::GroupFold(const RowChunk& chunk) {
+  const int G = topo_.group_size;
+  if (G > 1 && chunk.first_of_piece()) {
+    if (chunk.index > 0) NVG_RETURN_IF_ERROR(shm_->Barrier("reducescatter: reads done"));
+    if (!in_registered_)
+      std::memcpy(shm_->buffer(topo_.group_rank), in_ + chunk.piece_begin * esize_, chunk.piece_count * esize_);
+    NVG_RETURN_IF_ERROR(shm_->Barrier("reducescatter: inputs in place"));
+  }
+  const int k = static_cast<int>(chunk.index % 2);
+  std::vector<char>& send = buf_->send[k];
+  send.resize(std::max(send.size(), plan_.SendCount(chunk) * esize_));
+  char* dst = send.data();
+  for (int j = 0; j < plan_.peers(); ++j) {
+    const size_t n = plan_.PartCount(chunk, j);
+    if (n == 0) continue;
+    const size_t b = plan_.PartBegin(chunk, j);
+    if (G == 1) {
+      std::memcpy(dst, in_ + b * esize_, n * esize_);
+    } else {
+      for (int m = 0; m < G; ++m) buf_->sources[m] = shm_->buffer(m) + (b - chunk.piece_begin) * esize_;
+      NVG_RETURN_IF_ERROR(ReduceFold(dtype_, op_, buf_->sources.data(), G, dst, n, 1));
+    }
+    dst += n * esize_;
+  }
+  return Status::Ok();
+}
+
+Status HostScatterPrimitives::CrossStart(const RowChunk& chunk) {
+  const int k = static_cast<int>(chunk.index % 2);
+  if (in_flight_[k])
+    return Status::Internal("cross-group buffers of parity " + std::to_string(k) + " still in use");
+  if (plan_.SendCount(chunk) == 0) return Status::Ok();  // nothing for our group rank: every peer skips
+  if (cross_ == nullptr) return Status::Internal("cross-group step without a CrossExchange");
+  const int P = plan_.peers();
+  std::vector<size_t>& parts = buf_->parts[k];
+  parts.resize(P);
+  for (int j = 0; j < P; ++j) parts[j] = plan_.PartCount(chunk, j);
+  const size_t mine = parts[plan_.me()];
+  std::vector<char>& recv = buf_->recv[k];
+  recv.resize(std::max(recv.size(), std::max<size_t>(1, mine * P * esize_)));
+  CrossExchange::ScatterJob job;
+  job.send = buf_->send[k].data();
+  job.part_counts = parts.data();
+  job.recv = recv.data();
+  job.result = mine > 0 ? out_ + (plan_.PartBegin(chunk, plan_.me()) - plan_.my_offset()) * esize_ : nullptr;
+  job.element_size = esize_;
+  const DataType dtype = dtype_;
+  const ReduceOp op = op_;
+  const size_t esize = esize_;
+  const int divisor = op_ == ReduceOp::kAverage ? topo_.size : 1;
+  job.fold = [dtype, op, esize, divisor](const void* src, int num, void* dst, size_t count) {
+    std::vector<const void*> sources(num);
+    for (int g = 0; g < num; ++g) sources[g] = static_cast<const char*>(src) + g * count * esize;
+    return ReduceFold(dtype, op, sources.data(), num, dst, count, divisor);
+  };
+  NVG_RETURN_IF_ERROR(cross_->StartReduceScatter(std::move(job), &ticket_[k]));
+  in_flight_[k] = true;
+  return Status::Ok();
+}
+
+Status HostScatterPrimitives::CrossFinish(const RowChunk& chunk) {
+  const int k = static_cast<int>(chunk.index % 2);
+  if (!in_flight_[k]) return Status::Ok();
+  in_flight_[k] = false;
+  return cross_->Wait(ticket_[k]);
+}
+
+Status HostScatterPrimitives::Finish() {
+  if (topo_.group_size > 1) NVG_RETURN_IF_ERROR(shm_->Barrier("reducescatter: reads done"));
+  return Status::Ok();
+}
+
 }  // namespace nvgroup

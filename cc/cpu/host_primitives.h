@@ -36,6 +36,7 @@
 
 #include "algorithms/cross_exchange.h"
 #include "algorithms/hierarchical_allreduce.h"
+#include "algorithms/hierarchical_reduce_scatter.h"
 #include "nvgroup/communicator.h"
 #include "nvgroup/status.h"
 #include "nvgroup/types.h"
@@ -74,6 +75,60 @@ class HostPrimitives {
   std::vector<char>* cross_scratch_;  // [2], by chunk parity
   int final_divisor_;  // divisor of the fold that produces the final value
   bool in_flight_[2] = {false, false};  // a cross job of that parity was started
+  uint64_t ticket_[2] = {0, 0};
+};
+
+// The CPU primitives of the hierarchical reduce-scatter
+// (cc/algorithms/hierarchical_reduce_scatter.h), one per ReduceScatter call:
+//  * GroupFold(chunk): at a piece's first chunk, when G > 1: barrier "reads
+//    done" (not before the first piece: the previous call ended with one),
+//    our piece of `in` copied to the start of our registered buffer (unless
+//    `in` is that buffer), barrier "inputs in place". Then our parts (j, l) of
+//    the chunk, j in group_index order, folded over the members' buffers in
+//    group_rank order (ReduceFold, no division) into send[index % 2]. Nobody
+//    writes a registered buffer but its owner's copy-in, so no barrier is
+//    needed between chunks. G == 1: the parts are copied from `in`.
+//  * CrossStart(chunk): CrossExchange::StartReduceScatter of send[k] into
+//    recv[k]; the fold over groups (ReduceFold, divisor size for Average)
+//    writes our part straight into `out`. Skipped when the chunk has nothing
+//    for our group rank (the same on every peer).
+//  * CrossFinish(chunk): waits for the job.
+//  * Finish(): G > 1: barrier "reads done" (our buffer's readers are done
+//    before the next call writes it).
+// The communicator's buffers of the hierarchical reduce-scatter, kept between
+// calls (they only grow): send/receive buffers and part counts by chunk
+// parity, one source pointer per member.
+struct HostScatterBuffers {
+  std::vector<char> send[2];
+  std::vector<char> recv[2];
+  std::vector<size_t> parts[2];
+  std::vector<const void*> sources;
+};
+
+class HostScatterPrimitives {
+ public:
+  HostScatterPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross, const RowScatterPlan& plan,
+                        const void* in, bool in_registered, void* out, DataType dtype, ReduceOp op,
+                        HostScatterBuffers* buffers);
+
+  Status GroupFold(const RowChunk& chunk);
+  Status CrossStart(const RowChunk& chunk);
+  Status CrossFinish(const RowChunk& chunk);
+  Status Finish();
+
+ private:
+  const Topology& topo_;
+  ShmGroup* shm_;
+  CrossExchange* cross_;
+  const RowScatterPlan& plan_;
+  const char* in_;
+  bool in_registered_;
+  char* out_;
+  DataType dtype_;
+  ReduceOp op_;
+  size_t esize_;
+  HostScatterBuffers* buf_;
+  bool in_flight_[2] = {false, false};
   uint64_t ticket_[2] = {0, 0};
 };
 

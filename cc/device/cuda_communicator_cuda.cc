@@ -180,8 +180,8 @@ class CudaCommunicator final : public Communicator {
   // ReduceScatter's two paths (see there) and Alltoallv's peer path.
   Status GroupRowReduceScatter(const void* in, void* out, size_t total, size_t my_offset, size_t mine,
                                bool in_registered, DataType dtype, ReduceOp op);
-  Status ReduceScatterByAllreduce(const void* in, void* out, size_t total, size_t my_offset, size_t mine,
-                                  bool in_registered, DataType dtype, ReduceOp op);
+  Status HierarchicalReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
+                                   bool in_registered, DataType dtype, ReduceOp op);
   Status PeerAlltoallv(const void* in, size_t send_total, void* out, const std::vector<size_t>& recv_bytes,
                        const std::vector<uint64_t>& incoming, cudaStream_t caller);
   // Note [Peer processes]: the first member whose process is gone, or -1.
@@ -333,7 +333,9 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Communica
         NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_recv[k2]), recv));
         NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_result[k2]), group_.slice_capacity));
       }
+      NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&group_.row_send[k2]), group_.slice_capacity));
     }
+    NVG_RETURN_IF_ERROR_CTX(RowOwners::Gather(comm_, topo, &group_.row_owners), "placing the ranks in their groups");
     StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(group_.comms.cross);
     if (!cross.ok()) return cross.status().WithContext("setting up the cross-group exchange");
     group_.cross = cross.consume();
@@ -368,6 +370,7 @@ CudaCommunicator::~CudaCommunicator() {
     for (char* h : {group_.host_send[k], group_.host_recv[k], group_.host_result[k]})
       if (h != nullptr) (void)cudaFreeHost(h);
     if (group_.device_recv[k] != nullptr) (void)cudaFree(group_.device_recv[k]);
+    if (group_.row_send[k] != nullptr) (void)cudaFree(group_.row_send[k]);
     for (cudaEvent_t e : {group_.reduce_scattered[k], group_.staged[k], group_.returned[k]})
       if (e != nullptr) (void)cudaEventDestroy(e);
   }
@@ -651,13 +654,13 @@ Status CudaCommunicator::Allgatherv(const void* in, void* out,
 // (GroupRowReduceScatter: the row reduce-scatter kernel, protocol in
 // cc/kernels/reduce_scatter.cu): each GPU folds only its own elements over the
 // members' registered buffers and writes them straight into `out`. Several
-// groups (or groups of one GPU): the skeleton's allreduce in place on the
-// registered buffer, piece by piece, then this rank's elements copied out
-// (ReduceScatterByAllreduce: correct, twice the traffic). The skeleton's cross
-// step allreduces slices of equal, 16-byte aligned size per group rank; the
-// per-rank row split does not map onto them without a reduce-scatter-only
-// cross step, which is not built. Either way nothing is allocated per call and
-// every element gets the allreduce's bits (the same fold order).
+// groups: the hierarchical reduce-scatter (HierarchicalReduceScatter; the
+// skeleton of cc/algorithms/hierarchical_reduce_scatter.h over
+// DeviceScatterPrimitives): the same kernel folds, for this group rank, the
+// rows of every group's rank of that group rank, and the cross step
+// reduce-scatters them among the peers through pinned host memory. Either
+// way nothing is allocated per call and every element gets the allreduce's
+// bits (the same fold order).
 Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
                                        DataType dtype, ReduceOp op, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
@@ -701,7 +704,7 @@ Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vec
   } else if (one_group) {
     s = GroupRowReduceScatter(in, out, total, my_offset, mine, in_registered, dtype, op);
   } else {
-    s = ReduceScatterByAllreduce(in, out, total, my_offset, mine, in_registered, dtype, op);
+    s = HierarchicalReduceScatter(in, out, counts, in_registered, dtype, op);
   }
   Status left = LeaveWork(caller);  // also after a failure: a capture must be joined
   return Diagnose(s.ok() ? left : s);
@@ -741,10 +744,11 @@ Status CudaCommunicator::GroupRowReduceScatter(const void* in, void* out, size_t
     a.starts_call = !group_.call_started;
     group_.call_started = true;
     const size_t lo = std::max(p0, my_offset), hi = std::min(p0 + n, my_offset + mine);
+    l.num_ranges = 1;
     if (lo < hi) {
-      l.lo = lo - p0;
-      l.hi = hi - p0;
-      l.out = static_cast<char*>(out) + (lo - my_offset) * esize;
+      l.ranges[0].lo = lo - p0;
+      l.ranges[0].hi = hi - p0;
+      l.ranges[0].out = static_cast<char*>(out) + (lo - my_offset) * esize;
     }
     NVG_RETURN_IF_ERROR_CTX(LaunchRowReduceScatter(l, work_),
                             "row reduce-scatter of elements " + std::to_string(p0) + ".." +
@@ -753,33 +757,28 @@ Status CudaCommunicator::GroupRowReduceScatter(const void* in, void* out, size_t
   return Status::Ok();
 }
 
-// Several groups: per piece of the registered capacity, the allreduce in place
-// on the registered buffer (the skeleton: group reduce-scatter, cross step,
-// group allgather), then the piece's part of this rank's elements copied out.
-// The next piece's copy-in follows the allreduce on work_, whose last kernel
-// ends in a barrier of the members (Note [Two-shot schedule]).
-Status CudaCommunicator::ReduceScatterByAllreduce(const void* in, void* out, size_t total, size_t my_offset,
-                                                  size_t mine, bool in_registered, DataType dtype,
-                                                  ReduceOp op) {
+// Several groups: pieces of the registered capacity (whole 16-byte units, so
+// each piece starts aligned) when G > 1, the whole message with groups of one
+// GPU (nothing is read from a peer); a rank's parts of one chunk fit the
+// cross step's buffers (slice_capacity bytes; the receive buffer P copies of
+// one part). The plan is the same on every rank (same counts, owner table,
+// pieces and capacities).
+Status CudaCommunicator::HierarchicalReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
+                                                   bool in_registered, DataType dtype, ReduceOp op) {
+  const Topology& topo = group_.topo;
   const size_t esize = DataTypeSize(dtype);
-  char* reg = static_cast<char*>(registered_buffer());
-  const size_t unit = std::max<size_t>(1, 16 / esize) * group_.topo.group_size;
-  const size_t piece = in_registered ? total : std::max(unit, registered_capacity() / esize / unit * unit);
-  for (size_t p0 = 0; p0 < total; p0 += piece) {
-    const size_t n = std::min(piece, total - p0);
-    if (!in_registered)
-      NVG_CUDA_CHECK(cudaMemcpyAsync(reg, static_cast<const char*>(in) + p0 * esize, n * esize,
-                                     cudaMemcpyDeviceToDevice, work_));
-    NVG_RETURN_IF_ERROR_CTX(AllreducePiece(reg, reg, n, true, 0, dtype, op),
-                            "reducescatter (allreduce of elements " + std::to_string(p0) + ".." +
-                                std::to_string(p0 + n) + ")");
-    const size_t lo = std::max(p0, my_offset), hi = std::min(p0 + n, my_offset + mine);
-    if (lo < hi)
-      NVG_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + (lo - my_offset) * esize,
-                                     reg + (lo - p0) * esize, (hi - lo) * esize,
-                                     cudaMemcpyDeviceToDevice, work_));
-  }
-  return Status::Ok();
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  const size_t unit = std::max<size_t>(1, 16 / esize);
+  const size_t piece = topo.group_size == 1 || in_registered
+                           ? total
+                           : std::max(unit, registered_capacity() / esize / unit * unit);
+  const size_t send_capacity = group_.slice_capacity / esize;
+  const size_t recv_capacity = (group_.slice_capacity + 16 * static_cast<size_t>(topo.group_count)) / esize;
+  NVG_RETURN_IF_ERROR(group_.row_plan.Build(counts, group_.row_owners, topo.group_rank, topo.group_index, piece,
+                                            send_capacity, recv_capacity));
+  DeviceScatterPrimitives prims(&group_, in, in_registered, out, dtype, op, row_scatter_block_cap_, work_);
+  return RunHierarchicalReduceScatter(prims, group_.row_plan);
 }
 
 // Alltoallv on the device, after the same count cross-check as the CPU path.

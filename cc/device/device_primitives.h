@@ -38,9 +38,11 @@
 #include <atomic>
 #include <cstddef>
 #include <memory>
+#include <vector>
 
 #include "algorithms/cross_exchange.h"
 #include "algorithms/hierarchical_allreduce.h"
+#include "algorithms/hierarchical_reduce_scatter.h"
 #include "device/ipc.h"
 #include "kernels/kernels.h"
 #include "nvgroup/communicator.h"
@@ -92,6 +94,13 @@ struct DeviceGroup {
   cudaEvent_t reduce_scattered[2] = {nullptr, nullptr};  // chunk's reduce-scatter done
   cudaEvent_t staged[2] = {nullptr, nullptr};            // slice copied into host_send[k]
   cudaEvent_t returned[2] = {nullptr, nullptr};          // host_result[k] copied back
+  // Hierarchical reduce-scatter: the group fold's output (this rank's parts
+  // of a chunk, the cross step's send buffer; slice_capacity bytes each, by
+  // chunk parity), who sits where, and the call's plan and part counts.
+  char* row_send[2] = {nullptr, nullptr};  // device memory
+  RowOwners row_owners;
+  RowScatterPlan row_plan;
+  std::vector<size_t> row_parts[2];
 };
 
 class DevicePrimitives {
@@ -123,6 +132,53 @@ class DevicePrimitives {
   size_t esize_;
   cudaStream_t stream_;
   bool in_flight_[2] = {false, false};  // a cross job of that parity was started
+  uint64_t ticket_[2] = {0, 0};
+};
+
+// The CUDA primitives of the hierarchical reduce-scatter
+// (cc/algorithms/hierarchical_reduce_scatter.h), chunk c with k = c % 2:
+//   GroupFold: G > 1: the row reduce-scatter kernel on the piece
+//     (cc/kernels/reduce_scatter.cu), one range per group j (our part (j, l)),
+//     written consecutively into row_send[k]; groups in batches of
+//     kMaxRowRanges, one launch each, the same launches on every member (a
+//     part may be empty); the piece's first launch copies `in` in. G == 1:
+//     device copies of the parts from `in` into row_send[k]. Before either,
+//     the stream waits for staged[k] (the copy of chunk c - 2 out of
+//     row_send[k]); after, it records reduce_scattered[k].
+//   CrossStart, host-staged (MPI not CUDA-aware): cross_stream waits for
+//     reduce_scattered[k], copies row_send[k] into pinned host_send[k],
+//     records staged[k]; the CrossExchange reduce-scatter job (ready: staged[k]
+//     and returned[k], the copy of chunk c - 2 out of host_result[k]) folds the
+//     P copies of our part on the host (ReduceFold, divisor size for Average)
+//     into host_result[k], then copies it into `out` on h2d_stream and records
+//     returned[k]. CUDA-aware: the job sends row_send[k] itself (ready:
+//     reduce_scattered[k]), receives into device_recv[k] and the device fold
+//     writes `out` on fold_stream, synchronized before the job finishes.
+//   CrossFinish: waits for the job.
+//   Finish: the stream waits for returned[0..1], so the caller sees `out`
+//     complete (CUDA-aware: nothing left in flight).
+// A chunk with no part for our group rank is skipped by all its peers alike.
+class DeviceScatterPrimitives {
+ public:
+  DeviceScatterPrimitives(DeviceGroup* group, const void* in, bool in_registered, void* out, DataType dtype,
+                          ReduceOp op, int row_block_cap, cudaStream_t stream);
+  Status GroupFold(const RowChunk& chunk);
+  Status CrossStart(const RowChunk& chunk);
+  Status CrossFinish(const RowChunk& chunk);
+  Status Finish();
+
+ private:
+  DeviceGroup* group_;
+  const RowScatterPlan& plan_;
+  const char* in_;
+  bool in_registered_;
+  char* out_;
+  DataType dtype_;
+  ReduceOp op_;
+  size_t esize_;
+  int row_block_cap_;
+  cudaStream_t stream_;
+  bool in_flight_[2] = {false, false};
   uint64_t ticket_[2] = {0, 0};
 };
 

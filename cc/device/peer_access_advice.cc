@@ -21,6 +21,12 @@ std::string NoPeerAccessWarning(int node_index, const std::vector<int>& visible_
            "resource set per node, e.g. jsrun -r1 -a6 -g6 -c42 -b packed:7; srun: no "
            "--gpus-per-task/--gpu-bind, or --gpu-bind=none; mpirun: do not set "
            "CUDA_VISIBLE_DEVICES per rank); the GPU is then picked by local rank.";
+  const bool one_gpu = n > 1 && std::set<std::string>(bus_ids.begin(), bus_ids.end()).size() == 1;
+  if (one_gpu)
+    return head + "the " + std::to_string(n) + " local ranks share one GPU (" + bus_ids[0] +
+           "), so each rank is its own group and all reduction crosses MPI through host memory "
+           "(slow). Run one rank per GPU; for tests, NVGROUP_ONE_GPU_GROUP=1 (under MPS) makes "
+           "the ranks of one GPU one NV-group.";
   return head + "the " + std::to_string(n) +
          " local GPUs lack mutual peer access (NVLink); using host-staged MPI between "
          "single-GPU groups (slow)";

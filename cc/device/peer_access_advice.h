@@ -14,7 +14,8 @@ namespace nvgroup {
 // one GPU and the GPUs differ, the launcher restricted visibility (jsrun -g1
 // resource sets, srun --gpus-per-task/--gpu-bind, a per-rank
 // CUDA_VISIBLE_DEVICES): the message says so and how to launch instead.
-// Otherwise it is the generic "lack mutual peer access" warning.
+// When all local ranks share one GPU (one bus id), it says so. Otherwise it is
+// the generic "lack mutual peer access" warning.
 std::string NoPeerAccessWarning(int node_index, const std::vector<int>& visible_devices,
                                 const std::vector<std::string>& bus_ids,
                                 const char* cuda_visible_devices);

@@ -3,22 +3,27 @@
 // uneven), used by CudaCommunicator::ReduceScatter when all ranks form one
 // NV-group. Each GPU reduces exactly its own elements, loading every member's
 // registered buffer over CUDA IPC, and writes them straight into the caller's
-// output; nothing is allocated per call.
+// output; nothing is allocated per call. Over several NV-groups the same
+// kernel is the group step of the hierarchical reduce-scatter
+// (cc/algorithms/hierarchical_reduce_scatter.h): group rank l folds one range
+// per group j (the rows of rank (j, l) in the chunk) into its send buffer.
 //
 // One launch per piece of the message (a piece fits the registered buffer;
 // element 0 of a piece lies 16-byte aligned at the start of every member's
-// registered data). Grid and piece size are the same on every member; only
-// the range [lo, hi) differs. Stages of a launch on rank r:
+// registered data); several groups: several per piece, one per chunk and
+// batch of kMaxRowRanges groups, the first one copying in. Grid, piece size
+// and launch sequence are the same on every member; only the ranges [lo, hi)
+// differ, and no two members' ranges overlap. Stages of a launch on rank r:
 //   copy-in (when the input is not already in the registered buffer): global
 //     thread t copies units t, t + step, t + 2 step, ... (16-byte units of the
 //     piece; step = threads in the grid) of its input into its own registered
 //     data;
 //   start barrier (GroupBarrier, Note [Barrier protocol] in p2p_allreduce.cuh);
-//   fold: global thread t folds the units u = t, t + step, ... that intersect
-//     [lo, hi): element i of the unit over members 0..G-1 in group_rank order
+//   fold, for each range [lo, hi) in turn: global thread t folds the units
+//     u = t, t + step, ... that intersect [lo, hi): element i of the unit over members 0..G-1 in group_rank order
 //     (FoldUnit, the accumulation type, rounded once; the same order as the
 //     CPU path's ReduceFold and the allreduce kernels, so every element gets
-//     the allreduce's bits), stored to out[i - lo] (local memory);
+//     the allreduce's bits), stored to the range's out[i - lo] (local memory);
 //   end barrier.
 // Memory ordering, and what each step rests on:
 //   * the fold of unit u on rank r reads member p's unit u only after the start
@@ -31,6 +36,11 @@
 //     already lay in the registered buffer it was written by earlier work on
 //     p's stream, complete before p's kernel started and so before its
 //     arrival (the rule the two-shot pull path rests on as well).
+//   * a later launch of the same piece (no copy-in) reads what the first one
+//     copied in: every block b of r passed the first launch's end barrier only
+//     after member p's block b arrived there, after its copy-in (acquire of
+//     that release), and r's later launch follows on r's stream, so the
+//     copy-in happens before its loads (causality is transitive).
 //   * the end barrier orders every member's loads of r's registered data (the
 //     fold) before r's next stores into it: r's later writes (the next piece's
 //     copy-in, the next call, the engine's fusion copy) are in later kernels on
@@ -90,9 +100,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kTwoShotMinBlocksPerSm)
   // orders: every member's piece is in its registered data
   if (!GroupBarrier<G>(a, bs)) return;
 
-  T* out = static_cast<T*>(l.out);
-  const size_t lo = l.lo, hi = MinSize(l.hi, a.count);
-  if (lo < hi) {
+  for (int r = 0; r < l.num_ranges; ++r) {
+    T* out = static_cast<T*>(l.ranges[r].out);
+    const size_t lo = l.ranges[r].lo, hi = MinSize(l.ranges[r].hi, a.count);
+    if (lo >= hi) continue;
     // The first unit >= lo / kE that this thread owns (u congruent to first mod step).
     const size_t u_lo = lo / kE, u_hi = (hi + kE - 1) / kE;
     size_t u = u_lo - u_lo % step + first;
@@ -198,10 +209,16 @@ Status LaunchRowReduceScatter(const RowScatterLaunch& l, cudaStream_t stream) {
   if (a.group_size < 2 || a.group_size > kMaxGroupSize)
     return Status::InvalidArgument("row reduce-scatter: group size " + std::to_string(a.group_size) +
                                    " outside 2.." + std::to_string(kMaxGroupSize));
-  if (l.lo > l.hi || l.hi > a.count || (l.lo < l.hi && l.out == nullptr))
-    return Status::InvalidArgument("row reduce-scatter: range [" + std::to_string(l.lo) + ", " +
-                                   std::to_string(l.hi) + ") of a piece of " +
-                                   std::to_string(a.count) + " elements, or no output");
+  if (l.num_ranges < 0 || l.num_ranges > kMaxRowRanges)
+    return Status::InvalidArgument("row reduce-scatter: " + std::to_string(l.num_ranges) + " ranges (at most " +
+                                   std::to_string(kMaxRowRanges) + ")");
+  for (int r = 0; r < l.num_ranges; ++r) {
+    const RowRange& g = l.ranges[r];
+    if (g.lo > g.hi || g.hi > a.count || (g.lo < g.hi && g.out == nullptr))
+      return Status::InvalidArgument("row reduce-scatter: range [" + std::to_string(g.lo) + ", " +
+                                     std::to_string(g.hi) + ") of a piece of " +
+                                     std::to_string(a.count) + " elements, or no output");
+  }
   RowKernel kernel = KernelFor(a.dtype, a.group_size);
   if (kernel == nullptr)
     return Status::Unimplemented(std::string("row reduce-scatter: no kernel for dtype ") +

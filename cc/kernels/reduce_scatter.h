@@ -15,7 +15,18 @@ namespace nvgroup {
 
 // One launch reduces one *piece* of the message (at most the registered
 // capacity). Every member of the group launches it with the same `base.count`
-// and `base.blocks` (the barrier pairs block b with block b); `lo`/`hi` differ.
+// and `base.blocks` (the barrier pairs block b with block b); the ranges differ.
+// Row ranges one launch folds (the hierarchical reduce-scatter passes one per
+// group, in batches of this many: every member launches the same batches).
+constexpr int kMaxRowRanges = 16;
+
+// Elements [lo, hi) of the piece, folded over the members, go to out[0..hi-lo).
+struct RowRange {
+  size_t lo = 0;  // lo == hi: none
+  size_t hi = 0;
+  void* out = nullptr;  // this rank's memory (the caller's output, or a send buffer)
+};
+
 struct RowScatterLaunch {
   // peers.data[p]: member p's registered data, where the piece lies (element 0
   // of the piece at a 16-byte aligned address); count: elements of the piece;
@@ -24,9 +35,9 @@ struct RowScatterLaunch {
   // control, timeout_ns, starts_call as for the two-shot kernel. out and phases
   // are not used.
   P2pLaunch base;
-  size_t lo = 0;        // this rank's elements [lo, hi) of the piece (lo == hi: none)
-  size_t hi = 0;
-  void* out = nullptr;  // element lo of the piece goes to out[0] (the caller's buffer)
+  // This rank's ranges of the piece (disjoint from every other member's).
+  int num_ranges = 0;
+  RowRange ranges[kMaxRowRanges];
 };
 
 Status LaunchRowReduceScatter(const RowScatterLaunch& launch, cudaStream_t stream);

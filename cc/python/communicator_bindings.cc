@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "algorithms/cross_exchange.h"
+#include "algorithms/hierarchical_reduce_scatter.h"
 #include "device/peer_access_advice.h"
 #include "transport/liveness_address.h"
 #include "nvgroup/communicator.h"
@@ -160,6 +161,31 @@ void RegisterCommunicatorBindings(py::module_& m) {
   // Bytes this process posted to other ranks in cross-group exchanges
   // (cc/algorithms/cross_exchange.h), for tests of the traffic volume.
   m.def("cross_bytes_sent", [] { return CrossExchange::BytesSent(); });
+  // The hierarchical reduce-scatter's plan for the rank (group_index,
+  // group_rank), pure geometry (cc/algorithms/hierarchical_reduce_scatter.h),
+  // for tests of placements one machine cannot produce (groups of ranks that
+  // are not consecutive, as under jsrun): rank_of[j * group_size + l] = the
+  // rank with group_index j, group_rank l. Returns one (piece_begin,
+  // piece_count, k, K, [(part_begin, part_count) per group]) per chunk.
+  m.def("_row_scatter_plan",
+        [](const std::vector<size_t>& counts, const std::vector<int>& rank_of, int group_size, int group_count,
+           int group_rank, int group_index, size_t piece, size_t send_capacity, size_t recv_capacity) {
+          RowOwners owners;
+          owners.group_size = group_size;
+          owners.group_count = group_count;
+          owners.rank_of = rank_of;
+          RowScatterPlan plan;
+          ThrowIfError(plan.Build(counts, owners, group_rank, group_index, piece, send_capacity, recv_capacity));
+          py::list chunks;
+          for (size_t c = 0; c < plan.num_chunks(); ++c) {
+            const RowChunk ch = plan.Chunk(c);
+            py::list parts;
+            for (int j = 0; j < group_count; ++j)
+              parts.append(py::make_tuple(plan.PartBegin(ch, j), plan.PartCount(ch, j)));
+            chunks.append(py::make_tuple(ch.piece_begin, ch.piece_count, ch.k, ch.K, parts));
+          }
+          return chunks;
+        });
   // Rank 0's liveness addresses, best first (cc/transport/liveness_address.h):
   // interfaces as [(name, "a.b.c.d")], the settings spelled out.
   m.def("choose_liveness_addresses",

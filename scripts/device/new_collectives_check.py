@@ -4,7 +4,11 @@ ranks share it as one NV-group, NVGROUP_ONE_GPU_GROUP=1 under MPS, as
 scripts/device/run_all.sh sets up; stage `newcoll` there runs it).
 
   1. Communicator.reduce_scatter (the row reduce-scatter kernel in one
-     NV-group; the allreduce fallback over several groups): every dtype
+     NV-group; over several groups the hierarchical reduce-scatter: that
+     kernel's group fold of every group's rows for this group rank, then a
+     reduce-scatter-only cross step through pinned host memory, pipelined in
+     chunks; its cross-group bytes must be exactly the reduce-scatter's, never
+     the allreduce's, and its rows bitwise the allreduce's): every dtype
      (uint8, int8, uint16, int16, int32, int64, float16, bfloat16, float32,
      float64) x Sum/Average/Min/Max/Product x Horovod's uneven row split
      (zero rows included) x input outside / inside the registered buffer x a
@@ -18,7 +22,9 @@ scripts/device/run_all.sh sets up; stage `newcoll` there runs it).
   4. the engine on device='cuda:N': reducescatter (Sum/Average, pre/postscale,
      integer scale semantics), grouped_reducescatter, alltoall (uneven, zero
      and no splits), grouped_allgather, allreduce of the 8/16-bit integers with
-     and without scale factors.
+     and without scale factors; with 4 ranks also as 2 NV-groups of 2:
+     reducescatter and grouped_reducescatter through the hierarchical
+     reduce-scatter (cross-group bytes exactly the reduce-scatter's).
 Every result: random data (never all zero), every element against a float64
 (floats, within the summation's rounding) or exact-integer reference
 (wrap-around arithmetic), bitwise equal on all ranks, and bitwise equal to the
@@ -35,6 +41,7 @@ on any failure.
 import argparse
 import ctypes
 import hashlib
+import os
 import sys
 import traceback
 
@@ -245,7 +252,26 @@ def shapes():
 BIG = (4099, 257)  # > the 1 MiB registered buffer for every dtype: several pieces
 
 
-def reduce_scatter_case(c, h, label, dtype, op, dim0, row, seed, in_registered, misaligned):
+def owner_table(c):
+    """(group_index, group_rank) -> rank, and this rank's topology."""
+    t = c.topology()
+    places = comm.allgather((t["group_index"], t["group_rank"]))
+    return {p: r for r, p in enumerate(places)}, t
+
+
+def expected_cross_bytes(counts, esize, owners):
+    """What the hierarchical reduce-scatter posts in cross-group exchanges: this
+    rank's group partials of the rows of its group rank's peers in the other
+    groups, once (none with one group). The old path (allreduce, then the rows)
+    posted the allreduce's reduce-scatter + allgather bytes instead."""
+    rank_of, t = owners
+    if t["group_count"] == 1:
+        return 0
+    l, g = t["group_rank"], t["group_index"]
+    return sum(counts[rank_of[(j, l)]] for j in range(t["group_count"]) if j != g) * esize
+
+
+def reduce_scatter_case(c, h, label, dtype, op, dim0, row, seed, in_registered, misaligned, owners):
     counts = [rows(dim0, r) * row for r in range(size)]
     total, mine = sum(counts), counts[rank]
     start = sum(counts[:rank])
@@ -265,11 +291,16 @@ def reduce_scatter_case(c, h, label, dtype, op, dim0, row, seed, in_registered, 
         in_ptr = c.registered_buffer()
     sync()
     try:
+        before = E.cross_bytes_sent()
         c.reduce_scatter(in_ptr, out.ptr + off * esize, counts, dtype, op, stream=STREAM_PTR)
         c.synchronize(STREAM_PTR)
+        sent = E.cross_bytes_sent() - before
     except Exception as e:  # noqa: BLE001 -- a failure is a check failure, keep going
         check(False, "%s raised %s" % (what, e))
         return
+    want_sent = expected_cross_bytes(counts, esize, owners)
+    check(sent == want_sent, "%s: posted %d cross-group bytes, the reduce-scatter's are %d" % (
+        what, sent, want_sent))
     got_all = out.get()
     got = got_all[off:off + mine]
     check(bitwise(got_all[:off], sentinel[:off]) and bitwise(got_all[off + mine:], sentinel[off + mine:]),
@@ -402,13 +433,16 @@ def alltoallv_capture_on_one_rank(c, label):
           "%s: expected the capture error on every rank, got %r" % (what, error))
 
 
-def communicator_sections(label, group_size, seed0):
+def communicator_sections(label, group_size, seed0, pipeline_chunk=0):
     global section
     capacity = 1 << 20
-    c = E.Communicator(comm.py2f(), device=DEVICE, group_size=group_size, registered_bytes=capacity)
+    c = E.Communicator(comm.py2f(), device=DEVICE, group_size=group_size, registered_bytes=capacity,
+                       pipeline_chunk=pipeline_chunk)
     h = None
     if ON_GPU:
-        h = E.Communicator(comm.py2f(), device="cpu", group_size=group_size, registered_bytes=capacity)
+        h = E.Communicator(comm.py2f(), device="cpu", group_size=group_size, registered_bytes=capacity,
+                           pipeline_chunk=pipeline_chunk)
+    owners = owner_table(c)
     t = c.topology()
     label = "%s[%dx%d]" % (label, t["group_count"], t["group_size"])
     if rank == 0:
@@ -420,11 +454,11 @@ def communicator_sections(label, group_size, seed0):
             for dim0, row in shapes():
                 k += 1
                 reduce_scatter_case(c, h, label, dtype, op, dim0, row, seed0 + k, in_registered=(k % 3 == 0),
-                                    misaligned=(k % 2 == 1))
+                                    misaligned=(k % 2 == 1), owners=owners)
         for op in ("sum", "average"):
             if not args.quick or dtype in ("int8", "float32"):
                 k += 1
-                reduce_scatter_case(c, h, label, dtype, op, BIG[0], BIG[1], seed0 + k, False, k % 2 == 1)
+                reduce_scatter_case(c, h, label, dtype, op, BIG[0], BIG[1], seed0 + k, False, k % 2 == 1, owners)
     section = "allreduce small ints " + label
     allreduce_small_ints(c, label, seed0 + 50000)
     section = "alltoallv " + label
@@ -444,6 +478,91 @@ def gpu_result(got, what):
     if ON_GPU:
         check(bitwise(got[DEVICE], got["cpu"]), "%s: not bitwise equal to the CPU path" % what)
     return got[DEVICE]
+
+
+def engine_two_groups_section():
+    """4 ranks, the engine initialized as 2 NV-groups of 2 (NVGROUP_GROUP_SIZE=2):
+    reducescatter and grouped_reducescatter through the hierarchical
+    reduce-scatter on DEVICE and on the CPU, Sum/Average with scale factors;
+    every row against the float64 / exact reference, bitwise equal to the CPU
+    path's and to the engine allreduce's rows, and the cross-group bytes of
+    each call exactly the reduce-scatter's."""
+    global section
+    probe = E.Communicator(comm.py2f(), device=DEVICE, group_size=2)
+    owners = owner_table(probe)
+    del probe
+    os.environ["NVGROUP_GROUP_SIZE"] = "2"
+    E.init(comm.py2f())
+    section = "engine 2x2 reducescatter"
+    devices = (DEVICE, "cpu") if ON_GPU else ("cpu",)
+    cases = [(d, op, pre, post) for d in ("float32", "bfloat16", "float16", "float64", "int32", "int8") for op, pre, post
+             in (("sum", 1.0, 1.0), ("average", 1.0, 1.0), ("sum", 0.5, 3.0), ("average", 3.0, 0.5))]
+    for k, (dtype, op, pre, post) in enumerate(cases):
+        shapes_g = [[2 * size + 1, 3], [1, 4], [size - 1, 2], [4099, 33]]
+        small = dtype in INTS and (pre != 1.0 or post != 1.0)
+        xs = []
+        for i, sh in enumerate(shapes_g):
+            n = int(np.prod(sh))
+            if small:
+                xs.append([np.random.default_rng([700000 + k, i, r]).integers(-20, 21, n).astype(NP[dtype])
+                           for r in range(size)])
+            else:
+                xs.append([data(700000 + 10 * k + i, r, n, dtype) for r in range(size)])
+        esize = np.dtype(NP[dtype]).itemsize
+        want_sent = sum(expected_cross_bytes([rows(sh[0], r) * int(np.prod(sh[1:])) for r in range(size)], esize,
+                                             owners) for sh in shapes_g)
+        got = {}
+        for device in devices:
+            for grouped in (False, True):
+                keep = [Buf(x[rank]) if device != "cpu" else x[rank].copy() for x in xs]
+                sync()
+                ptr = [(b.ptr if device != "cpu" else b.ctypes.data) for b in keep]
+                what = "engine 2x2 %s reducescatter %s %s pre=%g post=%g on %s" % (
+                    "grouped" if grouped else "plain", dtype, op, pre, post, device)
+                try:
+                    before = E.cross_bytes_sent()
+                    if grouped:
+                        hs = E.grouped_reducescatter_async(
+                            [("g2x2/%s/%d/%d" % (device, k, i), ptr[i], sh, dtype, device)
+                             for i, sh in enumerate(shapes_g)], op, pre, post)
+                    else:
+                        hs = [E.reducescatter_async("p2x2/%s/%d/%d" % (device, k, i), ptr[i], sh, dtype, op, pre,
+                                                    post, device=device) for i, sh in enumerate(shapes_g)]
+                    got[(device, grouped)] = [fetch_engine_output(E.wait(hh, 120), NP[dtype])[0] for hh in hs]
+                    sent = E.cross_bytes_sent() - before
+                    check(sent == want_sent, "%s: posted %d cross-group bytes, the reduce-scatters' are %d" % (
+                        what, sent, want_sent))
+                except Exception as e:  # noqa: BLE001
+                    check(False, "%s raised %s" % (what, e))
+        if any(key not in got for key in [(d, g) for d in devices for g in (False, True)]):
+            continue
+        for i, sh in enumerate(shapes_g):
+            row = int(np.prod(sh[1:]))
+            a = sum(rows(sh[0], r) for r in range(rank)) * row
+            b = a + rows(sh[0], rank) * row
+            what = "engine 2x2 reducescatter %s %s pre=%g post=%g %s" % (dtype, op, pre, post, sh)
+            g = got[(DEVICE, False)][i]
+            for key in got:
+                check(bitwise(got[key][i], g), "%s: %s differs from plain on %s" % (what, key, DEVICE))
+            x = Buf(xs[i][rank]) if ON_GPU else xs[i][rank].copy()
+            y = Buf(np.zeros(int(np.prod(sh)), NP[dtype])) if ON_GPU else np.zeros(int(np.prod(sh)), NP[dtype])
+            sync()
+            p = (lambda m: m.ptr) if ON_GPU else (lambda m: m.ctypes.data)
+            try:
+                E.wait(E.allreduce_async("a2x2/%d/%d" % (k, i), p(x), p(y), sh, dtype, op, pre, post,
+                                         device=DEVICE), 120)
+                full = y.get() if ON_GPU else y
+                check(bitwise(g, full[a:b]), "%s: rows differ from the engine allreduce's" % what)
+            except Exception as e:  # noqa: BLE001
+                check(False, "%s: allreduce raised %s" % (what, e))
+            parts = [xr[a:b] for xr in xs[i]]
+            if dtype in INTS:
+                want = int_engine_reference(parts, dtype, op, pre, post)
+                check(bitwise(g, want), "%s: wrong integer rows (first %s, want %s)" % (what, g[:4], want[:4]))
+            else:
+                float_check(g, parts, dtype, op, what, pre, post)
+    E.shutdown()
+    del os.environ["NVGROUP_GROUP_SIZE"]
 
 
 def engine_section():
@@ -612,9 +731,12 @@ def engine_section():
 # ---------------------------------------------------------------- main
 try:
     communicator_sections("default", 0, 10000)
-    communicator_sections("groups-of-1", 1, 20000)
+    # several groups: a 256 KiB pipeline chunk, so the hierarchical reduce-scatter
+    # cuts each 1 MiB piece into several pipelined chunks
+    communicator_sections("groups-of-1", 1, 20000, pipeline_chunk=1 << 18)
     if size == 4:
-        communicator_sections("2x2", 2, 30000)
+        communicator_sections("2x2", 2, 30000, pipeline_chunk=1 << 18)
+        engine_two_groups_section()
     engine_section()
 except Exception:  # noqa: BLE001 -- an unexpected error: report it and end the job (no hang)
     print("[rank %d] FAIL crash: %s" % (rank, traceback.format_exc()), flush=True)

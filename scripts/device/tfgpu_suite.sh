@@ -10,6 +10,7 @@
 #         full   (kit in TFGPU_FULL=1 mode: real cuBLAS/cuDNN) Keras fit of Dense and Conv models, with and
 #                without XLA, and examples/resnet50/train.py on the GPU (NVGROUP_TEST_TF_GPU_DENSE=1)
 #         bench  step cost, 1 and 2 ranks sharing the GPU
+#         race   the allgather-race check alone (2 ranks), and on the baseline when one is carried
 #         old    if tfgpu_carry.sh carried a baseline op library (TFGPU_OLD_LIB): the adapter-defect checks
 #                (during `suite`) and the benchmark against it, to show what the fixes change
 # Logs go to $OUT (at most 8 files come back); a summary is printed last.
@@ -34,7 +35,7 @@ status=0
 DEADLINE=${TFGPU_SUITE_SECONDS:-540}
 left() { local l=$((DEADLINE - SECONDS)); [ $l -lt 1 ] && l=1; [ $l -lt "$1" ] && echo $l || echo "$1"; }
 OLD=""
-if [[ " $STAGES " == *" old "* ]] && [ -f "$HERE/old/libnvgroup_tf_ops.so" ]; then
+if [[ " $STAGES " == *" old "* || " $STAGES " == *" race "* ]] && [ -f "$HERE/old/libnvgroup_tf_ops.so" ]; then
   rm -rf /tmp/tfgpu/old && mkdir -p /tmp/tfgpu/old
   if [ -d "$HERE/old/nvgroup_tf" ]; then cp -r "$HERE/old/nvgroup_tf" /tmp/tfgpu/old/  # the baseline's own package
   else cp -r /tmp/tfgpu/proj/nvgroup_tf /tmp/tfgpu/old/; fi
@@ -76,6 +77,10 @@ for stage in $STAGES; do
         tests/gpu/test_tf_gpu.py -k "resnet50" >> "$OUT/suite_full.log" 2>&1; rc=$?
       note "suite (full: ResNet-50 example): rc=$rc $(tail -1 "$OUT/suite_full.log")"; [ $rc = 0 ] || status=1
       grep -h '^RESNET50_GPU' "$OUT/suite_full.log" | cut -c1-400 | tee -a "$SUMMARY" ;;
+    race)
+      timeout "$(left 150)" mpirun -np 2 $MPIRUN_X python3 "$W/tf_gpu_collectives.py" race > "$OUT/race.log" 2>&1; rc=$?
+      note "race (2 ranks, this code): rc=$rc $(grep -h 'checks, ' "$OUT/race.log" | tr '\n' ' ')"; [ $rc = 0 ] || status=1
+      [ -n "$OLD" ] && old_check 150 2 tf_gpu_collectives.py race ;;
     bench)
       for np in 1 2; do
         timeout "$(left 60)" mpirun -np $np $MPIRUN_X -x NVG_COMMIT python3 "$HERE/tf_gpu_step_bench.py" --label fixed \

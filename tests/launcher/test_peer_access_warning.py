@@ -25,9 +25,19 @@ def test_each_rank_sees_only_its_gpu_names_the_cause_and_the_fix():
 @pytest.mark.parametrize("visible,bus", [
     ([6] * 6, BUS),            # all GPUs visible, no NVLink between them: really no peer access
     ([1, 6], BUS[:2]),         # mixed visibility: not the launcher pattern
-    ([1, 1], [BUS[0]] * 2),    # two ranks on the same GPU (one-GPU sharing): not a restriction
 ])
 def test_other_cases_keep_the_generic_warning(visible, bus):
     msg = engine.no_peer_access_warning(0, visible, bus, None)
     assert msg == ("nvgroup WARNING: node 0: the %d local GPUs lack mutual peer access (NVLink); "
                    "using host-staged MPI between single-GPU groups (slow)" % len(visible))
+
+
+@pytest.mark.parametrize("visible", [[1, 1], [1, 1, 1]])
+def test_ranks_sharing_one_gpu_are_told_so_not_lack_of_peer_access(visible):
+    # Two or three ranks on one GPU (each sees that one): not a launcher
+    # restriction and not missing NVLink; the message says they share it.
+    msg = engine.no_peer_access_warning(0, visible, [BUS[0]] * len(visible), None)
+    assert msg.startswith("nvgroup WARNING: node 0: the %d local ranks share one GPU (%s)"
+                          % (len(visible), BUS[0]))
+    assert "NVGROUP_ONE_GPU_GROUP=1" in msg and "one rank per GPU" in msg
+    assert "lack mutual peer access" not in msg

@@ -104,6 +104,23 @@ def test_killed_rank_is_named_by_the_survivors(tmp_path, victim, kind):
             "rank %d accepted a collective after the death:\n%s" % (survivor, r.output)
 
 
+def test_killed_rank_in_hierarchical_reducescatter_is_named_by_every_survivor(tmp_path):
+    """4 ranks as 2 NV-groups of 2, reducescatter in a loop (the hierarchical
+    reduce-scatter): rank 3 is killed; its group member and the ranks of the
+    other group all report it, as for the allreduce."""
+    r = run_recorded(tmp_path, "rank_failure.py", 4, [3, 150, "kill", "reducescatter"],
+                     env={"NVGROUP_TIMEOUT": 60, "NVGROUP_GROUP_SIZE": 2})
+    assert not r.timed_out, r
+    assert r.returncode != 0, r
+    killed = lines(r, r"^rank 3: KILL ([0-9.]+)$")
+    assert killed, r
+    for survivor in (0, 1, 2):
+        caught = lines(r, r"^rank %d: CAUGHT ([0-9.]+) UNAVAILABLE: rank 3 \(host [^,]+, pid \d+\) died or "
+                          r"exited without shutdown\(\); aborting$" % survivor)
+        assert caught, "rank %d did not report the death of rank 3:\n%s" % (survivor, r.output)
+        assert float(caught[0]) - float(killed[0]) < 1.0, r.output
+
+
 def test_killed_rank_raises_unavailable_error_in_tensorflow(tmp_path):
     r = run_recorded(tmp_path, "tf_rank_failure.py", 3, [1, 30], env={"NVGROUP_TIMEOUT": 60})
     assert not r.timed_out, r

@@ -110,9 +110,13 @@ class Collectives {
   // order). CPU and CUDA: with one group of several ranks this is the
   // skeleton's group reduce-scatter step itself (each rank folds only its own
   // rows, reading the members' registered buffers: shared memory, or CUDA IPC
-  // in the row reduce-scatter kernel, cc/kernels/reduce_scatter.cu); otherwise
-  // the allreduce's fold, then the rank's rows. `out` must not overlap the
-  // registered buffer; `in` may be the registered buffer from its start.
+  // in the row reduce-scatter kernel, cc/kernels/reduce_scatter.cu); over
+  // several groups the hierarchical reduce-scatter (that group step for every
+  // group's rows, then a reduce-scatter-only cross step:
+  // cc/algorithms/hierarchical_reduce_scatter.h); CPU with
+  // NVGROUP_ALLREDUCE_ALGORITHM=mpi the flat allreduce, then the rank's rows.
+  // `out` must not overlap the registered buffer; `in` may be the registered
+  // buffer from its start (it is left unchanged).
   virtual Status ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
                                DataType dtype, ReduceOp op, void* stream) = 0;
 

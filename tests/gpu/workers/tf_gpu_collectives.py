@@ -290,39 +290,70 @@ def check_run_ahead(c, d):
 
 def check_allgather_race(c, d):
     """Allgather's output is allocated on the engine thread, after negotiation.
-    Meanwhile TF keeps enqueueing a chain of kernels whose temporaries have the
-    output's size; a temporary freed by TF is handed out again at once, while
-    the kernels that write it are still queued on TF's stream. Unless readiness
-    is recorded after the allocation, the engine writes the output before those
-    kernels run, and they overwrite it (or the chain reads the engine's data)."""
+    The race, made likely: rank 0's allgather starts at once (the old code
+    recorded readiness here), while rank 1 reaches its allgather only ~40 ms
+    later (its input comes through a sleeping py_function), so rank 0's
+    negotiation, and with it the output allocation, happens while TF has
+    queued a long chain of kernels on its stream whose temporaries have the
+    output's size: each temporary TF frees is handed out again at once, while
+    the kernels that use it are still queued. Unless readiness is recorded
+    after the allocation, the engine writes the output before those kernels
+    run: they then read the engine's data (the chain comes out wrong) or
+    overwrite the output (the allgather comes out wrong). Integer-valued
+    float32 data and integer steps keep both references exact."""
+    import time
     size = hvd.size()
-    rows, cols = 2048, 4096          # 32 MiB of float32 per rank: each chain kernel takes a while
-    per = [np.random.default_rng([8000, r]).standard_normal((rows, cols)).astype(np.float32) for r in range(size)]
+    rows, cols = 2048, 4096          # 32 MiB of float32 per rank
+    per = [np.random.default_rng([8000, r]).integers(-1000, 1000, (rows, cols)).astype(np.float32)
+           for r in range(size)]
     gathered_shape = (rows * size, cols)
-    seed = np.random.default_rng([8001, hvd.rank()]).standard_normal(gathered_shape).astype(np.float32)
-    steps = 60
+    seed = np.random.default_rng([8001, hvd.rank()]).integers(-1000, 1000, gathered_shape).astype(np.float32)
+    steps = 1500                     # ~128 MiB of traffic per kernel: tens of ms of queued work
+    delay = 0.04 if hvd.rank() == 1 else 0.0
 
-    @tf.function
+    def sleep_then(t, seconds):
+        time.sleep(seconds)
+        return t
+
     def race(x, y):
+        if delay:
+            x = tf.py_function(lambda t: sleep_then(t, delay), [x], tf.float32)
+            x.set_shape((rows, cols))
         g = hvd.allgather(x, name="race")   # no dependency on the chain below
-        for k in range(steps):                                # temporaries of g's size, freed at once
-            y = tf.math.sqrt(tf.math.abs(y) + 1.0) + float(k % 3)
+        # The chain starts after the allgather has started (a 2 ms gate), and
+        # behind GPU work that is quick to launch and slow to run (sorts of
+        # the whole tensor), so TF's stream is still far behind its host side
+        # when rank 0's output is allocated. 0 * (a finite value) adds nothing.
+        blocker = tf.reshape(y, [-1])
+        for _ in range(3):
+            blocker = tf.sort(blocker)
+        y = y + 0.0 * blocker[0] + tf.py_function(lambda: sleep_then(tf.constant(0.0), 0.002), [], tf.float32)
+        for k in range(steps):           # temporaries of g's size, each freed at once
+            y = y + float(k % 3 + 1)
         return g, y
 
-    want_g = np.concatenate(per, axis=0)
-    want_y = seed.astype(np.float64)
-    for k in range(steps):
-        want_y = np.sqrt(np.abs(want_y) + 1.0) + float(k % 3)
-    bad_g = bad_y = 0
-    for trial in range(12):
+    # Grappler would fold the chain of adds; the check needs every kernel.
+    saved = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    try:
+        race_fn = tf.function(race)
         with tf.device(GPU):
-            g, y = race(tf.constant(per[hvd.rank()]), tf.constant(seed))
+            x0, y0 = tf.constant(per[hvd.rank()]), tf.constant(seed)
+            race_fn.get_concrete_function(x0, y0)
+    finally:
+        tf.config.optimizer.set_experimental_options(saved)
+    want_g = np.concatenate(per, axis=0)
+    want_y = seed + np.float32(sum(k % 3 + 1 for k in range(steps)))
+    trials, bad_g, bad_y = 5, 0, 0
+    for trial in range(trials):
+        with tf.device(GPU):
+            g, y = race_fn(x0, y0)
         bad_g += int(not np.array_equal(g.numpy(), want_g))
-        bad_y += int(np.max(np.abs(y.numpy() - want_y)) > 1e-4)
+        bad_y += int(not np.array_equal(y.numpy(), want_y))
         if trial == 0:
             d.add("race allgather", g)
-    c.check(bad_g == 0, "allgather output overwritten while TF ran ahead: %d of 12 trials wrong" % bad_g)
-    c.check(bad_y == 0, "TF's kernels saw the allgather's writes: %d of 12 trials wrong" % bad_y)
+    c.check(bad_g == 0, "allgather output overwritten while TF ran ahead: %d of %d trials wrong" % (bad_g, trials))
+    c.check(bad_y == 0, "TF's kernels saw the allgather's writes: %d of %d trials wrong" % (bad_y, trials))
 
 
 def check_event_pool(c):

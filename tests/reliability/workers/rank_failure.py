@@ -1,6 +1,6 @@
 """Worker: one rank fails mid-loop; the survivors must learn which one.
 
-    rank_failure.py VICTIM STEP kill|stop [allreduce|allgather|broadcast]
+    rank_failure.py VICTIM STEP kill|stop [allreduce|allgather|broadcast|reducescatter]
 
 Every rank runs collectives (allreduce by default) through the engine (pybind
 module). At STEP the
@@ -41,6 +41,8 @@ def main():
             if kind == "allreduce":
                 h = engine.allreduce_async(name, x.ctypes.data, y.ctypes.data, list(x.shape), "float64", "sum",
                                            keepalive=(x, y))
+            elif kind == "reducescatter":  # run with NVGROUP_GROUP_SIZE: the hierarchical reduce-scatter
+                h = engine.reducescatter_async(name, x.ctypes.data, list(x.shape), "float64", "sum", keepalive=x)
             elif kind == "broadcast":
                 h = engine.broadcast_async(name, x.ctypes.data, y.ctypes.data, list(x.shape), "float64",
                                            step % 3, keepalive=(x, y))
