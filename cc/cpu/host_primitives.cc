@@ -74,15 +74,7 @@ Status HostPrimitives::CrossStart(const ChunkSlices& chunk) {
   job.result = slice;
   job.count = n;
   job.element_size = esize_;
-  const DataType dtype = dtype_;
-  const ReduceOp op = op_;
-  const size_t esize = esize_;
-  const int divisor = final_divisor_;
-  job.fold = [dtype, op, esize, divisor](const void* src, int num, void* dst, size_t count) {
-    std::vector<const void*> sources(num);
-    for (int g = 0; g < num; ++g) sources[g] = static_cast<const char*>(src) + g * count * esize;
-    return ReduceFold(dtype, op, sources.data(), num, dst, count, divisor);
-  };
+  job.fold = ContiguousHostFold(dtype_, op_, final_divisor_);
   NVG_RETURN_IF_ERROR(cross_->Start(std::move(job), &ticket_[k]));
   in_flight_[k] = true;
   return Status::Ok();
@@ -165,15 +157,7 @@ Status HostScatterPrimitives::CrossStart(const RowChunk& chunk) {
   job.recv = recv.data();
   job.result = mine > 0 ? out_ + (plan_.PartBegin(chunk, plan_.me()) - plan_.my_offset()) * esize_ : nullptr;
   job.element_size = esize_;
-  const DataType dtype = dtype_;
-  const ReduceOp op = op_;
-  const size_t esize = esize_;
-  const int divisor = op_ == ReduceOp::kAverage ? topo_.size : 1;
-  job.fold = [dtype, op, esize, divisor](const void* src, int num, void* dst, size_t count) {
-    std::vector<const void*> sources(num);
-    for (int g = 0; g < num; ++g) sources[g] = static_cast<const char*>(src) + g * count * esize;
-    return ReduceFold(dtype, op, sources.data(), num, dst, count, divisor);
-  };
+  job.fold = ContiguousHostFold(dtype_, op_, op_ == ReduceOp::kAverage ? topo_.size : 1);
   NVG_RETURN_IF_ERROR(cross_->StartReduceScatter(std::move(job), &ticket_[k]));
   in_flight_[k] = true;
   return Status::Ok();

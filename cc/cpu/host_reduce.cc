@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "common/checks.h"
 #include "cpu/half.h"
@@ -210,6 +211,16 @@ Status ScaledCopy(DataType dtype, const void* src, void* dst, size_t count, doub
                                      " by " + std::to_string(scale) + " (only 1.0 is allowed)");
   }
   return Status::Ok();
+}
+
+std::function<Status(const void*, int, void*, size_t)> ContiguousHostFold(DataType dtype, ReduceOp op,
+                                                                      int average_divisor) {
+  const size_t esize = DataTypeSize(dtype);
+  return [dtype, op, esize, average_divisor](const void* src, int num, void* dst, size_t count) {
+    std::vector<const void*> sources(num);
+    for (int k = 0; k < num; ++k) sources[k] = static_cast<const char*>(src) + k * count * esize;
+    return ReduceFold(dtype, op, sources.data(), num, dst, count, average_divisor);
+  };
 }
 
 }  // namespace nvgroup

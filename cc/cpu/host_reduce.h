@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 
 #include "nvgroup/status.h"
 #include "nvgroup/types.h"
@@ -41,6 +42,12 @@ Status ValidateReduction(DataType dtype, ReduceOp op);
 // `average_divisor` >= 1; values other than 1 are only allowed with kAverage.
 Status ReduceFold(DataType dtype, ReduceOp op, const void* const* sources, int num_sources,
                   void* dst, size_t count, int average_divisor);
+
+// The cross step's fold on the host (CrossExchange::Fold): `num_sources`
+// contiguous copies of `count` elements at `sources` (copy k at sources + k *
+// count elements, in peer order) folded into `dst` by ReduceFold.
+std::function<Status(const void* sources, int num_sources, void* dst, size_t count)> ContiguousHostFold(
+    DataType dtype, ReduceOp op, int average_divisor);
 
 // dst[j] = src[j] * scale for `count` elements. scale == 1.0 copies bit for bit
 // (any dtype). Otherwise the dtype must support reduction: float16/bfloat16 are

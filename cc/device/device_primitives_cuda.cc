@@ -128,7 +128,6 @@ Status DevicePrimitives::CrossStart(const ChunkSlices& chunk) {
   const int device = g->device;
   const DataType dtype = dtype_;
   const ReduceOp op = op_;
-  const size_t esize = esize_;
   CrossExchange::Job job;
   job.count = n;
   job.element_size = esize_;
@@ -166,11 +165,7 @@ Status DevicePrimitives::CrossStart(const ChunkSlices& chunk) {
       if (*ready) NVG_RETURN_IF_ERROR(EventDone(returned, ready));
       return Status::Ok();
     };
-    job.fold = [dtype, op, esize, divisor](const void* src, int num, void* dst, size_t count) {
-      std::vector<const void*> sources(num);
-      for (int s = 0; s < num; ++s) sources[s] = static_cast<const char*>(src) + s * count * esize;
-      return ReduceFold(dtype, op, sources.data(), num, dst, count, divisor);
-    };
+    job.fold = ContiguousHostFold(dtype, op, divisor);
     char* result = g->host_result[k];
     cudaStream_t h2d = g->h2d_stream;
     job.done = [device, slice, result, bytes, h2d, returned]() {
@@ -308,7 +303,6 @@ Status DeviceScatterPrimitives::CrossStart(const RowChunk& chunk) {
   const int device = g->device;
   const DataType dtype = dtype_;
   const ReduceOp op = op_;
-  const size_t esize = esize_;
   const int divisor = op_ == ReduceOp::kAverage ? g->topo.size : 1;
   CrossExchange::ScatterJob job;
   job.part_counts = parts.data();
@@ -347,11 +341,7 @@ Status DeviceScatterPrimitives::CrossStart(const RowChunk& chunk) {
       if (*ready) NVG_RETURN_IF_ERROR(EventDone(returned, ready));
       return Status::Ok();
     };
-    job.fold = [dtype, op, esize, divisor](const void* src, int num, void* dst, size_t count) {
-      std::vector<const void*> sources(num);
-      for (int s = 0; s < num; ++s) sources[s] = static_cast<const char*>(src) + s * count * esize;
-      return ReduceFold(dtype, op, sources.data(), num, dst, count, divisor);
-    };
+    job.fold = ContiguousHostFold(dtype, op, divisor);
     char* host_result = g->host_result[k];
     cudaStream_t h2d = g->h2d_stream;
     job.done = [device, result, host_result, mine_bytes, h2d, returned]() {
