@@ -15,6 +15,9 @@
 #   fp32   ResNet-50 batch 128 fp32: nvgroup_tf with XLA, plain Keras with
 #          XLA, nvgroup_tf without XLA (scripts/xla_resnet.py)
 #   mixed  the same at batch 256 with --mixed-precision (without the no-XLA run)
+#   mixedab, fp32ab  the CUDA handler's two waits against plain Keras, alternated
+#          (NVGROUP_XLA_CUDA_WAIT, ops/xla_ops_gpu.cc): nvgroup stream, plain,
+#          nvgroup host, nvgroup stream, plain
 # Default: all three. Logs and the NVG_RESULT lines go to $OUT (default /tmp/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +58,17 @@ for stage in $STAGES; do
         run timeout 300 mpirun -np 1 $X python3 scripts/xla_resnet.py $mode $args --image-size 224 \
           --steps 60 --warmup-steps 10 --log-every 20 | tee -a "$OUT/resnet_$stage.log"
       done
+      ;;
+    mixedab|fp32ab)
+      if [ "$stage" = fp32ab ]; then args="--batch-size 128"; else args="--batch-size 256 --mixed-precision"; fi
+      for pair in "nvgroup stream" "plain stream" "nvgroup host" "nvgroup stream" "plain stream"; do
+        set -- $pair
+        export NVGROUP_XLA_CUDA_WAIT=$2
+        step "ResNet-50 $stage $1 NVGROUP_XLA_CUDA_WAIT=$2"
+        run timeout 300 mpirun -np 1 $X -x NVGROUP_XLA_CUDA_WAIT python3 scripts/xla_resnet.py $1 $args \
+          --image-size 224 --steps 60 --warmup-steps 10 --log-every 20 | tee -a "$OUT/resnet_$stage.log"
+      done
+      unset NVGROUP_XLA_CUDA_WAIT
       ;;
     *) echo "unknown stage $stage"; STATUS=1 ;;
   esac

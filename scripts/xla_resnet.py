@@ -12,7 +12,7 @@ MODE  nvgroup        train.py as is (DistributedOptimizer; jit_compile="auto",
                      Keras, same model, data, timer and batch (one rank)
       plain-nojit    plain with jit_compile=False
 
-train.py prints its NVG_RESULT line; this script adds "NVG_MODE <mode>" first.
+train.py prints its NVG_RESULT line; this script adds "NVG_MODE <mode> NVGROUP_XLA_CUDA_WAIT=<value>" first.
 """
 import os
 import runpy
@@ -26,7 +26,7 @@ def main():
     if len(sys.argv) < 2 or sys.argv[1] not in MODES:
         sys.exit("usage: xla_resnet.py {%s} [train.py arguments]" % ",".join(MODES))
     mode = sys.argv[1]
-    print("NVG_MODE " + mode, flush=True)
+    print("NVG_MODE %s NVGROUP_XLA_CUDA_WAIT=%s" % (mode, os.environ.get("NVGROUP_XLA_CUDA_WAIT", "")), flush=True)
     import keras
     if mode.endswith("-nojit"):
         original = keras.Model.compile
