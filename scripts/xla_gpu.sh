@@ -15,6 +15,7 @@
 #   fp32   ResNet-50 batch 128 fp32: nvgroup_tf with XLA, plain Keras with
 #          XLA, nvgroup_tf without XLA (scripts/xla_resnet.py)
 #   mixed  the same at batch 256 with --mixed-precision (without the no-XLA run)
+#   extra  the xla_extra worker of `tests` alone
 #   mixedab, fp32ab  the CUDA handler's two waits against plain Keras, alternated
 #          (NVGROUP_XLA_CUDA_WAIT, ops/xla_ops_gpu.cc): nvgroup stream, plain,
 #          nvgroup host, nvgroup stream, plain
@@ -49,6 +50,10 @@ for stage in $STAGES; do
       timeout 200 mpirun -np 2 $X -x NVGROUP_TIMEOUT=60 python3 tests/tf/workers/xla.py dead 1 \
         | tee "$OUT/dead.log"
       grep -q "rank 0: CAUGHT UnavailableError .*rank 1" "$OUT/dead.log" || { echo "!!! no UnavailableError on rank 0"; STATUS=1; }
+      ;;
+    extra)
+      step "xla_extra worker alone, 2 ranks"
+      run timeout 400 mpirun -np 2 $X python3 tests/tf/workers/xla_extra.py collectives gradients errors
       ;;
     fp32|mixed)
       if [ "$stage" = fp32 ]; then args="--batch-size 128"; modes="nvgroup plain nvgroup-nojit"

@@ -304,8 +304,12 @@ def check_first_four(c, digest, members, my_index, process_set=None, tag="ps", d
 def check_broadcast_in_place(c, digest, members, my_index, process_set=None, tag="bc_"):
     for root_index in range(len(members)):
         root = members[root_index]
+        # On a GPU TF keeps an int32 variable in host memory, which an XLA GPU
+        # cluster cannot read (TF's "tf.Variable on a different device"): the
+        # integer variable is int64 there.
+        integer = tf.int64 if ON_GPU else tf.int32
         values = [[data(np.random.default_rng([19, r, j]), d, s) for j, (d, s) in
-                   enumerate(((tf.float32, (3, 2)), (tf.int32, (4,)), (tf.float64, (1, 2, 2))))]
+                   enumerate(((tf.float32, (3, 2)), (integer, (4,)), (tf.float64, (1, 2, 2))))]
                   for r in members]
         got = {}
         for mode in ("xla", "tf"):
