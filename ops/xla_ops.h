@@ -14,8 +14,10 @@
 // fusion work as without XLA), the collective kind, the reduce op, the scale
 // factors, the broadcast root, the process set, alltoall's splits.
 //
-// Order. Each handler blocks its XLA thread until its collective completed on
-// every rank, so the ranks must run their collective calls in one order. XLA
+// Order. Each handler blocks its XLA thread at least until every rank has
+// submitted its collective (the host handler until it completed; the CUDA
+// handler until the engine enqueued it, xla_ops_gpu.cc), so the ranks must run
+// their collective calls in one order. XLA
 // orders independent side-effecting calls as it likes, and the HLO may differ
 // by rank (the allgather gradient slices at a rank-dependent offset): two ranks
 // could enter two collectives in opposite orders and wait for each other for
@@ -35,8 +37,10 @@
 //
 // At run time XLA calls the handler registered for its platform ("Host",
 // "CUDA") with the buffers; the handler turns them into engine requests
-// (DecodeCall) and waits for them (EnqueueAndWait, nvgroup/engine.h). The
-// engine bounds that wait (NVGROUP_TIMEOUT, dead-rank detection), and every
+// (DecodeCall) and waits for them (host: EnqueueAndWait, nvgroup/engine.h;
+// CUDA: until XLA's stream waits on the engine's completion event, or with
+// NVGROUP_XLA_CUDA_WAIT=host until done, xla_ops_gpu.cc). The engine bounds
+// that wait (NVGROUP_TIMEOUT, dead-rank detection), and every
 // engine error returns from the handler as an ffi::Error with the same code, so
 // XLA's program fails with TensorFlow's usual error class (UnavailableError for
 // a dead peer, FailedPreconditionError for a cross-rank mismatch) on every rank.
