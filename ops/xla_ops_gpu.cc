@@ -45,6 +45,7 @@
 #include <cuda_runtime_api.h>
 
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -105,8 +106,13 @@ Status RecordReadyEvent(cudaStream_t stream, int ordinal, cudaEvent_t* event) {
 // handler (XLA's thread), which may return before the last `done` runs.
 struct CallState {
   CallState(cudaStream_t s, cudaEvent_t e, int n) : stream(s), ready_event(e), pending(n), device_pending(n) {}
+  // Runs with the last `done` (engine thread) or the handler's return, whichever
+  // is later; the call's status is given by then, so a failure can only be told.
   ~CallState() {
-    if (ready_event != nullptr) cudaEventDestroy(ready_event);  // no caller to report to: best effort
+    const cudaError_t error = cudaEventDestroy(ready_event);
+    if (error != cudaSuccess)
+      std::fprintf(stderr, "nvgroup_tf: cudaEventDestroy of an XLA collective's readiness event failed: %s\n",
+                   cudaGetErrorString(error));
   }
 
   const cudaStream_t stream;     // XLA's

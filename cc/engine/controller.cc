@@ -135,7 +135,7 @@ ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank) {
 }
 
 Coordinator::Coordinator(int size, StallInspector* stall)
-    : size_(size), stall_(stall), joined_(size, false) {}
+    : size_(size), joined_(size, false), stall_(stall) {}
 
 bool Coordinator::Complete(const Pending& p) const {
   if (p.count == size_) return true;
