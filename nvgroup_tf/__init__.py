@@ -37,7 +37,7 @@ _EXPORTS = {
 # Issue 10, small Python-level API (topology ops, build flags, timeline, object
 # helpers, Horovod's util helpers, SyncBatchNormalization).
 _EXPORTS["nvgroup_tf.basics"] += [
-    "is_homogeneous", "mpi_threads_supported", "ddl_built", "ccl_built", "rank_op", "size_op",
+    "is_homogeneous", "mpi_threads_supported", "ddl_built", "ccl_built", "sycl_built", "rank_op", "size_op",
     "local_rank_op", "local_size_op", "cross_rank_op", "cross_size_op", "start_timeline",
     "stop_timeline",
 ]

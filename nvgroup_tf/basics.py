@@ -305,6 +305,12 @@ def ccl_built():
     return False
 
 
+def sycl_built():
+    # Horovod added it after 0.28.1; its current examples call it to choose
+    # between "XPU" and "GPU" devices.
+    return False
+
+
 def cuda_built():
     """True when the op library carries the DEVICE_GPU kernels."""
     handle, _ = _load()

@@ -302,6 +302,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise TypeError("DistributedOptimizer expects a Keras optimizer (keras.optimizers.Optimizer, or "
                         "a tf_keras optimizer with TF_USE_LEGACY_KERAS=1), got %s" % type(optimizer).__name__)
     import keras
+    from nvgroup_tf._keras_impl import compat
+    compat.accept_obsolete_compile_arguments()  # Horovod's experimental_run_tf_function=False
     if (keras.config.dtype_policy().name == "mixed_float16"
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

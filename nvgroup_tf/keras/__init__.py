@@ -16,6 +16,11 @@ from nvgroup_tf import (Average, Compression, Max, Min, Product, Sum,  # noqa: F
 from nvgroup_tf.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
 from nvgroup_tf.keras import callbacks  # noqa: F401
 from nvgroup_tf.optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: F401
+from nvgroup_tf._keras_impl import compat as _compat  # noqa: E402
+
+# Horovod's Keras examples pass compile(..., experimental_run_tf_function=False),
+# which Keras 3 rejects (_keras_impl/compat.py).
+_compat.accept_obsolete_compile_arguments()
 
 
 # Horovod's Keras-level collectives take a value (numpy, Python or tensor) and
@@ -86,7 +91,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
 # Issue 10 (api): the rest of horovod.tensorflow.keras's small names and hvd.elastic.
 from nvgroup_tf import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,  # noqa: E402,F401
                         is_homogeneous, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-                        rocm_built, start_timeline, stop_timeline)
+                        rocm_built, start_timeline, stop_timeline, sycl_built)
 from nvgroup_tf.keras import elastic  # noqa: E402,F401
 from nvgroup_tf.process_sets import (ProcessSet, add_process_set,  # noqa: E402,F401
                                      global_process_set, remove_process_set)

@@ -422,6 +422,29 @@ def check_horovod_arguments():
     np.testing.assert_allclose(r.numpy(), total)
 
 
+def check_horovod_example_script():
+    """What Horovod's own Keras examples do, unchanged but for the import:
+    hvd.sycl_built() to pick the device kind, fp16 compression, and
+    model.compile(..., experimental_run_tf_function=False), which Keras 3
+    rejects by itself. Trains the same weights on every rank, the single-process
+    result up to the fp16 rounding of the gradients."""
+    assert hvd.sycl_built() is False and hvd_core.sycl_built() is False
+    x, y = global_data(seed=990)
+    model = dense_model(99)
+    init = model.get_weights()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(LR), compression=hvd.Compression.fp16)
+    model.compile(loss="mse", optimizer=opt, experimental_run_tf_function=False)
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+    model.fit(rank_slice(x), rank_slice(y), batch_size=B, epochs=1, shuffle=False, verbose=0,
+              callbacks=callbacks)
+    assert_same_on_all_ranks(model.get_weights(), "Horovod example weights")
+    assert_close(model.get_weights(), reference_fit(init, x, y, LR), "Horovod example vs reference",
+                 rtol=2e-3, atol=2e-4)
+    # Only the obsolete argument is dropped: an unknown one still fails as Keras says.
+    expect_error(lambda: dense_model(100).compile(loss="mse", optimizer="sgd", not_an_argument=1),
+                 TypeError, "not_an_argument")
+
+
 def check_horovod_collective_gradients():
     """Horovod's gradients of allgather and broadcast: averaged over ranks."""
     rows = RANK + 1

@@ -19,6 +19,7 @@ CHECKS = [
     "per_model_mixed_precision",                    # issue 9 item 7
     "horovod_arguments",                            # issue 9 item 8
     "horovod_collective_gradients",                 # issue 9 item 8 (allgather/broadcast gradients)
+    "horovod_example_script",                       # Horovod's examples: sycl_built, experimental_run_tf_function
     "local_variables_and_compute_gradients",        # issue 10: Partial*, register_local_var, compute_gradients
 ]
 
