@@ -18,27 +18,101 @@ the argument itself is left alone.
 import functools
 import inspect
 
+import numpy as np
+
 OBSOLETE_COMPILE_ARGUMENTS = ("experimental_run_tf_function",)
 
 
+_compile_shim_installed = False
+
+
 def accept_obsolete_compile_arguments():
-    import keras
-    compile_fn = keras.Model.compile
-    if getattr(compile_fn, "_nvg_accepts_obsolete", False):
+    # On Trainer.compile, where nvgroup_tf's other compile hook lives
+    # (optimizer.py, _install_keras_hooks): each wraps what it finds there, so
+    # both run whichever is installed first.
+    from keras.src.trainers import trainer as keras_trainer
+    global _compile_shim_installed
+    if _compile_shim_installed:
         return
+    _compile_shim_installed = True
+    compile_fn = keras_trainer.Trainer.compile
     try:
-        parameters = inspect.signature(compile_fn).parameters
+        parameters = inspect.signature(inspect.unwrap(compile_fn)).parameters
     except (TypeError, ValueError):
         return
-    if all(name in parameters for name in OBSOLETE_COMPILE_ARGUMENTS):
+    dropped = tuple(name for name in OBSOLETE_COMPILE_ARGUMENTS if name not in parameters)
+    if not dropped:
         return
 
     @functools.wraps(compile_fn)
     def compile(self, *args, **kwargs):
-        for name in OBSOLETE_COMPILE_ARGUMENTS:
-            if name not in parameters:
-                kwargs.pop(name, None)
+        for name in dropped:
+            kwargs.pop(name, None)
         return compile_fn(self, *args, **kwargs)
 
-    compile._nvg_accepts_obsolete = True
-    keras.Model.compile = compile
+    keras_trainer.Trainer.compile = compile
+
+
+# Legacy HDF5 checkpoints (`ModelCheckpoint('checkpoint-{epoch}.h5')`, as
+# Horovod's Keras examples write them). Keras 3's .h5 loader builds the
+# restored optimizer on `model._trainable_variables`, which for a Sequential or
+# functional model is the model's *own* variables (none), not its layers'; the
+# saved moments then do not fit, Keras logs "starting with a freshly
+# initialized optimizer", and the first train step fails with "Unknown
+# variable ... This optimizer can only be called for the variables it was
+# originally built with" (plain keras.models.load_model alike). load_model
+# (nvgroup_tf.keras) rebuilds the optimizer on model.trainable_variables -- the
+# order the saving optimizer was built in -- and sets the saved values.
+
+
+def is_hdf5_path(filepath):
+    path = str(filepath)
+    if path.endswith((".h5", ".hdf5")):
+        return True
+    try:
+        import h5py
+        return bool(h5py.is_hdf5(path))
+    except (ImportError, OSError, TypeError):
+        return False
+
+
+def _saved_optimizer_values(filepath):
+    import h5py
+    from keras.src.legacy.saving import legacy_h5_format
+    with h5py.File(str(filepath), "r") as f:
+        if "optimizer_weights" not in f:
+            return None
+        # h5py datasets: read them before the file closes.
+        return [np.asarray(v) for v in legacy_h5_format.load_optimizer_weights_from_hdf5_group(f)]
+
+
+def restore_hdf5_optimizer(model, filepath):
+    """Returns the model with its optimizer rebuilt on the model's trainable
+    variables and its saved state set, when Keras' .h5 loader left it built on
+    other variables; a model whose optimizer already covers them is returned
+    as is. Raises ValueError when the saved state does not fit the rebuilt
+    optimizer (the file's model and optimizer disagree)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not getattr(optimizer, "built", False):
+        return model
+    known = {id(v) for v in getattr(optimizer, "_trainable_variables", [])}
+    if all(id(v) in known for v in model.trainable_variables):
+        return model
+    values = _saved_optimizer_values(filepath)
+    fresh = type(optimizer).from_config(optimizer.get_config())
+    for attr in ("_nvg_sync",):  # a DistributedOptimizer's reduction settings
+        if hasattr(optimizer, attr):
+            setattr(fresh, attr, getattr(optimizer, attr))
+    fresh.build(model.trainable_variables)
+    if values is not None:
+        slots = fresh.variables
+        if len(values) != len(slots) or any(tuple(v.shape) != tuple(s.shape) for v, s in zip(values, slots)):
+            raise ValueError(
+                "load_model(%r): the saved optimizer state (%d arrays) does not fit %s built on the "
+                "model's %d trainable variables (%d arrays)" % (
+                    str(filepath), len(values), type(fresh).__name__, len(model.trainable_variables),
+                    len(slots)))
+        fresh.set_weights(values)
+    model.optimizer = fresh
+    model.train_function = None
+    return model

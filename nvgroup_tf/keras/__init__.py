@@ -76,6 +76,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
         distributed = dist.distributed_class(cls)
         objects["nvgroup_tf>" + distributed.__name__] = distributed
     model = keras.models.load_model(filepath, custom_objects=objects)
+    if _compat.is_hdf5_path(filepath):  # Keras 3's .h5 loader builds the optimizer on no variables
+        model = _compat.restore_hdf5_optimizer(model, filepath)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         settings = dict(kwargs)
