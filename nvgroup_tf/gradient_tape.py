@@ -30,6 +30,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     None, the global set or a registered ProcessSet), plus bucket_cap_bytes as DistributedOptimizer's."""
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError("DistributedGradientTape expects a tf.GradientTape, got %s" % type(gradtape).__name__)
+    from nvgroup_tf._keras_impl import compat
+    compat.callable_optimizer_variables()  # Horovod's TF2 examples broadcast opt.variables()
     reducer = GradientReducer(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
                               device_dense=device_dense, device_sparse=device_sparse,
                               num_groups=num_groups, groups=groups, bucket_cap_bytes=bucket_cap_bytes,

@@ -1,19 +1,20 @@
-"""Keras 3 shims for what Horovod programs pass to Keras.
+"""Keras 3 shims for what Horovod programs do with Keras (the README's
+migration section lists them). Three, each described where it is defined:
 
-`Model.compile(..., experimental_run_tf_function=False)`: Horovod's Keras
-examples and docs tell every user to pass it (so that TF 2.0's Keras computed
-gradients through the optimizer, and so through DistributedOptimizer). tf.keras
-accepted it, obsolete and ignored, from TF 2.2 on; Keras 3 (tf.keras in
-TF >= 2.16) rejects it with a TypeError, so a Horovod script stops before it
-trains. In Keras 3 the train step always hands the gradients to the
-optimizer's apply, where DistributedOptimizer reduces them, so the argument
-has nothing left to choose: the shim accepts it and drops it, as tf.keras did.
-Every other argument reaches Keras unchanged (an unknown one still fails as
-Keras says).
-
-Installed once per process, when nvgroup_tf.keras is imported or a
-DistributedOptimizer wraps a Keras 3 optimizer; a Keras whose compile takes
-the argument itself is left alone.
+* `Model.compile(..., experimental_run_tf_function=False)`, which Horovod's
+  Keras examples and docs tell every user to pass (so that TF 2.0's Keras
+  computed gradients through the optimizer, and so through
+  DistributedOptimizer). tf.keras accepted it, obsolete and ignored, from
+  TF 2.2 on; Keras 3 (tf.keras in TF >= 2.16) rejects it with a TypeError, so
+  a Horovod script stops before it trains. In Keras 3 the train step always
+  hands the gradients to the optimizer's apply, where DistributedOptimizer
+  reduces them, so the argument has nothing left to choose: the shim accepts
+  it and drops it, as tf.keras did. Every other argument reaches Keras
+  unchanged (an unknown one still fails as Keras says). Installed once per
+  process, when nvgroup_tf.keras is imported or a DistributedOptimizer wraps a
+  Keras 3 optimizer; a Keras whose compile takes the argument is left alone.
+* Resuming from a legacy .h5 checkpoint (restore_hdf5_optimizer).
+* `opt.variables()` (callable_optimizer_variables).
 """
 import functools
 import inspect
@@ -116,3 +117,53 @@ def restore_hdf5_optimizer(model, filepath):
     model.optimizer = fresh
     model.train_function = None
     return model
+
+
+# `opt.variables()`: tf.keras 2's optimizers had a variables() method; Keras 3's
+# have a `variables` property returning a list, so `opt.variables()` fails with
+# "'list' object is not callable". Horovod's TF2 examples broadcast
+# `opt.variables()` after the first step. The property is made to return a list
+# that can also be called (returning a plain copy), so both spellings work;
+# installed once, when a DistributedGradientTape or DistributedOptimizer is
+# made or nvgroup_tf.keras is imported.
+
+
+class CallableVariableList(list):
+    """A Keras 3 optimizer's `variables` (a list) that `variables()` also reads."""
+
+    def __call__(self):
+        return list(self)
+
+
+_variables_shim_installed = False
+
+
+def callable_optimizer_variables():
+    global _variables_shim_installed
+    if _variables_shim_installed:
+        return
+    _variables_shim_installed = True
+    try:
+        from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+    except ImportError:  # no Keras 3
+        return
+    classes = [base_optimizer.BaseOptimizer, loss_scale_optimizer.LossScaleOptimizer]
+    try:
+        from keras.src.optimizers import multi_optimizer
+        classes.append(multi_optimizer.MultiOptimizer)
+    except ImportError:
+        pass
+    for cls in classes:
+        prop = cls.__dict__.get("variables")
+        if isinstance(prop, property) and prop.fget is not None:
+            cls.variables = _callable_property(prop)
+
+
+def _callable_property(prop):
+    fget = prop.fget
+
+    @functools.wraps(fget)
+    def variables(self):
+        return CallableVariableList(fget(self))
+
+    return property(variables, prop.fset, prop.fdel, prop.__doc__)

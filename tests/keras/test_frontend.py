@@ -20,6 +20,7 @@ CHECKS = [
     "horovod_arguments",                            # issue 9 item 8
     "horovod_collective_gradients",                 # issue 9 item 8 (allgather/broadcast gradients)
     "horovod_example_script",                       # Horovod's examples: sycl_built, experimental_run_tf_function
+    "horovod_tf2_example_script",                   # Horovod's TF2 examples: opt.variables() on Keras 3
     "local_variables_and_compute_gradients",        # issue 10: Partial*, register_local_var, compute_gradients
 ]
 
