@@ -304,7 +304,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     import keras
     from nvgroup_tf._keras_impl import compat
     compat.accept_obsolete_compile_arguments()  # Horovod's experimental_run_tf_function=False
-    compat.callable_optimizer_variables()       # and opt.variables() (a list in Keras 3)
+    compat.keras2_optimizer_attributes()        # and opt.variables(), opt.lr (tf.keras 2 spellings)
     if (keras.config.dtype_policy().name == "mixed_float16"
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

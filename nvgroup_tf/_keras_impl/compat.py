@@ -14,7 +14,7 @@ migration section lists them). Three, each described where it is defined:
   process, when nvgroup_tf.keras is imported or a DistributedOptimizer wraps a
   Keras 3 optimizer; a Keras whose compile takes the argument is left alone.
 * Resuming from a legacy .h5 checkpoint (restore_hdf5_optimizer).
-* `opt.variables()` (callable_optimizer_variables).
+* `opt.variables()` and `opt.lr` (keras2_optimizer_attributes).
 """
 import functools
 import inspect
@@ -119,13 +119,20 @@ def restore_hdf5_optimizer(model, filepath):
     return model
 
 
-# `opt.variables()`: tf.keras 2's optimizers had a variables() method; Keras 3's
-# have a `variables` property returning a list, so `opt.variables()` fails with
-# "'list' object is not callable". Horovod's TF2 examples broadcast
-# `opt.variables()` after the first step. The property is made to return a list
-# that can also be called (returning a plain copy), so both spellings work;
-# installed once, when a DistributedGradientTape or DistributedOptimizer is
-# made or nvgroup_tf.keras is imported.
+# tf.keras 2 spellings on Keras 3 optimizers, as Horovod's TF2 and elastic
+# examples use them:
+#  * `opt.variables()`: tf.keras 2's optimizers had a variables() method; Keras
+#    3's have a `variables` property returning a list, so the call fails with
+#    "'list' object is not callable". The property is made to return a list
+#    that can also be called (returning a plain copy): both spellings work.
+#  * `opt.lr` (`opt.lr.assign(x)`, `tf.keras.backend.set_value(opt.lr, x)` in
+#    the elastic examples' reset callbacks): Keras 3 has only `learning_rate`.
+#    `lr` reads the learning rate's TF variable (what tf.keras 2 returned, and
+#    what tf.keras.backend.set_value can assign; the Keras variable wrapping it
+#    sees the change) or the schedule; setting it sets `learning_rate`.
+# Installed once, when a DistributedGradientTape or DistributedOptimizer is
+# made or nvgroup_tf.keras is imported; an optimizer class that has `lr`
+# itself keeps it.
 
 
 class CallableVariableList(list):
@@ -135,14 +142,14 @@ class CallableVariableList(list):
         return list(self)
 
 
-_variables_shim_installed = False
+_optimizer_shims_installed = False
 
 
-def callable_optimizer_variables():
-    global _variables_shim_installed
-    if _variables_shim_installed:
+def keras2_optimizer_attributes():
+    global _optimizer_shims_installed
+    if _optimizer_shims_installed:
         return
-    _variables_shim_installed = True
+    _optimizer_shims_installed = True
     try:
         from keras.src.optimizers import base_optimizer, loss_scale_optimizer
     except ImportError:  # no Keras 3
@@ -157,6 +164,9 @@ def callable_optimizer_variables():
         prop = cls.__dict__.get("variables")
         if isinstance(prop, property) and prop.fget is not None:
             cls.variables = _callable_property(prop)
+    base = base_optimizer.BaseOptimizer
+    if not hasattr(base, "lr"):
+        base.lr = property(_get_lr, _set_lr, doc="tf.keras 2's alias of learning_rate (nvgroup_tf)")
 
 
 def _callable_property(prop):
@@ -167,3 +177,15 @@ def _callable_property(prop):
         return CallableVariableList(fget(self))
 
     return property(variables, prop.fset, prop.fdel, prop.__doc__)
+
+
+def _get_lr(self):
+    from keras.src import backend
+    rate = self._learning_rate
+    if isinstance(rate, backend.Variable):
+        return rate.value  # the TF variable itself
+    return rate
+
+
+def _set_lr(self, value):
+    self.learning_rate = value

@@ -21,7 +21,7 @@ from nvgroup_tf._keras_impl import compat as _compat  # noqa: E402
 # Horovod's Keras examples pass compile(..., experimental_run_tf_function=False),
 # which Keras 3 rejects (_keras_impl/compat.py).
 _compat.accept_obsolete_compile_arguments()
-_compat.callable_optimizer_variables()  # opt.variables(), as tf.keras 2 had it
+_compat.keras2_optimizer_attributes()  # opt.variables(), opt.lr, as tf.keras 2 had them
 
 
 # Horovod's Keras-level collectives take a value (numpy, Python or tensor) and

@@ -469,7 +469,7 @@ def check_horovod_tf2_example_script():
     optimizer's apply_gradients, then, after the first step,
     broadcast_variables(model.variables) and broadcast_variables(opt.variables())
     -- a call, which Keras 3's list-valued `variables` property refuses by
-    itself. Ranks start from different weights (the first step averages
+    itself -- and, as the elastic examples' reset callbacks, opt.lr. Ranks start from different weights (the first step averages
     gradients taken at different points, as in Horovod); from the broadcast on
     they share rank 0's weights: bitwise equal at the end, and the
     single-process result of the remaining steps from the weights after the
@@ -502,6 +502,13 @@ def check_horovod_tf2_example_script():
     assert_same_on_all_ranks(model.get_weights(), "TF2 example weights")
     rest = SIZE * B  # the global batch of step 0 is done
     assert_close(model.get_weights(), reference_fit(after_first, x[rest:], y[rest:], LR), "TF2 example vs reference")
+    # opt.lr, as the elastic examples' reset callbacks use it (Keras 3 has only learning_rate).
+    opt.lr.assign(0.5 * LR)
+    assert np.float32(opt.learning_rate.numpy()) == np.float32(0.5 * LR), opt.learning_rate.numpy()
+    tf.keras.backend.set_value(opt.lr, 0.25 * LR)
+    assert np.float32(opt.learning_rate.numpy()) == np.float32(0.25 * LR), opt.learning_rate.numpy()
+    opt.lr = 2 * LR
+    assert np.float32(opt.lr.numpy()) == np.float32(2 * LR), opt.lr.numpy()
 
 
 def check_horovod_collective_gradients():
