@@ -31,7 +31,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError("DistributedGradientTape expects a tf.GradientTape, got %s" % type(gradtape).__name__)
     from nvgroup_tf._keras_impl import compat
-    compat.keras2_optimizer_attributes()  # opt.variables(), opt.lr (Horovod's TF2 examples)
+    compat.install()  # Keras 3 shims for Horovod programs: opt.variables(), opt.lr, ...
     reducer = GradientReducer(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
                               device_dense=device_dense, device_sparse=device_sparse,
                               num_groups=num_groups, groups=groups, bucket_cap_bytes=bucket_cap_bytes,

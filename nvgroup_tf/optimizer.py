@@ -303,8 +303,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                         "a tf_keras optimizer with TF_USE_LEGACY_KERAS=1), got %s" % type(optimizer).__name__)
     import keras
     from nvgroup_tf._keras_impl import compat
-    compat.accept_obsolete_compile_arguments()  # Horovod's experimental_run_tf_function=False
-    compat.keras2_optimizer_attributes()        # and opt.variables(), opt.lr (tf.keras 2 spellings)
+    compat.install()  # Keras 3 shims for Horovod programs: experimental_run_tf_function, opt.lr, ...
     if (keras.config.dtype_policy().name == "mixed_float16"
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

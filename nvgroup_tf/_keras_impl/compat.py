@@ -1,5 +1,5 @@
 """Keras 3 shims for what Horovod programs do with Keras (the README's
-migration section lists them). Three, each described where it is defined:
+migration section lists them), each described where it is defined:
 
 * `Model.compile(..., experimental_run_tf_function=False)`, which Horovod's
   Keras examples and docs tell every user to pass (so that TF 2.0's Keras
@@ -10,11 +10,15 @@ migration section lists them). Three, each described where it is defined:
   hands the gradients to the optimizer's apply, where DistributedOptimizer
   reduces them, so the argument has nothing left to choose: the shim accepts
   it and drops it, as tf.keras did. Every other argument reaches Keras
-  unchanged (an unknown one still fails as Keras says). Installed once per
-  process, when nvgroup_tf.keras is imported or a DistributedOptimizer wraps a
-  Keras 3 optimizer; a Keras whose compile takes the argument is left alone.
-* Resuming from a legacy .h5 checkpoint (restore_hdf5_optimizer).
+  unchanged (an unknown one still fails as Keras says). A Keras whose compile
+  takes the argument is left alone.
+* Resuming from a legacy .h5 checkpoint (restore_hdf5_optimizer, which
+  nvgroup_tf.keras.load_model calls).
 * `opt.variables()` and `opt.lr` (keras2_optimizer_attributes).
+
+install() puts in every other shim that applies, once per process; it runs when
+nvgroup_tf.keras is imported and when a DistributedOptimizer or
+DistributedGradientTape is made.
 """
 import functools
 import inspect
@@ -130,9 +134,7 @@ def restore_hdf5_optimizer(model, filepath):
 #    `lr` reads the learning rate's TF variable (what tf.keras 2 returned, and
 #    what tf.keras.backend.set_value can assign; the Keras variable wrapping it
 #    sees the change) or the schedule; setting it sets `learning_rate`.
-# Installed once, when a DistributedGradientTape or DistributedOptimizer is
-# made or nvgroup_tf.keras is imported; an optimizer class that has `lr`
-# itself keeps it.
+# An optimizer class that has `lr` itself keeps it.
 
 
 class CallableVariableList(list):
@@ -189,3 +191,9 @@ def _get_lr(self):
 
 def _set_lr(self, value):
     self.learning_rate = value
+
+
+def install():
+    """Every shim of this module that applies to the Keras in use (once each)."""
+    accept_obsolete_compile_arguments()
+    keras2_optimizer_attributes()

@@ -18,10 +18,9 @@ from nvgroup_tf.keras import callbacks  # noqa: F401
 from nvgroup_tf.optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: F401
 from nvgroup_tf._keras_impl import compat as _compat  # noqa: E402
 
-# Horovod's Keras examples pass compile(..., experimental_run_tf_function=False),
-# which Keras 3 rejects (_keras_impl/compat.py).
-_compat.accept_obsolete_compile_arguments()
-_compat.keras2_optimizer_attributes()  # opt.variables(), opt.lr, as tf.keras 2 had them
+# What Horovod's Keras examples do that Keras 3 refuses by itself (compile's
+# experimental_run_tf_function, opt.variables(), opt.lr): _keras_impl/compat.py.
+_compat.install()
 
 
 # Horovod's Keras-level collectives take a value (numpy, Python or tensor) and
