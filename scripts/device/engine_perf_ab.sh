@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Same-run before/after of the engine's full path on a GPU: builds the tools
+# (build_tools.sh) in this tree and in BASELINE (the root of another checkout of
+# the project, e.g. `git archive <commit> | tar -x -C .baseline`), then runs
+# engine_perf on ResNet-50's gradient set alternately, baseline first, REPS
+# times: 1 rank per tensor, 1 rank grouped, and NP ranks sharing the one GPU
+# as one NV-group under MPS (grouped and per tensor). Every run checks its
+# outputs against float64 (engine_perf's `wrong`).
+# Writes $OUT/engine_perf_ab.tsv (tree, rep, ranks, style, us per step, wrong)
+# and $OUT/engine_perf_ab.log; scripts/device/engine_perf_ab_table.py turns the
+# TSV into the JSON + PNG table.
+# Usage (GPU machine, repo root): scripts/device/engine_perf_ab.sh BASELINE [REPS] [STEPS]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+BASE=${1:?usage: engine_perf_ab.sh BASELINE [REPS] [STEPS]}
+REPS=${2:-3}
+STEPS=${3:-50}
+NP=${NP_ONE_GPU:-2}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+TSV="$OUT/engine_perf_ab.tsv"
+LOG="$OUT/engine_perf_ab.log"
+export NCCL_NVLS_ENABLE=0
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
+STATUS=0
+
+echo "=== build: this tree and $BASE ($(date -u +%H:%M:%S))"
+bash scripts/device/build_tools.sh build/tools "$(nproc)" > "$LOG" 2>&1 || { echo "!!! build failed (this tree)"; tail -20 "$LOG"; exit 1; }
+(cd "$BASE" && bash scripts/device/build_tools.sh build/tools "$(nproc)") >> "$LOG" 2>&1 || { echo "!!! build failed ($BASE)"; tail -20 "$LOG"; exit 1; }
+
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvgroup_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nvgroup_mps/log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+nvidia-cuda-mps-control -d || { echo "!!! MPS did not start"; STATUS=1; }
+trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
+sleep 1
+
+printf 'tree\trep\tranks\tstyle\tus_per_step\twrong\n' > "$TSV"
+one() {  # tree-label tools-dir ranks style(grouped|per_tensor)
+  local label=$1 tools=$2 np=$3 style=$4 extra=() line us wrong
+  [[ $style == grouped ]] && extra=(grouped)
+  local group=0; (( np > 1 )) && group=1
+  line=$(timeout 200 env NVGROUP_ONE_GPU_GROUP=$group mpirun -np "$np" --bind-to none -x NVGROUP_ONE_GPU_GROUP \
+         "$tools/engine_perf" benchmarks/resnet50_gradients.txt "$STEPS" "${extra[@]}" 2>&1 | tee -a "$LOG" |
+         grep '^# engine_perf: ')
+  us=$(sed -n 's/.*: \([0-9.]*\) us per step.*/\1/p' <<< "$line")
+  wrong=$(sed -n 's/.*wrong \([0-9]*\).*/\1/p' <<< "$line")
+  if [[ -z $us || $wrong != 0 ]]; then echo "!!! FAILED: $label $np ranks $style: '$line'"; STATUS=1; fi
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$label" "$rep" "$np" "$style" "${us:-nan}" "${wrong:-nan}" >> "$TSV"
+}
+for rep in $(seq 1 "$REPS"); do
+  echo "=== rep $rep ($(date -u +%H:%M:%S))"
+  for cfg in "1 per_tensor" "1 grouped" "$NP grouped" "$NP per_tensor"; do
+    read -r np style <<< "$cfg"
+    one baseline "$BASE/build/tools" "$np" "$style"
+    one this build/tools "$np" "$style"
+  done
+done
+cat "$TSV"
+echo "=== done, status $STATUS"
+exit $STATUS
