@@ -4,7 +4,7 @@
         [--min-bytes 4] [--max-bytes 256M] [--target-seconds 0.3]
         [--json benchmarks/results/tf_allreduce_cpu_2rank.json]
         [--png benchmarks/results/tf_allreduce_cpu_2rank.png]
-        [--markdown docs/CPU_BENCHMARK.md]
+        [--markdown OUT.md]
 
 Part 1, size sweep (float32 sum, sizes doubling from --min-bytes to
 --max-bytes), in the same run:
@@ -236,7 +236,7 @@ def main():
     parser.add_argument("--target-seconds", type=float, default=0.3)
     parser.add_argument("--json", default="benchmarks/results/tf_allreduce_cpu_2rank.json")
     parser.add_argument("--png", default="benchmarks/results/tf_allreduce_cpu_2rank.png")
-    parser.add_argument("--markdown", default="docs/CPU_BENCHMARK.md")
+    parser.add_argument("--markdown", default="", help="also write the tables as a markdown page")
     parser.add_argument("--skip-resnet", action="store_true")
     args = parser.parse_args()
 

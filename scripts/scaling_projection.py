@@ -1,30 +1,41 @@
 """Scaling PROJECTION (a model, not a measurement) of ResNet-50 data-parallel
-training with the NV-group allreduce on 1..32 nodes of 6 and of 8 GPUs.
+training with the NV-group allreduce over 1..64 nodes, as a band between an
+optimistic and a pessimistic case, next to published measurements.
 
-Inputs (each printed into the output, change them with the flags):
-  * NV-group kernel time by message size: measured, benchmarks/results/
-    allreduce_perf_h200x2.json (impl nvgroup-reg, in place on the registered
-    buffer, 2x H200) -- the intra-node group step (RS + AG) of a bucket, scaled
-    by --intra-scale for other GPUs/links (V100 NVLink2 ~ 1/3 of H200 NVLink4:
-    --intra-scale 3 is the Summit default here; an assumption);
-  * host-staged MPI per chunk: measured, the same file's mpi-host rows (D2H +
-    MPI_Allreduce + H2D of a slice-sized buffer on one node): the staging cost
-    of one chunk's slice;
-  * ResNet-50 step compute time per GPU: --compute-ms (an input, not measured
-    here; default 155 ms: V100, batch 64, mixed precision, order of magnitude
-    from public MLPerf-era figures); backward = 2/3 of it;
-  * the bucket schedule: nvgroup_tf.bucketing.assign_buckets on the 214
-    ResNet-50 gradients (benchmarks/resnet50_gradients.txt), float32 or float16
-    (--grad-bytes), first bucket 1 MiB, cap --bucket-cap-mb (25);
-  * interconnect: --node-gbps per node (default Summit EDR 2 x 100 Gb/s = 25
-    GB/s, shared by the node's GPUs) and --latency-us per message (1.5 us).
+Writes docs/SCALING_PROJECTION.{md,json,png}; every input is printed there with
+where it comes from (a measurement in this repository with its file, machine,
+date and commit; a published figure; or an assumption).
+
+Inputs measured in this repository:
+  * per-GPU step time: ResNet-50 through examples/resnet50/train.py with
+    DistributedOptimizer on one H200, XLA on (benchmarks/results/
+    resnet50_xla_wait_{mixed,fp32}_h200x1.json: mixed precision batch 256,
+    fp32 batch 128);
+  * the group step's time by message size: benchmarks/results/
+    allreduce_perf_h200x2.json (in place on the registered buffer, 2x H200
+    over NVLink 4);
+  * the gradient set: benchmarks/resnet50_gradients.txt (Keras ResNet-50's 214
+    gradients) in the buckets nvgroup_tf.bucketing.assign_buckets makes (first
+    1 MiB, then --bucket-cap-mb);
+  * pessimistic only: the host-side cost of the TF GPU op above TF's own ops
+    per step (0.65 ms, docs/PERFORMANCE.md) and the cross step's fixed cost per
+    bucket (~1 ms, cross_step_bench on one H200 shared by its ranks).
+Published: NDR 400 Gb/s InfiniBand, one NIC per GPU (~46-48 GB/s per NIC in
+NCCL's tests). Assumed: the split of a step into forward (1/3) and backward
+(2/3); gradients becoming ready in proportion to the bytes computed; an
+8-GPU NVSwitch group keeping the 2-GPU pair's bus bandwidth; per-message
+network latency.
+
 Model of one bucket of B bytes on N nodes of G GPUs: the group step costs the
-measured kernel time of B; the cross step moves per GPU 2 (N-1)/N of its slice
-B/G (reduce-scatter + allgather, CrossExchange) at node_bw / G, in chunks of
---chunk-mb, pipelined with the staging (per chunk max(staging, network) plus
-one fill), plus 2 (N-1) latencies per chunk. Buckets become ready during
-backward in proportion to the gradient bytes computed; they are reduced in
-order, overlapping the rest of backward. Efficiency = T(1 GPU) / T(N GPUs).
+measured 2-GPU time of B scaled by 2(G-1)/G (a ring of G over the same per-GPU
+bus bandwidth); the cross step moves per GPU 2 (N-1)/N of its slice B/G over
+its NIC, in chunks of --chunk-mb of the buffer, each chunk paying 2 (N-1)
+latencies, plus (pessimistic) a fixed cost per bucket and host staging over
+PCIe. Optimistic: each bucket starts when backward has produced its gradients
+and runs while backward goes on (perfect overlap). Pessimistic: no overlap,
+every bucket after backward, as under XLA on GPU today (the stream-ordered
+custom call orders later work after the collective), plus the per-step host
+cost. Efficiency = T(1 GPU) / T(N x G GPUs) at the same per-GPU batch.
 
     .venv/bin/python scripts/scaling_projection.py   # writes docs/SCALING_PROJECTION.{md,json,png}
 """
@@ -41,7 +52,35 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from nvgroup_tf.bucketing import assign_buckets  # noqa: E402  (pure Python, no TF)
 
-PAPER = {16: 0.939, 192: 0.897}  # ICS 2020 NV-group paper, ResNet-50 on Summit
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+
+# Where the measured inputs come from (the commit each file measured, from docs/PERFORMANCE.md).
+MEASURED = {
+    "group_step_curve": {"file": "benchmarks/results/allreduce_perf_h200x2.json", "machine": "2x H200 (NVLink 4)",
+                         "commit": "a4072ff", "note": "GPU data path rewritten since (2026-12-01), not re-measured"},
+    "step_mixed": {"file": "benchmarks/results/resnet50_xla_wait_mixed_h200x1.json", "machine": "1x H200",
+                   "commit": "2dae886"},
+    "step_fp32": {"file": "benchmarks/results/resnet50_xla_wait_fp32_h200x1.json", "machine": "1x H200",
+                  "commit": "2dae886"},
+    "tf_op_host_cost_ms": {"value": 0.65, "file": "benchmarks/results/tf_gpu_h200_f202ed0/", "machine": "1x H200",
+                           "date": "2026-12-01", "commit": "f202ed0"},
+    "cross_step_fixed_ms": {"value": 1.0, "file": "benchmarks/results/cross_step_h200x1_np2.json", "machine":
+                            "1x H200 shared by 2-4 ranks (host-staged)", "date": "2026-12-01", "commit": "b9f7e1b"},
+}
+
+# Published measurements of ResNet-50 data-parallel scaling efficiency.
+ANCHORS = [
+    {"what": "NV-group paper (ICS 2020), TensorFlow, DGX-2", "gpus": 16, "hardware": "16x V100, NVSwitch",
+     "efficiency": 0.939},
+    {"what": "NV-group paper (ICS 2020), TensorFlow, Summit", "gpus": 192, "hardware": "32 nodes x 6 V100, 2x EDR IB",
+     "efficiency": 0.897},
+    {"what": "NVIDIA DeepLearningExamples, TF ResNet-50 v1.5 + Horovod, TF32", "gpus": 8, "hardware": "DGX A100 (8x A100)",
+     "efficiency": 0.96},
+    {"what": "NVIDIA DeepLearningExamples, TF ResNet-50 v1.5 + Horovod, AMP", "gpus": 8, "hardware": "DGX A100 (8x A100)",
+     "efficiency": 0.915},
+    {"what": "NVIDIA DeepLearningExamples, TF ResNet-50 v1.5 + Horovod, FP32", "gpus": 16, "hardware": "DGX-2 (16x V100)",
+     "efficiency": 0.94},
+]
 
 
 def load_gradients():
@@ -54,14 +93,14 @@ def load_gradients():
     return sizes[::-1]  # backprop order: the last layer's gradient first
 
 
-def measured_curve(path, impl, column):
+def group_curve(path):
     d = json.load(open(path))
-    rows = sorted((r["bytes"], r[column]) for r in d["results"] if r["impl"] == impl and r.get(column))
+    rows = sorted((r["bytes"], r["ip_us"]) for r in d["results"] if r["impl"] == "nvgroup-reg" and r.get("ip_us"))
     return np.array([b for b, _ in rows], float), np.array([t for _, t in rows], float), d
 
 
 def interp(xs, ys, x):
-    """log-log interpolation, linear extrapolation of time per byte above the largest size."""
+    """log-log interpolation; time per byte extrapolated linearly above the largest size."""
     if x <= xs[0]:
         return ys[0]
     if x >= xs[-1]:
@@ -69,114 +108,214 @@ def interp(xs, ys, x):
     return float(np.exp(np.interp(np.log(x), np.log(xs), np.log(ys))))
 
 
-def bucket_time_us(b, nodes, gpus, a, kernel, staging):
-    t = kernel(b) * a.intra_scale if gpus > 1 else 0.0
+def step_time(path):
+    d = json.load(open(path))
+    rows = [r for r in d["rows"] if r.get("mode") == "nvgroup" and r.get("xla_cuda_wait") == "stream"]
+    ms = float(np.mean([r["step_time_ms_mean"] for r in rows]))
+    ips = float(np.mean([r["img_per_sec_per_rank"] for r in rows]))
+    return ms, ips, rows[0]["batch_size"], d
+
+
+def bucket_us(b, nodes, gpus, p, case, kernel):
+    t = kernel(b) * 2 * (gpus - 1) / gpus if gpus > 1 else 0.0
     if nodes == 1:
         return t
-    chunk = a.chunk_mb * 2 ** 20
+    chunk = p.chunk_mb * 2 ** 20
     n_chunks = max(1, int(np.ceil(b / chunk)))
     slice_b = min(b, chunk) / gpus
-    net = 2 * (nodes - 1) / nodes * slice_b / (a.node_gbps * 1e9 / 8 / gpus) * 1e6
-    net += 2 * (nodes - 1) * a.latency_us
-    stage = staging(slice_b)
+    nic = case["nic_gbytes"] * 1e9
+    net = 2 * (nodes - 1) / nodes * slice_b / nic * 1e6 + 2 * (nodes - 1) * case["latency_us"]
+    stage = 2 * slice_b / (case["pcie_gbytes"] * 1e9) * 1e6 if case["pcie_gbytes"] else 0.0
     per_chunk = max(net, stage)
-    return t + n_chunks * per_chunk + min(net, stage)  # pipeline fill
+    return t + n_chunks * per_chunk + min(net, stage) + case["bucket_fixed_us"]
 
 
-def step_ms(nodes, gpus, a, buckets, kernel, staging):
-    compute = a.compute_ms * 1e3
-    forward, backward = compute / 3, compute * 2 / 3
+def step_ms(nodes, gpus, compute_ms, buckets, p, case, kernel):
+    compute = compute_ms * 1e3
+    forward, backward = compute * p.forward_fraction, compute * (1 - p.forward_fraction)
     if nodes * gpus == 1:
-        return compute / 1e3
-    total = sum(sum(bk) for bk in buckets)
-    end, done = forward, 0
-    for bk in buckets:
-        done += sum(bk)
-        ready = forward + backward * done / total
-        end = max(end, ready) + bucket_time_us(sum(bk), nodes, gpus, a, kernel, staging)
-    return max(end, forward + backward) / 1e3
+        return compute_ms
+    times = [bucket_us(sum(bk), nodes, gpus, p, case, kernel) for bk in buckets]
+    if case["overlap"]:
+        total = sum(sum(bk) for bk in buckets)
+        end, done = forward, 0
+        for bk, t in zip(buckets, times):
+            done += sum(bk)
+            end = max(end, forward + backward * done / total) + t
+        end = max(end, forward + backward)
+    else:
+        end = forward + backward + sum(times)
+    return (end + case["step_fixed_us"]) / 1e3
+
+
+def git_commit():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--compute-ms", type=float, default=155.0)
-    p.add_argument("--node-gbps", type=float, default=200.0)
-    p.add_argument("--latency-us", type=float, default=1.5)
-    p.add_argument("--intra-scale", type=float, default=3.0)
-    p.add_argument("--chunk-mb", type=float, default=4.0)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--grad-bytes", type=int, default=4)
-    p.add_argument("--measured", default=os.path.join(REPO, "benchmarks", "results", "allreduce_perf_h200x2.json"))
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nic-gbytes", type=float, nargs=2, default=[48.0, 46.0], metavar=("OPT", "PES"),
+                   help="GB/s per GPU's NIC (NDR 400 Gb/s: ~46-48 GB/s in NCCL's tests)")
+    p.add_argument("--latency-us", type=float, nargs=2, default=[2.0, 5.0], metavar=("OPT", "PES"))
+    p.add_argument("--pcie-gbytes", type=float, default=50.0,
+                   help="pessimistic: host staging over PCIe Gen5 (optimistic: GPUDirect RDMA, no staging)")
+    p.add_argument("--chunk-mb", type=float, default=4.0, help="NVGROUP_PIPELINE_CHUNK")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="NVGROUP_BUCKET_CAP_MB")
+    p.add_argument("--forward-fraction", type=float, default=1 / 3)
     p.add_argument("--out", default=os.path.join(REPO, "docs", "SCALING_PROJECTION"))
     a = p.parse_args()
 
-    kx, ky, meta = measured_curve(a.measured, "nvgroup-reg", "ip_us")
-    sx, sy, _ = measured_curve(a.measured, "mpi-host", "oop_us")
+    kx, ky, curve_meta = group_curve(os.path.join(REPO, MEASURED["group_step_curve"]["file"]))
     kernel = lambda b: interp(kx, ky, b)
-    staging = lambda b: interp(sx, sy, b)
-    sizes = [n * a.grad_bytes for n in load_gradients()]
-    idx = assign_buckets(sizes, ["g"] * len(sizes), int(a.bucket_cap_mb * 2 ** 20), 2 ** 20)
+    MEASURED["group_step_curve"]["date"] = curve_meta.get("date")
+    precisions = {}
+    for key, label in (("step_mixed", "mixed precision, batch 256"), ("step_fp32", "fp32, batch 128")):
+        ms, ips, batch, meta = step_time(os.path.join(REPO, MEASURED[key]["file"]))
+        MEASURED[key].update({"date": meta.get("date"), "step_ms": round(ms, 2), "img_per_s": round(ips, 1)})
+        precisions[label] = ms
+
+    sizes = [4 * n for n in load_gradients()]  # float32 gradients (also under mixed_float16: float32 variables)
+    idx = assign_buckets(sizes, ["float32"] * len(sizes), int(a.bucket_cap_mb * 2 ** 20), 2 ** 20)
     buckets = [[sizes[i] for i in bk] for bk in idx]
-    t1 = step_ms(1, 1, a, buckets, kernel, staging)
+
+    cases = {
+        "optimistic": {"overlap": True, "nic_gbytes": a.nic_gbytes[0], "latency_us": a.latency_us[0],
+                       "pcie_gbytes": 0.0, "bucket_fixed_us": 0.0, "step_fixed_us": 0.0},
+        "pessimistic": {"overlap": False, "nic_gbytes": a.nic_gbytes[1], "latency_us": a.latency_us[1],
+                        "pcie_gbytes": a.pcie_gbytes,
+                        "bucket_fixed_us": MEASURED["cross_step_fixed_ms"]["value"] * 1e3,
+                        "step_fixed_us": MEASURED["tf_op_host_cost_ms"]["value"] * 1e3},
+    }
+    g = a.gpus_per_node
     rows = []
-    for gpus in (6, 8):
-        for nodes in (1, 2, 4, 8, 16, 32):
-            t = step_ms(nodes, gpus, a, buckets, kernel, staging)
-            rows.append({"gpus_per_node": gpus, "nodes": nodes, "gpus": nodes * gpus, "step_ms": round(t, 2),
-                         "efficiency": round(t1 / t, 4)})
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "?"
-    inputs = {k: v for k, v in vars(a).items() if k not in ("out",)}
-    inputs["measured"] = os.path.relpath(a.measured, REPO)
-    inputs["measured_gpu"] = meta.get("gpu")
-    inputs["measured_date"] = meta.get("date")
-    inputs["buckets"] = len(buckets)
-    inputs["gradient_mb"] = round(sum(sizes) / 2 ** 20, 1)
-    out = {"kind": "PROJECTION (model, not measured)", "date": datetime.date.today().isoformat(),
-           "commit": commit, "inputs": inputs, "one_gpu_step_ms": t1, "rows": rows, "paper": PAPER}
+    for label, t1 in precisions.items():
+        for nodes in (1, 2, 4, 8, 16, 32, 64):
+            row = {"precision": label, "gpus_per_node": g, "nodes": nodes, "gpus": nodes * g, "one_gpu_step_ms": round(t1, 2)}
+            for name, case in cases.items():
+                t = step_ms(nodes, g, t1, buckets, a, case, kernel)
+                row[name + "_step_ms"] = round(t, 2)
+                row[name + "_efficiency"] = round(t1 / t, 4)
+                row[name + "_exposed_ms"] = round(t - t1, 2)
+            rows.append(row)
+
+    commit = git_commit()
+    assumed = {"forward_fraction": round(a.forward_fraction, 3), "gradient_ready": "in proportion to the bytes computed",
+               "group_of_%d" % g: "keeps the 2-GPU pair's bus bandwidth (NVSwitch, 18 NVLink 4 links per GPU)",
+               "latency_us_per_message": a.latency_us, "pcie_gbytes_pessimistic": a.pcie_gbytes,
+               "gpudirect_rdma_optimistic": True, "one_nic_per_gpu": True}
+    published = {"nic_gbytes": a.nic_gbytes, "nic": "NDR 400 Gb/s InfiniBand, ~46-48 GB/s per NIC (NCCL tests)"}
+    out = {"kind": "PROJECTION (a model, not a measurement)", "generated": datetime.date.today().isoformat(),
+           "script_commit": commit, "measured_inputs": MEASURED, "published_inputs": published,
+           "assumed_inputs": assumed, "buckets": len(buckets), "bucket_mb": [round(sum(b) / 2 ** 20, 2) for b in buckets],
+           "gradient_mb": round(sum(sizes) / 2 ** 20, 1), "chunk_mb": a.chunk_mb, "rows": rows, "published_anchors": ANCHORS}
     with open(a.out + ".json", "w") as f:
         json.dump(out, f, indent=1)
-    lines = ["# Scaling projection (a model, NOT a measurement)", "",
-             "Generated by `scripts/scaling_projection.py` on %s at commit %s. Every number below is "
-             "computed from the inputs listed, with the model in the script's docstring; nothing here "
-             "ran on more than one machine." % (out["date"], commit), "",
-             "Inputs: " + ", ".join("%s=%s" % kv for kv in sorted(inputs.items())), "",
-             "| GPUs/node | nodes | GPUs | step ms | efficiency |", "| --- | --- | --- | --- | --- |"]
+
+    m = MEASURED
+    mid = [r for r in rows if 2 <= r["nodes"] <= 32]
+    summary = "**In short:** on 2 to 32 nodes of %d H200s with one NDR 400 Gb/s NIC per GPU, the model puts " \
+        "ResNet-50's scaling efficiency between %.1f%% and %.1f%% (mixed precision) and between %.1f%% and " \
+        "%.1f%% (fp32); the pessimistic end is the one to plan with under XLA on GPU." % (
+            g, 100 * min(r["pessimistic_efficiency"] for r in mid if r["precision"].startswith("mixed")),
+            100 * max(r["optimistic_efficiency"] for r in mid if r["precision"].startswith("mixed")),
+            100 * min(r["pessimistic_efficiency"] for r in mid if r["precision"].startswith("fp32")),
+            100 * max(r["optimistic_efficiency"] for r in mid if r["precision"].startswith("fp32")))
+    L = ["# Scaling projection (a model, not a measurement)", "",
+         "What a user on today's hardware can expect from ResNet-50 data-parallel training with nvgroup_tf "
+         "on many nodes, as a **band** between an optimistic and a pessimistic case of one model. Nothing "
+         "here ran on more than one machine; the published measurements below are the reality check. "
+         "Generated by `scripts/scaling_projection.py` (model in its docstring) on %s at commit `%s`." % (
+             out["generated"], commit), "",
+         summary, "", "## Inputs", "",
+         "| input | value | source |", "| --- | --- | --- |",
+         "| per-GPU step, mixed precision, batch 256 | %.2f ms (%.1f img/s) | measured: `%s`, %s, %s, commit `%s` |" % (
+             m["step_mixed"]["step_ms"], m["step_mixed"]["img_per_s"], m["step_mixed"]["file"], m["step_mixed"]["machine"],
+             m["step_mixed"]["date"], m["step_mixed"]["commit"]),
+         "| per-GPU step, fp32, batch 128 | %.2f ms (%.1f img/s) | measured: `%s`, %s, %s, commit `%s` |" % (
+             m["step_fp32"]["step_ms"], m["step_fp32"]["img_per_s"], m["step_fp32"]["file"], m["step_fp32"]["machine"],
+             m["step_fp32"]["date"], m["step_fp32"]["commit"]),
+         "| group step time by size (8 B - 1 GiB) | in place on the registered buffer | measured: `%s`, %s, %s, commit `%s` (%s) |" % (
+             m["group_step_curve"]["file"], m["group_step_curve"]["machine"], m["group_step_curve"]["date"],
+             m["group_step_curve"]["commit"], m["group_step_curve"]["note"]),
+         "| gradients | 214 tensors, %.1f MiB float32, %d buckets (%s MiB) | `benchmarks/resnet50_gradients.txt`, `nvgroup_tf.bucketing` |" % (
+             out["gradient_mb"], len(buckets), ", ".join("%.2f" % x for x in out["bucket_mb"])),
+         "| host cost of the TF GPU op per step (pessimistic) | %.2f ms | measured: `%s`, %s, %s, commit `%s` |" % (
+             m["tf_op_host_cost_ms"]["value"], m["tf_op_host_cost_ms"]["file"], m["tf_op_host_cost_ms"]["machine"],
+             m["tf_op_host_cost_ms"]["date"], m["tf_op_host_cost_ms"]["commit"]),
+         "| cross step fixed cost per bucket (pessimistic) | %.1f ms | measured: `%s`, %s, %s, commit `%s` |" % (
+             m["cross_step_fixed_ms"]["value"], m["cross_step_fixed_ms"]["file"], m["cross_step_fixed_ms"]["machine"],
+             m["cross_step_fixed_ms"]["date"], m["cross_step_fixed_ms"]["commit"]),
+         "| network per GPU | %.0f GB/s (optimistic) / %.0f GB/s (pessimistic) | published: %s |" % (
+             a.nic_gbytes[0], a.nic_gbytes[1], published["nic"]),
+         "| latency per message | %.0f us / %.0f us | assumed |" % tuple(a.latency_us),
+         "| host staging | none (GPUDirect RDMA, CUDA-aware MPI) / PCIe at %.0f GB/s | assumed |" % a.pcie_gbytes,
+         "| overlap with backward | perfect / none (every bucket after backward, as under XLA on GPU today) | assumed (the two ends of the band) |",
+         "| forward : backward | %.0f%% : %.0f%% of the step; gradients ready in proportion to bytes | assumed |" % (
+             100 * a.forward_fraction, 100 * (1 - a.forward_fraction)),
+         "| NV-group of %d GPUs | the 2-GPU pair's bus bandwidth, time x 2(G-1)/G | assumed (NVSwitch: 18 NVLink 4 links per GPU) |" % g,
+         "", "## Projection: %d GPUs per node, one NDR 400 Gb/s NIC per GPU" % g, "",
+         "| precision | nodes | GPUs | step ms (opt - pes) | exposed communication ms (opt - pes) | efficiency (opt - pes) |",
+         "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append("| %d | %d | %d | %.1f | %.1f%% |" % (r["gpus_per_node"], r["nodes"], r["gpus"],
-                                                        r["step_ms"], 100 * r["efficiency"]))
-    lines += ["", "Paper (measured on Summit, ICS 2020): 93.9%% at 16 GPUs, 89.7%% at 192 GPUs (32 nodes x 6). "
-              "The projection for 32 x 6 = 192 GPUs is %.1f%%; 16 GPUs are not a whole number of 6-GPU "
-              "nodes (the nearest rows: 12 and 24 GPUs)." % (100 * [r for r in rows if r["gpus"] == 192][0]["efficiency"]),
-              "", "Why the projection is higher than the paper: the model overlaps communication with "
-              "backward perfectly and has no stragglers, input pipeline, framework dispatch or "
-              "negotiation cost, and its intra-node times are H200 kernels scaled by an assumed factor; "
-              "it is an upper bound of what the data path allows, to be replaced by measurements.",
-              "", "![projection](SCALING_PROJECTION.png)", ""]
+        L.append("| %s | %d | %d | %.1f - %.1f | %.1f - %.1f | %.1f%% - %.1f%% |" % (
+            r["precision"], r["nodes"], r["gpus"], r["optimistic_step_ms"], r["pessimistic_step_ms"],
+            r["optimistic_exposed_ms"], r["pessimistic_exposed_ms"],
+            100 * r["optimistic_efficiency"], 100 * r["pessimistic_efficiency"]))
+    L += ["", "## Published measurements (not this library)", "",
+          "| source | GPUs | hardware | efficiency |", "| --- | --- | --- | --- |"]
+    for x in ANCHORS:
+        L.append("| %s | %d | %s | %.1f%% |" % (x["what"], x["gpus"], x["hardware"], 100 * x["efficiency"]))
+    L += ["", "## Reading it", "",
+          "- The optimistic end assumes what the data path allows: communication hidden behind backward, "
+          "GPUDirect RDMA, no stragglers, no input pipeline, no framework or negotiation cost. Published "
+          "measurements of well-tuned systems land several points below such bounds (89.7-96% above).",
+          "- The pessimistic end is closer to what the current code does under XLA on GPUs: the "
+          "stream-ordered custom call makes later work wait for each collective, so communication is "
+          "exposed, and each bucket's cross step pays the fixed cost measured on one shared H200.",
+          "- Today's GPUs make the step short (%.0f ms for 256 images with mixed precision on one H200), so the "
+          "same %.0f MiB of gradients per step weigh more than on the paper's V100s: how much of the "
+          "communication is exposed decides the efficiency, which is why the band is wide." % (
+              m["step_mixed"]["step_ms"], out["gradient_mb"]),
+          "- Expect a real multi-node run between the two ends; until one is measured, plan with the "
+          "pessimistic end for XLA on GPU and the middle of the band without XLA (where buckets overlap "
+          "backward: [PERFORMANCE.md](PERFORMANCE.md#gradient-bucket-overlap-in-keras-fit)).",
+          "", "![projection](SCALING_PROJECTION.png)", ""]
     with open(a.out + ".md", "w") as f:
-        f.write("\n".join(lines))
+        f.write("\n".join(L))
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for gpus in (6, 8):
-            rs = [r for r in rows if r["gpus_per_node"] == gpus]
-            ax.plot([r["gpus"] for r in rs], [100 * r["efficiency"] for r in rs], "o-", label="%d GPUs/node (projection)" % gpus)
-        ax.plot(list(PAPER), [100 * v for v in PAPER.values()], "k*", ms=12, label="paper, Summit (measured)")
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for label, color in zip(precisions, ("tab:blue", "tab:orange")):
+            rs = [r for r in rows if r["precision"] == label]
+            xs = [r["gpus"] for r in rs]
+            ax.fill_between(xs, [100 * r["pessimistic_efficiency"] for r in rs],
+                            [100 * r["optimistic_efficiency"] for r in rs], color=color, alpha=0.25)
+            ax.plot(xs, [100 * r["optimistic_efficiency"] for r in rs], "-", color=color, label="%s, optimistic" % label)
+            ax.plot(xs, [100 * r["pessimistic_efficiency"] for r in rs], "--", color=color, label="%s, pessimistic" % label)
+        for x in ANCHORS:
+            ax.plot([x["gpus"]], [100 * x["efficiency"]], "k*" if "paper" in x["what"] else "kD", ms=9 if "paper" in x["what"] else 5)
+        ax.plot([], [], "k*", label="NV-group paper, measured (V100)")
+        ax.plot([], [], "kD", ms=5, label="NVIDIA TF + Horovod, measured")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("GPUs")
+        ax.set_xlabel("GPUs (%d per node)" % g)
         ax.set_ylabel("scaling efficiency %")
-        ax.set_title("PROJECTION: ResNet-50, %.0f Gb/s per node, compute %.0f ms" % (a.node_gbps, a.compute_ms))
-        ax.legend()
+        ax.set_title("PROJECTION (model): ResNet-50 on H200, NDR 400 Gb/s per GPU\n"
+                     "inputs: H200 step %s/%s, H200 NVLink curve %s; script %s" % (
+                         m["step_mixed"]["commit"], m["step_fp32"]["commit"], m["group_step_curve"]["commit"], commit),
+                     fontsize=9)
+        ax.legend(fontsize=7, loc="lower left")
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
         fig.savefig(a.out + ".png", dpi=110)
     except ImportError:
         print("matplotlib missing: no PNG")
-    print("\n".join(lines))
+    print("\n".join(L))
 
 
 if __name__ == "__main__":

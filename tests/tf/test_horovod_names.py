@@ -1,9 +1,9 @@
 """Every public name of Horovod 0.28.1's TensorFlow/Keras API (listed from its
 source: horovod/tensorflow/__init__.py, keras/__init__.py, keras/callbacks.py,
 elastic.py, keras/elastic.py) resolves in nvgroup_tf / nvgroup_tf.keras unless
-it is listed below as not provided or in progress, and the README's coverage
-table names each one. A name listed as in progress that now resolves fails the
-test: move it out of IN_PROGRESS and update the README table."""
+it is listed below as not provided or in progress, and the coverage table of
+docs/API.md names each one. A name listed as in progress that now resolves fails
+the test: move it out of IN_PROGRESS and update that table."""
 import os
 import re
 import subprocess
@@ -46,7 +46,7 @@ HOROVOD_KERAS_ELASTIC = ["KerasState", "CommitStateCallback", "UpdateBatchStateC
                          "UpdateEpochStateCallback", "run", "TensorFlowKerasState"]
 
 NOT_PROVIDED = {"LocalGradientAggregationHelper"}
-# Being built this round by other parts of issue 10 (README: "in progress").
+# Names being built (docs/API.md: "in progress").
 IN_PROGRESS = set()
 
 CHECK = r"""
@@ -79,12 +79,12 @@ def test_every_horovod_name_is_present_or_accounted_for():
         landed = sorted(set(present[key]) & IN_PROGRESS)
         if landed:
             problems.append("%s: %s now exist: take them out of IN_PROGRESS and mark them present "
-                            "in the README's Horovod API coverage table" % (key, landed))
+                            "in the Horovod API coverage table of docs/API.md" % (key, landed))
     assert not problems, "\n".join(problems)
 
 
-def test_readme_table_names_every_horovod_name():
-    with open(os.path.join(REPO, "README.md")) as f:
+def test_api_doc_table_names_every_horovod_name():
+    with open(os.path.join(REPO, "docs", "API.md")) as f:
         readme = f.read()
     start = readme.index("## Horovod API coverage")
     table = readme[start:readme.index("\n## ", start + 1)]
@@ -92,4 +92,4 @@ def test_readme_table_names_every_horovod_name():
     words = {w for q in quoted for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", q)}
     every = set(HOROVOD_TF + HOROVOD_TF_ELASTIC + HOROVOD_KERAS + HOROVOD_KERAS_CALLBACKS +
                 HOROVOD_KERAS_ELASTIC)
-    assert not sorted(every - words), "README table lacks: %s" % sorted(every - words)
+    assert not sorted(every - words), "docs/API.md table lacks: %s" % sorted(every - words)

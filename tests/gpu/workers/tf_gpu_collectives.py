@@ -302,7 +302,7 @@ def check_allgather_race(c, d):
     overwrite the output (the allgather comes out wrong). Integer-valued
     float32 data and integer steps keep both references exact. On one H200
     this check also passed with the op library from before the fix
-    (docs/TF_GPU_BENCHMARK.md): it checks the results, it does not prove the
+    (benchmarks/results/tf_gpu_h200_f3a5304/race.log): it checks the results, it does not prove the
     ordering, which rests on the argument in ops/adapter.h."""
     import time
     size = hvd.size()
