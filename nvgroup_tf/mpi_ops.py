@@ -349,7 +349,7 @@ def _broadcast_grad(op, grad):
     return averaged
 
 
-# ---- Collectives added for Horovod parity (issue 10) ---------------------------
+# ---- Horovod's collectives beyond allreduce/allgather/broadcast -----------------
 # reducescatter, grouped_reducescatter, alltoall, grouped_allgather, broadcast_,
 # join, process_set_included_op; ops in ops/nvgroup_ops_extra.cc.
 

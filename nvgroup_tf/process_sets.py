@@ -18,8 +18,8 @@ is a global rank (as in Horovod).
 import ctypes
 import threading
 
-from nvgroup_tf import basics
-from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE
+from nvgroup_tf import op_library
+from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE, raise_for_status
 
 _MESSAGE_BYTES = 4096
 _lock = threading.Lock()
@@ -59,7 +59,7 @@ class ProcessSet:
         if self.process_set_id is None:
             return None
         if self.process_set_id == 0:
-            return basics.size()
+            return op_library._topology("size")
         return len(self.ranks)
 
     def rank(self):
@@ -93,7 +93,7 @@ global_process_set.process_set_id = 0
 
 
 def _handle():
-    handle, _ = basics._load()
+    handle, _ = op_library._load()
     if not handle.nvgroup_tf_is_initialized():
         raise ValueError(NOT_INITIALIZED_MESSAGE)
     return handle
@@ -104,7 +104,7 @@ def _call(what, fn, *args):
     code = fn(*args, message, _MESSAGE_BYTES)
     if code == 1:  # kInvalidArgument: Horovod raises ValueError for bad process sets
         raise ValueError("%s: %s" % (what, message.value.decode(errors="replace")))
-    basics.raise_for_status(code, message.value.decode(errors="replace"), what)
+    raise_for_status(code, message.value.decode(errors="replace"), what)
 
 
 def _process_set_rank(process_set_id):
@@ -170,16 +170,16 @@ def _process_set_id(process_set):
 
 
 def _process_set_size(process_set):
-    return basics.size() if _process_set_id(process_set) == 0 else len(process_set.ranks)
+    return op_library._topology("size") if _process_set_id(process_set) == 0 else len(process_set.ranks)
 
 
 def _process_set_rank_of(process_set):
     """This rank's rank within the set (raises if not a member)."""
     if _process_set_id(process_set) == 0:
-        return basics.rank()
+        return op_library._topology("rank")
     r = _process_set_rank(process_set.process_set_id)
     if r < 0:
-        raise ValueError("rank %d is not a member of %r" % (basics.rank(), process_set))
+        raise ValueError("rank %d is not a member of %r" % (op_library._topology("rank"), process_set))
     return r
 
 

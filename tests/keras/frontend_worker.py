@@ -1,5 +1,5 @@
-"""Multi-rank checks of the Keras/TF front end (issue 9 and the optimizer/tape
-parts of issue 10). Run under mpirun by test_frontend.py:
+"""Multi-rank checks of the Keras/TF front end (optimizer, tape, callbacks,
+names, checkpoints). Run under mpirun by test_frontend.py:
 `frontend_worker.py check1 check2 ...`; same protocol as keras_worker.py (each
 check prints "[rank r] ok name" or "[rank r] FAIL name: why"; exit 1 if any
 failed). Helpers (data, reference fit, bitwise cross-rank comparison) come from
@@ -29,7 +29,7 @@ def expect_error(fn, exc_types, needle):
     raise AssertionError("expected %s mentioning %r" % (exc_types, needle))
 
 
-# ---------------------------------------------------------------- item 1: lazy builds
+# ---------------------------------------------------------------- lazy builds
 
 
 class SubclassedNet(keras.Model):
@@ -69,7 +69,7 @@ def check_broadcast_callback_lazily_built_models():
                                    callbacks=[cb]), RuntimeError, "nothing was broadcast")
 
 
-# ---------------------------------------------------------------- item 3: names inside tf.function
+# ---------------------------------------------------------------- names inside tf.function
 
 
 def check_auto_names_survive_uneven_retrace():
@@ -103,7 +103,7 @@ def check_auto_names_survive_uneven_retrace():
                              "NvgroupAllreduce.graph:total/scoped/NvgroupAllreduce_1"], names
 
 
-# ---------------------------------------------------------------- item 4: stateful, independent ops
+# ---------------------------------------------------------------- stateful, independent ops
 
 
 def check_collectives_not_pruned_folded_or_chained():
@@ -163,7 +163,7 @@ def check_collectives_not_pruned_folded_or_chained():
     assert float(var.numpy()) == 4.0
 
 
-# ---------------------------------------------------------------- item 2: checkpoint / resume
+# ---------------------------------------------------------------- checkpoint / resume
 
 CKPT_DIR = os.environ.get("NVG_CKPT_DIR", "")
 CKPT_STEPS = 4
@@ -211,7 +211,7 @@ def check_checkpoint_resume():
     _, (x2, y2) = _ckpt_data()
     path = os.path.join(CKPT_DIR, "model.keras")
     model = hvd.load_model(path)
-    from nvgroup_tf.optimizer import is_distributed
+    from nvgroup_tf.keras.optimizer import is_distributed
     assert is_distributed(model.optimizer), type(model.optimizer)
     assert int(model.optimizer.iterations.numpy()) == CKPT_STEPS, int(model.optimizer.iterations.numpy())
     saved = np.load(os.path.join(CKPT_DIR, "optimizer_at_checkpoint.npz"))
@@ -255,7 +255,7 @@ def check_checkpoint_resume():
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-# ---------------------------------------------------------------- item 5: unique names per reduction
+# ---------------------------------------------------------------- unique names per reduction
 
 
 def _local_grads(fn, variables, x):
@@ -309,7 +309,7 @@ def check_unique_names_per_tape_and_reduction():
     np.testing.assert_allclose(v.numpy(), expected, rtol=1e-5, atol=1e-7)
 
 
-# ---------------------------------------------------------------- item 6: eager loops traced
+# ---------------------------------------------------------------- eager loops traced
 
 
 def check_eager_tape_runs_buckets_traced():
@@ -354,7 +354,7 @@ def check_eager_tape_runs_buckets_traced():
     assert_close(model.get_weights(), reference_fit(init, x, y, LR), "eager DistributedOptimizer vs reference")
 
 
-# ---------------------------------------------------------------- item 7: per-model mixed precision
+# ---------------------------------------------------------------- per-model mixed precision
 
 
 class MixedNet(keras.Model):
@@ -390,7 +390,7 @@ def check_per_model_mixed_precision():
     assert getattr(model.optimizer, "_nvg_is_distributed", False), "the LossScaleOptimizer must reduce first"
 
 
-# ---------------------------------------------------------------- item 8 + issue 10: Horovod arguments
+# ---------------------------------------------------------------- Horovod arguments
 
 
 def check_horovod_arguments():

@@ -46,7 +46,7 @@ HOROVOD_KERAS_ELASTIC = ["KerasState", "CommitStateCallback", "UpdateBatchStateC
                          "UpdateEpochStateCallback", "run", "TensorFlowKerasState"]
 
 NOT_PROVIDED = {"LocalGradientAggregationHelper"}
-# Being built this round by other parts of issue 10 (README: "in progress").
+# Names being built (README: "in progress").
 IN_PROGRESS = set()
 
 CHECK = r"""
