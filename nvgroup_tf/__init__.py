@@ -27,7 +27,8 @@ _EXPORTS = {
     "nvgroup_tf.compression": ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"],
     "nvgroup_tf.exceptions": ["NvgroupInternalError", "HorovodInternalError"],
     "nvgroup_tf.gradient_tape": ["DistributedGradientTape", "PartialDistributedGradientTape"],
-    "nvgroup_tf.keras.optimizer": ["DistributedOptimizer", "PartialDistributedOptimizer"],
+    "nvgroup_tf.distributed_optimizer": ["DistributedOptimizer"],
+    "nvgroup_tf.keras.optimizer": ["PartialDistributedOptimizer"],
     "nvgroup_tf.process_sets": ["ProcessSet", "add_process_set", "remove_process_set",
                                 "global_process_set"],
 }

@@ -38,14 +38,31 @@ def init(comm=None, process_sets=None):
         raise TypeError("nvgroup_tf.init(comm): comm must be None or an mpi4py communicator, "
                         "got %s" % type(comm).__name__)
     handle, _ = _load()
+    already_initialized = bool(handle.nvgroup_tf_is_initialized())
     _call("nvgroup_tf.init", handle.nvgroup_tf_init, comm_fortran)
     global _init_comm
     _init_comm = comm
     # init(process_sets=[ProcessSet(...), ...]): registered in order.
-    _process_sets._register_static(process_sets)
+    _process_sets._register_static(process_sets, already_initialized)
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
+
+
+# Horovod's HorovodBasics process-set queries, which Horovod's own tests call as
+# hvd.mpi_ops._basics.<name> (nvgroup_tf.mpi_ops._basics is this module).
+_get_process_set_ids_and_ranks = _process_sets._get_process_set_ids_and_ranks
+_process_set_size = _process_sets._process_set_size_of_id
+
+
+def _process_set_rank(process_set_id):
+    """This process's rank within the set with this id; ValueError if it is not a member."""
+    if process_set_id == 0:
+        return rank()
+    r = _process_sets._process_set_rank(process_set_id)
+    if r < 0:
+        raise ValueError("Process is not part of process set %d." % process_set_id)
+    return r
 
 
 def shutdown():

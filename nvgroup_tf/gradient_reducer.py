@@ -29,7 +29,8 @@ reduced gradients (Average by default) of all ranks:
     rows are touched); with sparse_as_dense=True they are densified first and
     fused with the dense ones.
   * Local variables (register_local_var / local_layers, Horovod's
-    PartialDistributed*): their gradients are not communicated; with
+    PartialDistributed*; given as variables or as their `v.ref()`, see
+    variable_key): their gradients are not communicated; with
     scale_local_gradients (default) they are divided by size(), as Horovod does.
   * gradient_predivide_factor f (Horovod): Average becomes prescale 1/f,
     postscale f (the engine divides by size()): the same average, with the
@@ -171,12 +172,17 @@ class GradientReducer:
         self.first_cap_bytes = min(FIRST_BUCKET_CAP_BYTES, self.cap_bytes)
         self.name_prefix = name_prefix
         self.scale_local_gradients = bool(options.scale_local_gradients)
-        self.local_vars = []      # registered local variables (identity matters)
+        self.local_vars = []      # registered local variables, in registration order
+        self.local_keys = set()   # their variable_key()s
         self._traced = {}         # eager path: variable paths -> tf.function
 
     def register_local_var(self, var):
-        if not any(v is var for v in self.local_vars):
-            self.local_vars.append(var)
+        """`var`: a variable (Keras 3, tf.Variable), a watched tensor, or a reference
+        (`v.ref()`, Horovod's local-variable sets)."""
+        key = variable_key(var)
+        if key not in self.local_keys:
+            self.local_keys.add(key)
+            self.local_vars.append(var.deref() if _is_reference(var) else var)
 
     def _buckets(self, sizes: List[int], dtypes: List[str], paths: List[str]) -> List[List[int]]:
         """Buckets of positions into the backprop-ordered dense list."""
@@ -218,7 +224,8 @@ class GradientReducer:
         if len(grads) != len(variables):
             raise ValueError("%s: %d gradients for %d variables" % (self.name_prefix, len(grads), len(variables)))
         core = _core()
-        local = [any(v is lv for lv in self.local_vars) for v in variables]
+        local = [variable_key(v) in self.local_keys for v in variables] if self.local_keys else [False] * len(
+            variables)
         out = list(grads)
         if self.scale_local_gradients and any(local):
             size = float(core.size())
@@ -287,6 +294,55 @@ class GradientReducer:
                 for i, r in zip(members, reduced):
                     out[i] = r
         return out
+
+
+def _is_reference(obj) -> bool:
+    return callable(getattr(obj, "deref", None))
+
+
+class _IdentityKey:
+    """Key of an object without `ref()`: its identity (it is kept alive)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _IdentityKey) and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+
+def variable_key(variable):
+    """Hashable identity of a variable for local-variable lookups, the same for
+    a variable and its references (`v.ref()`, hvd.vars_to_refs): a Keras 3
+    variable's key is the reference of the tf.Variable it holds (what its
+    `ref()` returns, nvgroup_tf/keras/compat.py); a tf.Variable's or tensor's
+    is its `ref()`; a reference's is its object's; anything else is keyed by
+    identity."""
+    if _is_reference(variable):
+        variable = variable.deref()
+    held = _keras3_held_variable(variable)
+    if held is not None:
+        return held.ref()
+    ref = getattr(variable, "ref", None)
+    if callable(ref):
+        try:
+            return ref()
+        except (TypeError, ValueError):
+            pass
+    return _IdentityKey(variable)
+
+
+def _keras3_held_variable(variable):
+    try:
+        from keras.src.backend.common.variables import Variable as KerasVariable
+    except ImportError:  # no Keras 3
+        return None
+    if isinstance(variable, KerasVariable):
+        held = getattr(variable, "_value", None)
+        return held if callable(getattr(held, "ref", None)) else None
+    return None
 
 
 def _scale(grad, factor):

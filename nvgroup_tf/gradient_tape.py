@@ -78,9 +78,15 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
 
 
 class _DistributedTapeMixin:
+    @property
+    def _local_sources(self):
+        """Horovod's: the set of `s.ref()` of the local sources."""
+        return set(self._nvg_reducer.local_keys)
+
     def register_local_source(self, source):
-        """Horovod: the gradient for `source` is this rank's own (not reduced;
-        divided by size() when scale_local_gradients)."""
+        """Horovod: the gradient for `source` (a variable, a watched tensor, or
+        its `.ref()`) is this rank's own (not reduced; divided by size() when
+        scale_local_gradients)."""
         self._nvg_reducer.register_local_var(source)
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):

@@ -94,9 +94,15 @@ class _DistributedKerasMixin:
     def _nvg_local_vars(self):
         return list(self._nvg_sync.reducer.local_vars)
 
+    @property
+    def _local_vars(self):
+        """Horovod's: the set of `v.ref()` of the local variables."""
+        return set(self._nvg_sync.reducer.local_keys)
+
     def register_local_var(self, var):
-        """Horovod: the gradient of `var` stays this rank's own (not reduced;
-        divided by size() when scale_local_gradients, Horovod's default)."""
+        """Horovod: the gradient of `var` (a variable or its `v.ref()`) stays this
+        rank's own (not reduced; divided by size() when scale_local_gradients,
+        Horovod's default)."""
         self._nvg_sync.reducer.register_local_var(var)
 
     def _nvg_reduce(self, grads, variables):
@@ -300,7 +306,9 @@ def distribute(optimizer, name, options):
         return legacy_optimizer.wrap(optimizer, sync)
     if not _is_keras3_optimizer(optimizer):
         raise TypeError("DistributedOptimizer expects a Keras optimizer (keras.optimizers.Optimizer, or "
-                        "a tf_keras optimizer with TF_USE_LEGACY_KERAS=1), got %s" % type(optimizer).__name__)
+                        "a tf_keras optimizer with TF_USE_LEGACY_KERAS=1) or, through "
+                        "nvgroup_tf.DistributedOptimizer, a tf.compat.v1.train.Optimizer; got %s"
+                        % type(optimizer).__name__)
     import keras
     from nvgroup_tf.keras import compat
     compat.install()  # Keras 3 shims for Horovod programs: experimental_run_tf_function, opt.lr, ...
