@@ -43,6 +43,18 @@ def test_frontend_two_ranks():
     _check_all_ok(res, CHECKS, 2)
 
 
+HOROVOD_BEHAVIOUR_CHECKS = [
+    "repeated_init_process_sets",   # init(process_sets=) again, mpi_ops._basics, unregistered ids
+    "tf1_optimizer_reduces",        # DistributedOptimizer(tf.compat.v1.train optimizer) in a Session
+    "local_variable_refs",          # v.ref() of Keras 3 variables as local variables
+]
+
+
+def test_horovod_behaviours_two_ranks():
+    res = run_mpi(WORKER, 2, HOROVOD_BEHAVIOUR_CHECKS, timeout=400)
+    _check_all_ok(res, HOROVOD_BEHAVIOUR_CHECKS, 2)
+
+
 def test_checkpoint_resume_in_new_processes(tmp_path):
     """Train + checkpoint on rank 0, then load on all ranks in
     a new launch, continue: equal to the uninterrupted run."""
