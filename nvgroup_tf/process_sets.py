@@ -213,13 +213,15 @@ def _register_static(process_sets, already_initialized=False):
         return
     if not already_initialized:
         for ps in process_sets:
+            if isinstance(ps, ProcessSet) and (ps.process_set_id == 0 or ps.process_set_id in _registered):
+                continue  # the global set, or registered already
             add_process_set(ps)
         return
     by_ranks = {tuple(ps.ranks): ps_id for ps_id, ps in _registered.items()}
     for ps in process_sets:
         if not isinstance(ps, ProcessSet):
             ps = ProcessSet(ps)
-        if ps.process_set_id is not None and ps.process_set_id in _registered:
+        if ps.process_set_id == 0 or ps.process_set_id in _registered:
             continue
         ps_id = by_ranks.get(tuple(ps.ranks))
         if ps_id is None:
