@@ -133,7 +133,7 @@ def main():
     def finish(hs):
         if wait_all is not None:
             wait_all(hs)
-        else:  # builds without wait_all (the code before issue 11)
+        else:  # builds without wait_all (older engine builds)
             for h in hs:
                 engine.wait(h)
 

@@ -1,4 +1,4 @@
-"""Bucket overlap of Keras ResNet-50 `fit` from the engine timeline (issue 9 item 4).
+"""Bucket overlap of Keras ResNet-50 `fit` from the engine timeline.
 
 Question: since the collective ops became stateful and run independently of
 TF's automatic control dependencies (Note [Stateful ops] in nvgroup_tf/mpi_ops.py),
@@ -29,7 +29,7 @@ step k):
   start/end of its ALLREDUCE phase (after negotiation with rank 1).
 Backprop end is taken as the step's last bucket enqueue: the last bucket holds
 the first layers' gradients, the last ones backprop produces (the bucket order
-is backprop order, _keras_impl/reduce.py). Per step the script reports
+is backprop order, nvgroup_tf/gradient_reducer.py). Per step the script reports
   * each bucket's enqueue time relative to the step's first and last enqueue
     (0 = first, 1 = last = backprop end) and to the batch begin;
   * buckets_started_before_backprop_end / _done_: how many buckets' collectives

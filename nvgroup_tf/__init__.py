@@ -20,22 +20,20 @@ _EXPORTS = {
     "nvgroup_tf.mpi_ops": [
         "Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "grouped_allreduce",
         "allgather", "broadcast",
-        # Collectives added for Horovod parity (engine: coll).
         "reducescatter", "grouped_reducescatter", "alltoall", "grouped_allgather", "broadcast_",
         "join", "process_set_included_op",
     ],
     "nvgroup_tf.functions": ["broadcast_variables", "broadcast_object", "allgather_object"],
     "nvgroup_tf.compression": ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"],
     "nvgroup_tf.exceptions": ["NvgroupInternalError", "HorovodInternalError"],
-    # Written by the Keras/optimizer side (nvgroup_tf/gradient_tape.py, optimizer.py).
     "nvgroup_tf.gradient_tape": ["DistributedGradientTape", "PartialDistributedGradientTape"],
-    "nvgroup_tf.optimizer": ["DistributedOptimizer", "PartialDistributedOptimizer"],
-    # Process sets (engine: coll).
+    "nvgroup_tf.distributed_optimizer": ["DistributedOptimizer"],
+    "nvgroup_tf.keras.optimizer": ["PartialDistributedOptimizer"],
     "nvgroup_tf.process_sets": ["ProcessSet", "add_process_set", "remove_process_set",
                                 "global_process_set"],
 }
-# Issue 10, small Python-level API (topology ops, build flags, timeline, object
-# helpers, Horovod's util helpers, SyncBatchNormalization).
+# Horovod's small Python-level API: topology ops, build flags, timeline, object
+# helpers, Horovod's util helpers, SyncBatchNormalization.
 _EXPORTS["nvgroup_tf.basics"] += [
     "is_homogeneous", "mpi_threads_supported", "ddl_built", "ccl_built", "sycl_built", "rank_op", "size_op",
     "local_rank_op", "local_size_op", "cross_rank_op", "cross_size_op", "start_timeline",

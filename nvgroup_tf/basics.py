@@ -1,87 +1,21 @@
 """Process-level API: init/shutdown and the topology queries.
 
-Note [One engine per process]. The engine (cc/) is linked into the TF op library
-nvgroup_tf/lib/libnvgroup_tf_ops.so. This module loads that library twice by the
-same path -- tf.load_op_library for the ops, ctypes for the extern "C" entry
-points of ops/c_api.cc -- and the dynamic loader returns the same handle, so
-init() and the ops talk to one engine. The pybind11 module nvgroup_tf._engine
-contains a second copy of the engine for non-TF use and is never imported here.
+The op library and its C entry points are loaded by nvgroup_tf/op_library.py
+(Note [One engine per process] there); process sets live in process_sets.py,
+which init() and shutdown() call into (that module does not import this one).
 """
 import atexit
-import ctypes
-import ctypes.util
 import os
-import threading
-import warnings
 
 import tensorflow as tf
 
-from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE, raise_for_status
-
-LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib",
-                            "libnvgroup_tf_ops.so")
-_MESSAGE_BYTES = 4096
+from nvgroup_tf import process_sets as _process_sets
+from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE
+# _load, op_module and LIBRARY_PATH stay reachable as nvgroup_tf.basics.* (mpi_ops, the launcher).
+from nvgroup_tf.op_library import LIBRARY_PATH, _call, _load, _topology, op_module  # noqa: F401
 
 _init_comm = None  # what the last init() got; nvgroup_tf.elastic re-initializes over it
-_load_lock = threading.Lock()
-_library = None  # (ctypes.CDLL, op module) once loaded
 _atexit_registered = False
-
-
-def _load():
-    """Loads the op library once; returns (ctypes handle, TF op module)."""
-    global _library
-    with _load_lock:
-        if _library is not None:
-            return _library
-        if not os.path.exists(LIBRARY_PATH):
-            raise ImportError(
-                "%s is missing: build nvgroup_tf first ('bash scripts/setup.sh', or "
-                "'python setup.py build_ext --inplace' in the repository)." % LIBRARY_PATH)
-        # Open MPI loads its transport plugins with dlopen at MPI_Init; they
-        # resolve symbols of libmpi globally, which fails if libmpi came in
-        # RTLD_LOCAL as a dependency of a TF op library.
-        libmpi = ctypes.util.find_library("mpi")
-        if libmpi:
-            ctypes.CDLL(libmpi, mode=ctypes.RTLD_GLOBAL)
-        # The op library first: TF collects the ops registered while *it*
-        # loads the library; a prior ctypes load would register them unseen.
-        ops = tf.load_op_library(LIBRARY_PATH)
-        handle = ctypes.CDLL(LIBRARY_PATH, mode=ctypes.RTLD_GLOBAL)
-        for fn in ("nvgroup_tf_init",):
-            getattr(handle, fn).argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int]
-        for fn in ("nvgroup_tf_shutdown", "nvgroup_tf_finalize_mpi"):
-            getattr(handle, fn).argtypes = [ctypes.c_char_p, ctypes.c_int]
-        for fn in list(_TOPOLOGY_FUNCTIONS.values()) + list(_ENGINE_FLAGS.values()):
-            getattr(handle, fn).argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
-                                            ctypes.c_int]
-        handle.nvgroup_tf_start_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int,
-                                                     ctypes.c_char_p, ctypes.c_int]
-        handle.nvgroup_tf_stop_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int]
-        _register_xla_kernels(handle)
-        _library = (handle, ops)
-        return _library
-
-
-@tf.autograph.experimental.do_not_convert
-def _register_xla_kernels(handle):
-    """The collectives' XLA kernels (ops/xla_ops.cc) are registered right after
-    the library loads: TF takes XLA kernels in only once per process, at its
-    first XLA compilation; warns if that has already happened."""
-    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
-    if handle.nvgroup_tf_register_xla_kernels(message, _MESSAGE_BYTES) != 0:
-        warnings.warn(message.value.decode(errors="replace"), RuntimeWarning)
-
-
-def op_module():
-    """The generated TF op wrappers (nvgroup_allreduce, ...)."""
-    return _load()[1]
-
-
-def _call(what, fn, *args):
-    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
-    code = fn(*args, message, _MESSAGE_BYTES)
-    raise_for_status(code, message.value.decode(errors="replace"), what)
 
 
 def init(comm=None, process_sets=None):
@@ -104,23 +38,38 @@ def init(comm=None, process_sets=None):
         raise TypeError("nvgroup_tf.init(comm): comm must be None or an mpi4py communicator, "
                         "got %s" % type(comm).__name__)
     handle, _ = _load()
+    already_initialized = bool(handle.nvgroup_tf_is_initialized())
     _call("nvgroup_tf.init", handle.nvgroup_tf_init, comm_fortran)
     global _init_comm
     _init_comm = comm
-    # init(process_sets=[ProcessSet(...), ...]): registered in order (coll).
-    from nvgroup_tf import process_sets as _process_sets
-    _process_sets._register_static(process_sets)
+    # init(process_sets=[ProcessSet(...), ...]): registered in order.
+    _process_sets._register_static(process_sets, already_initialized)
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
+
+
+# Horovod's HorovodBasics process-set queries, which Horovod's own tests call as
+# hvd.mpi_ops._basics.<name> (nvgroup_tf.mpi_ops._basics is this module).
+_get_process_set_ids_and_ranks = _process_sets._get_process_set_ids_and_ranks
+_process_set_size = _process_sets._process_set_size_of_id
+
+
+def _process_set_rank(process_set_id):
+    """This process's rank within the set with this id; ValueError if it is not a member."""
+    if process_set_id == 0:
+        return rank()
+    r = _process_sets._process_set_rank(process_set_id)
+    if r < 0:
+        raise ValueError("Process is not part of process set %d." % process_set_id)
+    return r
 
 
 def shutdown():
     """Stops the engine; collectives in flight fail with tf.errors.AbortedError."""
     handle, _ = _load()
     _call("nvgroup_tf.shutdown", handle.nvgroup_tf_shutdown)
-    from nvgroup_tf import process_sets as _process_sets  # every set is gone (coll)
-    _process_sets._reset_after_shutdown()
+    _process_sets._reset_after_shutdown()  # every set is gone
 
 
 def _shutdown_at_exit():
@@ -138,33 +87,6 @@ def _shutdown_at_exit():
 def is_initialized():
     handle, _ = _load()
     return bool(handle.nvgroup_tf_is_initialized())
-
-
-_TOPOLOGY_FUNCTIONS = {
-    "rank": "nvgroup_tf_rank",
-    "size": "nvgroup_tf_size",
-    "local_rank": "nvgroup_tf_local_rank",
-    "local_size": "nvgroup_tf_local_size",
-    "cross_rank": "nvgroup_tf_cross_rank",
-    "cross_size": "nvgroup_tf_cross_size",
-}
-
-
-# Flags the engine settles at init (ops/c_api.cc), queried like the topology.
-_ENGINE_FLAGS = {
-    "mpi_threads_supported": "nvgroup_tf_mpi_threads_supported",
-    "is_homogeneous": "nvgroup_tf_is_homogeneous",
-}
-
-
-def _topology(query):
-    handle, _ = _load()
-    if not handle.nvgroup_tf_is_initialized():
-        raise ValueError(NOT_INITIALIZED_MESSAGE)
-    value = ctypes.c_int(-1)
-    function = _TOPOLOGY_FUNCTIONS.get(query) or _ENGINE_FLAGS[query]
-    _call("nvgroup_tf.%s()" % query, getattr(handle, function), ctypes.byref(value))
-    return value.value
 
 
 def rank():

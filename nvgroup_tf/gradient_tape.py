@@ -9,7 +9,7 @@ reduced over all ranks (custom training loops; Horovod's API).
 How it works: the returned object is a tf.GradientTape of the same class that
 takes over the recorded tape (the tape's internal state, as Horovod does), so
 `gradient()` first computes the local gradients, then reduces them with the
-same bucketed path as DistributedOptimizer (_keras_impl/reduce.py: unique
+same bucketed path as DistributedOptimizer (nvgroup_tf/gradient_reducer.py: unique
 names per tape and per gradient() call inside a graph; one traced function
 when called eagerly). Sources are identified by their `.path` (Keras 3
 variables) or `.name`; nested source structures come back in the same
@@ -18,7 +18,7 @@ structure. `register_local_source(var)` / PartialDistributedGradientTape's
 """
 import tensorflow as tf
 
-from nvgroup_tf._keras_impl.reduce import GradientReducer
+from nvgroup_tf.gradient_reducer import GradientReducer, ReduceOptions, local_layers_variables
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
@@ -28,16 +28,22 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     """Wraps `gradtape`. Arguments as Horovod's (compression defaults to
     Compression.none, op to Average; op must be Average or Sum; process_set:
     None, the global set or a registered ProcessSet), plus bucket_cap_bytes as DistributedOptimizer's."""
+    options = ReduceOptions(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                            device_dense=device_dense, device_sparse=device_sparse, num_groups=num_groups,
+                            groups=groups, bucket_cap_bytes=bucket_cap_bytes,
+                            gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
+                            scale_local_gradients=scale_local_gradients)
+    return distribute_tape(gradtape, options, persistent=persistent,
+                           watch_accessed_variables=watch_accessed_variables)
+
+
+def distribute_tape(gradtape, options, persistent=None, watch_accessed_variables=None):
+    """DistributedGradientTape(gradtape, **options' fields)."""
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError("DistributedGradientTape expects a tf.GradientTape, got %s" % type(gradtape).__name__)
-    from nvgroup_tf._keras_impl import compat
+    from nvgroup_tf.keras import compat
     compat.install()  # Keras 3 shims for Horovod programs: opt.variables(), opt.lr, ...
-    reducer = GradientReducer(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                              device_dense=device_dense, device_sparse=device_sparse,
-                              num_groups=num_groups, groups=groups, bucket_cap_bytes=bucket_cap_bytes,
-                              name_prefix="DistributedGradientTape",
-                              gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
-                              scale_local_gradients=scale_local_gradients)
+    reducer = GradientReducer(options, name_prefix="DistributedGradientTape")
     cls = type(gradtape)
     if issubclass(cls, _DistributedTapeMixin):
         raise ValueError("DistributedGradientTape: this tape is already distributed")
@@ -59,23 +65,28 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
                                    scale_local_gradients=True, bucket_cap_bytes=None):
     """Horovod's PartialDistributedGradientTape: the trainable weights of
     `local_layers` (a Keras layer or a list of them) keep local gradients."""
-    from nvgroup_tf.optimizer import _local_layers
-    layers = _local_layers(local_layers)
-    tape = DistributedGradientTape(gradtape, device_dense=device_dense, device_sparse=device_sparse,
-                                   compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-                                   gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-                                   groups=groups, process_set=process_set,
-                                   scale_local_gradients=scale_local_gradients, bucket_cap_bytes=bucket_cap_bytes)
-    for layer in layers:
-        for var in layer.trainable_weights:
-            tape.register_local_source(var)
+    local_vars = local_layers_variables(local_layers)
+    options = ReduceOptions(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                            device_dense=device_dense, device_sparse=device_sparse, num_groups=num_groups,
+                            groups=groups, bucket_cap_bytes=bucket_cap_bytes,
+                            gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
+                            scale_local_gradients=scale_local_gradients)
+    tape = distribute_tape(gradtape, options)
+    for var in local_vars:
+        tape.register_local_source(var)
     return tape
 
 
 class _DistributedTapeMixin:
+    @property
+    def _local_sources(self):
+        """Horovod's: the set of `s.ref()` of the local sources."""
+        return set(self._nvg_reducer.local_keys)
+
     def register_local_source(self, source):
-        """Horovod: the gradient for `source` is this rank's own (not reduced;
-        divided by size() when scale_local_gradients)."""
+        """Horovod: the gradient for `source` (a variable, a watched tensor, or
+        its `.ref()`) is this rank's own (not reduced; divided by size() when
+        scale_local_gradients)."""
         self._nvg_reducer.register_local_var(source)
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):

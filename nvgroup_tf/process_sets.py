@@ -12,18 +12,24 @@ NV-groups formed among its members). Registration and removal are collective
 over all ranks, members and non-members alike, with the same ranks everywhere
 (a disagreement raises ValueError on every rank naming each rank's list). A
 rank that calls a collective on a set it is not a member of gets
-tf.errors.InvalidArgumentError at the call. `root_rank` of a broadcast in a set
-is a global rank (as in Horovod).
+tf.errors.InvalidArgumentError at the call; a ProcessSet whose id is not
+registered (removed, or set by hand) gets ValueError at the call, as with
+Horovod. `root_rank` of a broadcast in a set is a global rank (as in Horovod).
+
+init(process_sets=[...]) again while initialized (as Horovod allows): a set
+whose ranks are already registered takes that registration's id (no error);
+a set of new ranks raises ValueError (register it with add_process_set).
 """
 import ctypes
 import threading
 
-from nvgroup_tf import basics
-from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE
+from nvgroup_tf import op_library
+from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE, raise_for_status
 
 _MESSAGE_BYTES = 4096
 _lock = threading.Lock()
 _registered = {}  # process_set_id -> ProcessSet (this process's objects)
+_equivalent = {}  # process_set_id -> further ProcessSet objects given that id by a repeated init()
 
 
 class ProcessSet:
@@ -44,6 +50,7 @@ class ProcessSet:
         if len(set(ranks)) != len(ranks):
             raise ValueError("ProcessSet: ranks %s contain duplicates" % (ranks,))
         self.ranks = sorted(ranks)
+        self.mpi_comm = ranks_or_comm if hasattr(ranks_or_comm, "py2f") else None
         self.process_set_id = None
 
     def _invalidate(self):
@@ -59,7 +66,7 @@ class ProcessSet:
         if self.process_set_id is None:
             return None
         if self.process_set_id == 0:
-            return basics.size()
+            return op_library._topology("size")
         return len(self.ranks)
 
     def rank(self):
@@ -76,16 +83,19 @@ class ProcessSet:
         return _process_set_rank(self.process_set_id) >= 0
 
     def __eq__(self, other):
-        return isinstance(other, ProcessSet) and (self.process_set_id, self.ranks) == (
-            other.process_set_id, other.ranks)
+        if not isinstance(other, ProcessSet):
+            return False
+        if self.process_set_id == 0 or other.process_set_id == 0:  # the global set's ranks fill in at init
+            return self.process_set_id == other.process_set_id
+        return (self.process_set_id, self.ranks) == (other.process_set_id, other.ranks)
 
     def __hash__(self):
-        return hash((self.process_set_id, tuple(self.ranks)))
+        return hash(0) if self.process_set_id == 0 else hash((self.process_set_id, tuple(self.ranks)))
 
     def __repr__(self):
-        if self.process_set_id == 0:
-            return "ProcessSet(process_set_id=0, ranks=<all>)"
-        return "ProcessSet(process_set_id=%s, ranks=%s)" % (self.process_set_id, self.ranks)
+        # Horovod's str(ProcessSet); the global set's ranks are filled in by init().
+        return "ProcessSet(process_set_id=%s, ranks=%s, mpi_comm=%s)" % (
+            self.process_set_id, self.ranks, self.mpi_comm)
 
 
 global_process_set = ProcessSet([])
@@ -93,7 +103,7 @@ global_process_set.process_set_id = 0
 
 
 def _handle():
-    handle, _ = basics._load()
+    handle, _ = op_library._load()
     if not handle.nvgroup_tf_is_initialized():
         raise ValueError(NOT_INITIALIZED_MESSAGE)
     return handle
@@ -104,7 +114,7 @@ def _call(what, fn, *args):
     code = fn(*args, message, _MESSAGE_BYTES)
     if code == 1:  # kInvalidArgument: Horovod raises ValueError for bad process sets
         raise ValueError("%s: %s" % (what, message.value.decode(errors="replace")))
-    basics.raise_for_status(code, message.value.decode(errors="replace"), what)
+    raise_for_status(code, message.value.decode(errors="replace"), what)
 
 
 def _process_set_rank(process_set_id):
@@ -154,7 +164,10 @@ def remove_process_set(process_set):
     with _lock:
         _call("remove_process_set(%r)" % (process_set,), handle.nvgroup_tf_remove_process_set,
               ctypes.c_int(process_set.process_set_id))
-        _registered.pop(process_set.process_set_id, None)
+        for ps in [_registered.pop(process_set.process_set_id, None)] + _equivalent.pop(
+                process_set.process_set_id, []):
+            if ps is not None:
+                ps._invalidate()
         process_set._invalidate()
     return True
 
@@ -166,33 +179,76 @@ def _process_set_id(process_set):
     if not isinstance(process_set, ProcessSet):
         raise TypeError("process_set must be a nvgroup_tf.ProcessSet, got %s" % type(process_set).__name__)
     process_set._check_registered()
+    if process_set.process_set_id != 0 and process_set.process_set_id not in _registered:
+        raise ValueError("%r: process set id %d is not registered (removed, or never added with "
+                         "nvgroup_tf.init(process_sets=...) / nvgroup_tf.add_process_set())"
+                         % (process_set, process_set.process_set_id))
     return process_set.process_set_id
 
 
 def _process_set_size(process_set):
-    return basics.size() if _process_set_id(process_set) == 0 else len(process_set.ranks)
+    return op_library._topology("size") if _process_set_id(process_set) == 0 else len(process_set.ranks)
 
 
 def _process_set_rank_of(process_set):
     """This rank's rank within the set (raises if not a member)."""
     if _process_set_id(process_set) == 0:
-        return basics.rank()
+        return op_library._topology("rank")
     r = _process_set_rank(process_set.process_set_id)
     if r < 0:
-        raise ValueError("rank %d is not a member of %r" % (basics.rank(), process_set))
+        raise ValueError("rank %d is not a member of %r" % (op_library._topology("rank"), process_set))
     return r
 
 
-def _register_static(process_sets):
+def _register_static(process_sets, already_initialized=False):
     """For init(process_sets=...): registers each set in order, right after the
     engine started (every rank passes the same list). 'dynamic' is accepted for
-    Horovod compatibility (registration is always possible later)."""
+    Horovod compatibility (registration is always possible later). On an init()
+    while initialized (already_initialized), each set must be registered
+    already -- the same object, or one of the same ranks, which then takes the
+    registered id -- as Horovod maps a repeated init's sets onto the
+    registered ones; a set of new ranks raises ValueError naming it."""
+    global_process_set.ranks = list(range(op_library._topology("size")))
     if process_sets is None or process_sets == "dynamic":
         return
+    if not already_initialized:
+        for ps in process_sets:
+            if isinstance(ps, ProcessSet) and (ps.process_set_id == 0 or ps.process_set_id in _registered):
+                continue  # the global set, or registered already
+            add_process_set(ps)
+        return
+    by_ranks = {tuple(ps.ranks): ps_id for ps_id, ps in _registered.items()}
     for ps in process_sets:
-        if isinstance(ps, ProcessSet) and ps.process_set_id is not None:
-            continue  # init() again while initialized: already registered
-        add_process_set(ps)
+        if not isinstance(ps, ProcessSet):
+            ps = ProcessSet(ps)
+        if ps.process_set_id == 0 or ps.process_set_id in _registered:
+            continue
+        ps_id = by_ranks.get(tuple(ps.ranks))
+        if ps_id is None:
+            raise ValueError(
+                "nvgroup_tf.init(process_sets=...) while initialized: %r is not registered; the sets "
+                "of a repeated init() must be the ones already registered (%s). Register new sets "
+                "with nvgroup_tf.add_process_set()." % (ps, sorted(by_ranks) or "none"))
+        ps.process_set_id = ps_id
+        _equivalent.setdefault(ps_id, []).append(ps)
+
+
+def _get_process_set_ids_and_ranks():
+    """{process_set_id: ranks} of every registered set, the global set (0) included
+    (Horovod's basics._get_process_set_ids_and_ranks)."""
+    with _lock:
+        ids = sorted(_registered)
+    out = {0: list(range(op_library._topology("size")))}
+    for ps_id in ids:
+        out[ps_id] = _process_set_ranks(ps_id)
+    return out
+
+
+def _process_set_size_of_id(process_set_id):
+    """Number of ranks of the set with this id (Horovod's basics._process_set_size)."""
+    if process_set_id == 0:
+        return op_library._topology("size")
+    return len(_process_set_ranks(process_set_id))
 
 
 def _reset_after_shutdown():
@@ -200,4 +256,8 @@ def _reset_after_shutdown():
     with _lock:
         for ps in _registered.values():
             ps._invalidate()
+        for sets in _equivalent.values():
+            for ps in sets:
+                ps._invalidate()
         _registered.clear()
+        _equivalent.clear()

@@ -82,11 +82,13 @@ def global_moments(x, reduction_axes, weights=None, name=None):
 class SyncBatchNormalization(_BaseBatchNormalization):
     """Batch normalization with statistics synchronized across all ranks during
     training (Horovod's hvd.SyncBatchNormalization). Takes the arguments of
-    tf.keras.layers.BatchNormalization; fused must stay False, as with Horovod."""
+    tf.keras.layers.BatchNormalization. `fused` is accepted and ignored: the
+    synchronized moments need the non-fused computation, which is always used
+    (Keras 3's BatchNormalization has no fused kernel; Horovod raises
+    ValueError for fused=True or None instead)."""
 
     def __init__(self, fused=False, **kwargs):
-        if fused in (True, None):
-            raise ValueError("SyncBatchNormalization does not support fused=True.")
+        del fused  # see the docstring
         if _LEGACY:
             kwargs["fused"] = False
         super().__init__(**kwargs)

@@ -59,6 +59,10 @@ class _IdentityRef:
 
 
 def _ref(var):
+    # A Keras 3 variable's own ref() (nvgroup_tf/keras/compat.py) names the
+    # tf.Variable it holds; here the Keras variable itself comes back from refs_to_vars.
+    if type(var).__module__.startswith("keras."):
+        return _IdentityRef(var)
     ref = getattr(var, "ref", None)
     return ref() if callable(ref) else _IdentityRef(var)
 

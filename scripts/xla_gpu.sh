@@ -8,14 +8,14 @@
 #   tests  tests/tf/workers/xla.py (every lowered collective under
 #          jit_compile=True on GPU:0 vs the non-XLA result and a float64
 #          reference, mismatch errors, Keras fit with jit_compile=True) on 1
-#          and 2 ranks (sharing the GPU); tests/tf/workers/xla_extra.py (the
-#          collectives added for Horovod parity, process sets, their
+#          and 2 ranks (sharing the GPU); tests/tf/workers/xla_scatter_alltoall.py
+#          (reducescatter, alltoall, grouped allgather, broadcast_, process sets, their
 #          gradients and errors; 2 ranks); a killed rank inside an XLA
 #          program (2 ranks)
 #   fp32   ResNet-50 batch 128 fp32: nvgroup_tf with XLA, plain Keras with
 #          XLA, nvgroup_tf without XLA (scripts/xla_resnet.py)
 #   mixed  the same at batch 256 with --mixed-precision (without the no-XLA run)
-#   extra  the xla_extra worker of `tests` alone
+#   scatter_alltoall  the xla_scatter_alltoall worker of `tests` alone
 #   mixedab, fp32ab  the CUDA handler's two waits against plain Keras, alternated
 #          (NVGROUP_XLA_CUDA_WAIT, ops/xla_ops_gpu.cc): nvgroup stream, plain,
 #          nvgroup host, nvgroup stream, plain
@@ -44,16 +44,16 @@ for stage in $STAGES; do
         sections="collectives fit"; [ $np -gt 1 ] && sections="collectives errors fit"
         run timeout 400 mpirun -np $np $X python3 tests/tf/workers/xla.py $sections
       done
-      step "xla_extra worker (reducescatter, alltoall, grouped allgather, broadcast_, process sets), 2 ranks"
-      run timeout 500 mpirun -np 2 $X python3 tests/tf/workers/xla_extra.py collectives gradients errors
+      step "xla_scatter_alltoall worker (reducescatter, alltoall, grouped allgather, broadcast_, process sets), 2 ranks"
+      run timeout 500 mpirun -np 2 $X python3 tests/tf/workers/xla_scatter_alltoall.py collectives gradients errors
       step "xla worker, rank 1 killed inside an XLA program"
       timeout 200 mpirun -np 2 $X -x NVGROUP_TIMEOUT=60 python3 tests/tf/workers/xla.py dead 1 \
         | tee "$OUT/dead.log"
       grep -q "rank 0: CAUGHT UnavailableError .*rank 1" "$OUT/dead.log" || { echo "!!! no UnavailableError on rank 0"; STATUS=1; }
       ;;
-    extra)
-      step "xla_extra worker alone, 2 ranks"
-      run timeout 400 mpirun -np 2 $X python3 tests/tf/workers/xla_extra.py collectives gradients errors
+    scatter_alltoall)
+      step "xla_scatter_alltoall worker alone, 2 ranks"
+      run timeout 400 mpirun -np 2 $X python3 tests/tf/workers/xla_scatter_alltoall.py collectives gradients errors
       ;;
     fp32|mixed)
       if [ "$stage" = fp32 ]; then args="--batch-size 128"; modes="nvgroup plain nvgroup-nojit"

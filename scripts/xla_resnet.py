@@ -1,5 +1,5 @@
 """examples/resnet50/train.py in four variants, for the XLA comparison of
-docs/XLA.md (issue 13's target: nvgroup_tf with XLA >= 95% of plain Keras with
+docs/XLA.md (the target: nvgroup_tf with XLA >= 95% of plain Keras with
 XLA, same batch and precision):
 
     python scripts/xla_resnet.py MODE [train.py arguments...]

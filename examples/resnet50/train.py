@@ -201,11 +201,11 @@ def main(argv=None):
 
 def reduce_only(args, model, rank, size, untimed, bucket_cap, np, tf):
     """Times DistributedOptimizer's reduction alone on ResNet-50's gradient shapes."""
-    from nvgroup_tf._keras_impl.reduce import GradientReducer
+    from nvgroup_tf.gradient_reducer import GradientReducer, ReduceOptions
     variables = model.trainable_variables
     rng = np.random.default_rng(rank)
     grads = [tf.constant(rng.standard_normal(v.shape).astype(np.float32)) for v in variables]
-    reducer = GradientReducer(bucket_cap_bytes=bucket_cap)
+    reducer = GradientReducer(ReduceOptions(bucket_cap_bytes=bucket_cap))
     step = tf.function(lambda gs: reducer.reduce(gs, variables))
     times = []
     for i in range(untimed + args.steps):

@@ -15,11 +15,11 @@ from nvgroup_tf import (Average, Compression, Max, Min, Product, Sum,  # noqa: F
                         is_initialized, local_rank, local_size, rank, shutdown, size)
 from nvgroup_tf.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
 from nvgroup_tf.keras import callbacks  # noqa: F401
-from nvgroup_tf.optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: F401
-from nvgroup_tf._keras_impl import compat as _compat  # noqa: E402
+from nvgroup_tf.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: F401
+from nvgroup_tf.keras import compat as _compat  # noqa: E402
 
 # What Horovod's Keras examples do that Keras 3 refuses by itself (compile's
-# experimental_run_tf_function, opt.variables(), opt.lr): _keras_impl/compat.py.
+# experimental_run_tf_function, opt.variables(), opt.lr): nvgroup_tf/keras/compat.py.
 _compat.install()
 
 
@@ -69,7 +69,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     (DistributedOptimizer's arguments) set its reduction; custom_optimizers are
     classes of custom optimizers the file may contain."""
     import keras
-    from nvgroup_tf import optimizer as dist
+    from nvgroup_tf.keras import optimizer as dist
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or []:
         objects.setdefault(cls.__name__, cls)
@@ -90,7 +90,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     return model
 
 
-# Issue 10 (api): the rest of horovod.tensorflow.keras's small names and hvd.elastic.
+# The rest of horovod.tensorflow.keras's small names and hvd.elastic.
 from nvgroup_tf import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,  # noqa: E402,F401
                         is_homogeneous, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
                         rocm_built, start_timeline, stop_timeline, sycl_built)

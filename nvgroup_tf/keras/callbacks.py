@@ -256,7 +256,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             print("\nEpoch %d: finished gradual learning rate warmup to %g." % (epoch + 1, _get_lr(self.model.optimizer)))
 
 
-# ---- BestModelCheckpoint (issue 10; the rest of this file is the Keras front end's) ----
+# ---- BestModelCheckpoint ----------------------------------------------------
 
 class BestModelCheckpoint(tf.keras.callbacks.ModelCheckpoint):
     """ModelCheckpoint that keeps only the best model (save_best_only=True),

@@ -1,5 +1,5 @@
-"""Multi-rank checks of the Keras/TF front end (issue 9 and the optimizer/tape
-parts of issue 10). Run under mpirun by test_frontend.py:
+"""Multi-rank checks of the Keras/TF front end (optimizer, tape, callbacks,
+names, checkpoints). Run under mpirun by test_frontend.py:
 `frontend_worker.py check1 check2 ...`; same protocol as keras_worker.py (each
 check prints "[rank r] ok name" or "[rank r] FAIL name: why"; exit 1 if any
 failed). Helpers (data, reference fit, bitwise cross-rank comparison) come from
@@ -29,7 +29,7 @@ def expect_error(fn, exc_types, needle):
     raise AssertionError("expected %s mentioning %r" % (exc_types, needle))
 
 
-# ---------------------------------------------------------------- item 1: lazy builds
+# ---------------------------------------------------------------- lazy builds
 
 
 class SubclassedNet(keras.Model):
@@ -69,7 +69,7 @@ def check_broadcast_callback_lazily_built_models():
                                    callbacks=[cb]), RuntimeError, "nothing was broadcast")
 
 
-# ---------------------------------------------------------------- item 3: names inside tf.function
+# ---------------------------------------------------------------- names inside tf.function
 
 
 def check_auto_names_survive_uneven_retrace():
@@ -103,7 +103,7 @@ def check_auto_names_survive_uneven_retrace():
                              "NvgroupAllreduce.graph:total/scoped/NvgroupAllreduce_1"], names
 
 
-# ---------------------------------------------------------------- item 4: stateful, independent ops
+# ---------------------------------------------------------------- stateful, independent ops
 
 
 def check_collectives_not_pruned_folded_or_chained():
@@ -163,7 +163,7 @@ def check_collectives_not_pruned_folded_or_chained():
     assert float(var.numpy()) == 4.0
 
 
-# ---------------------------------------------------------------- item 2: checkpoint / resume
+# ---------------------------------------------------------------- checkpoint / resume
 
 CKPT_DIR = os.environ.get("NVG_CKPT_DIR", "")
 CKPT_STEPS = 4
@@ -211,7 +211,7 @@ def check_checkpoint_resume():
     _, (x2, y2) = _ckpt_data()
     path = os.path.join(CKPT_DIR, "model.keras")
     model = hvd.load_model(path)
-    from nvgroup_tf.optimizer import is_distributed
+    from nvgroup_tf.keras.optimizer import is_distributed
     assert is_distributed(model.optimizer), type(model.optimizer)
     assert int(model.optimizer.iterations.numpy()) == CKPT_STEPS, int(model.optimizer.iterations.numpy())
     saved = np.load(os.path.join(CKPT_DIR, "optimizer_at_checkpoint.npz"))
@@ -255,7 +255,7 @@ def check_checkpoint_resume():
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-# ---------------------------------------------------------------- item 5: unique names per reduction
+# ---------------------------------------------------------------- unique names per reduction
 
 
 def _local_grads(fn, variables, x):
@@ -309,7 +309,7 @@ def check_unique_names_per_tape_and_reduction():
     np.testing.assert_allclose(v.numpy(), expected, rtol=1e-5, atol=1e-7)
 
 
-# ---------------------------------------------------------------- item 6: eager loops traced
+# ---------------------------------------------------------------- eager loops traced
 
 
 def check_eager_tape_runs_buckets_traced():
@@ -354,7 +354,7 @@ def check_eager_tape_runs_buckets_traced():
     assert_close(model.get_weights(), reference_fit(init, x, y, LR), "eager DistributedOptimizer vs reference")
 
 
-# ---------------------------------------------------------------- item 7: per-model mixed precision
+# ---------------------------------------------------------------- per-model mixed precision
 
 
 class MixedNet(keras.Model):
@@ -390,7 +390,7 @@ def check_per_model_mixed_precision():
     assert getattr(model.optimizer, "_nvg_is_distributed", False), "the LossScaleOptimizer must reduce first"
 
 
-# ---------------------------------------------------------------- item 8 + issue 10: Horovod arguments
+# ---------------------------------------------------------------- Horovod arguments
 
 
 def check_horovod_arguments():
@@ -579,6 +579,105 @@ def check_local_variables_and_compute_gradients():
         assert len(set(kernels)) == SIZE, "local layer weights must stay per rank"
     expect_error(lambda: hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[object()]),
                  ValueError, "local layers")
+
+
+# ---------------------------------------------------------------- Horovod behaviours users rely on
+
+
+def check_repeated_init_process_sets():
+    """Horovod: init(process_sets=[...]) again maps its sets onto the registered
+    ones (no error; a new object of the same ranks takes the id); a set of new
+    ranks is an error; hvd.mpi_ops._basics answers as Horovod's (its
+    process-set tests call it); a hand-set unregistered id is a ValueError."""
+    first = hvd_core.add_process_set([0])
+    again = hvd_core.ProcessSet([0])
+    hvd_core.init(process_sets=[again, first])
+    assert again.process_set_id == first.process_set_id is not None, (again, first)
+    basics = hvd_core.mpi_ops._basics
+    assert basics._get_process_set_ids_and_ranks() == {0: list(range(SIZE)), first.process_set_id: [0]}
+    assert basics._process_set_size(again.process_set_id) == 1
+    if RANK == 0:
+        assert basics._process_set_rank(again.process_set_id) == 0
+        got = hvd_core.allreduce(tf.constant([3.0]), op=hvd_core.Sum, name="reinit.member", process_set=again)
+        assert got.numpy().tolist() == [3.0], got
+    else:
+        expect_error(lambda: basics._process_set_rank(again.process_set_id), ValueError, "not part of")
+    expect_error(lambda: hvd_core.init(process_sets=[hvd_core.ProcessSet([1])]), ValueError, "is not registered")
+    expect_error(lambda: hvd_core.add_process_set([0]), ValueError, "already registered")
+    expect_error(lambda: hvd_core.add_process_set(range(SIZE)), ValueError, "global process set")
+    old_id = again.process_set_id
+    assert hvd_core.remove_process_set(again)
+    assert first.process_set_id is None and again.process_set_id is None, (first, again)
+    assert basics._get_process_set_ids_and_ranks() == {0: list(range(SIZE))}
+    fake = hvd_core.ProcessSet([0])
+    fake.process_set_id = old_id  # Horovod's test does this: an id nothing registers
+    expect_error(lambda: hvd_core.allreduce(tf.ones(2), process_set=fake), ValueError, "is not registered")
+    assert str(hvd_core.global_process_set) == "ProcessSet(process_set_id=0, ranks=%s, mpi_comm=None)" % (
+        list(range(SIZE)),)
+
+
+def _v1_reference(x, w0, l0):
+    """float64 gradients of sum(tanh(x @ w) * l) at (w0, l0)."""
+    t = np.tanh(x @ w0)
+    return x.T @ ((1.0 - t ** 2) * l0), t.sum(axis=0)
+
+
+def check_tf1_optimizer_reduces():
+    """hvd.DistributedOptimizer around a tf.compat.v1.train optimizer, TF1 graph
+    code (minimize in a Session): the shared variable moves by the average of
+    the ranks' gradients, a local one (registered by its ref()) by its own
+    gradient / size (scale_local_gradients), against a float64 reference."""
+    rng = np.random.default_rng(1100 + RANK)
+    x = rng.standard_normal((5, 3))
+    w0 = np.random.default_rng(1101).standard_normal((3, 2))
+    l0 = np.random.default_rng(1102 + RANK).standard_normal((2,))
+    with tf.Graph().as_default():
+        w = tf.compat.v1.Variable(w0)
+        local = tf.compat.v1.Variable(l0)
+        loss = tf.reduce_sum(tf.tanh(tf.constant(x) @ w) * local)
+        opt = hvd_core.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5))
+        opt.register_local_var(local.ref())
+        assert local.ref() in opt._local_vars and w.ref() not in opt._local_vars
+        train = opt.minimize(loss)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train)
+            w1, l1 = sess.run([w, local])
+    per_rank = hvd.allgather_object(_v1_reference(x, w0, l0))
+    np.testing.assert_allclose(w1, w0 - 0.5 * np.mean([g[0] for g in per_rank], axis=0), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(l1, l0 - 0.5 * per_rank[RANK][1] / SIZE, rtol=1e-12, atol=1e-14)
+    assert_same_on_all_ranks([w1], "TF1 shared variable")
+
+
+def check_local_variable_refs():
+    """Keras 3 variables' v.ref() (the held tf.Variable's reference) names a
+    local variable to DistributedGradientTape and DistributedOptimizer, as
+    Horovod's sets of refs do; hvd.vars_to_refs' references do as well."""
+    rng = np.random.default_rng(1200 + RANK)
+    w = keras.Variable(np.random.default_rng(1201).standard_normal((4, 2)))
+    local = keras.Variable(np.random.default_rng(1202 + RANK).standard_normal((2,)))
+    x = tf.constant(rng.standard_normal((3, 4)))
+    fn = lambda: tf.reduce_sum(tf.tanh(x @ w) * local)   # noqa: E731
+    own = _local_grads(lambda _: fn(), [w, local], None)
+    per_rank = hvd.allgather_object(own)
+    mean_w = np.mean([p[0] for p in per_rank], axis=0)
+    with tf.GradientTape() as tape:
+        loss = fn()
+    tape = hvd.DistributedGradientTape(tape)
+    tape.register_local_source(local.ref())
+    assert local.ref() in tape._local_sources and w.ref() not in tape._local_sources
+    gw, gl = tape.gradient(loss, [w, local])
+    np.testing.assert_allclose(gw.numpy(), mean_w, rtol=1e-12)
+    np.testing.assert_allclose(gl.numpy(), own[1] / SIZE, rtol=1e-12)
+    for register in (lambda o: o.register_local_var(local.ref()),
+                     lambda o: o.register_local_var(hvd_core.vars_to_refs(local))):
+        w0, l0 = w.numpy().copy(), local.numpy().copy()
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5))
+        register(opt)
+        assert local.ref() in opt._local_vars and w.ref() not in opt._local_vars
+        opt.apply([tf.constant(own[0]), tf.constant(own[1])], [w, local])
+        np.testing.assert_allclose(w.numpy(), w0 - 0.5 * mean_w, rtol=1e-12)
+        np.testing.assert_allclose(local.numpy(), l0 - 0.5 * own[1] / SIZE, rtol=1e-12)
 
 
 # ---------------------------------------------------------------------------- main

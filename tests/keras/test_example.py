@@ -1,7 +1,7 @@
 """examples/resnet50/train.py runs data-parallel on 2 ranks through nvgrouprun
 (tiny config), reports its result line (loss averaged over ranks), shows
 Keras' progress bar on rank 0 only, only rank 0 writes checkpoints, and
---resume continues from them (issue 9 item 9)."""
+--resume continues from them."""
 import glob
 import json
 import os

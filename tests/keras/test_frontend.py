@@ -1,6 +1,5 @@
-"""Front-end correctness under mpirun (issue 9 and the optimizer/tape parts of
-issue 10): one launch per rank count runs every check of frontend_worker.py.
-Which check covers which issue item is listed next to its name."""
+"""Front-end correctness under mpirun: one launch per rank count runs every
+check of frontend_worker.py (what each covers is listed next to its name)."""
 import os
 
 import pytest
@@ -11,17 +10,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "frontend_worker.py")
 
 CHECKS = [
-    "broadcast_callback_lazily_built_models",       # issue 9 item 1
-    "auto_names_survive_uneven_retrace",            # issue 9 item 3
-    "collectives_not_pruned_folded_or_chained",     # issue 9 item 4
-    "unique_names_per_tape_and_reduction",          # issue 9 item 5
-    "eager_tape_runs_buckets_traced",               # issue 9 item 6
-    "per_model_mixed_precision",                    # issue 9 item 7
-    "horovod_arguments",                            # issue 9 item 8
-    "horovod_collective_gradients",                 # issue 9 item 8 (allgather/broadcast gradients)
+    "broadcast_callback_lazily_built_models",       # BroadcastGlobalVariablesCallback, models built lazily
+    "auto_names_survive_uneven_retrace",            # collective names inside tf.function
+    "collectives_not_pruned_folded_or_chained",     # stateful, independent collective ops
+    "unique_names_per_tape_and_reduction",          # unique names per tape and per reduction
+    "eager_tape_runs_buckets_traced",               # eager loops: the reduction runs traced
+    "per_model_mixed_precision",                    # Model(dtype="mixed_float16"): reduce before the finite check
+    "horovod_arguments",                            # Horovod's DistributedOptimizer/Tape arguments
+    "horovod_collective_gradients",                 # allgather/broadcast gradients
     "horovod_example_script",                       # Horovod's examples: sycl_built, experimental_run_tf_function
     "horovod_tf2_example_script",                   # Horovod's TF2 examples: opt.variables() on Keras 3
-    "local_variables_and_compute_gradients",        # issue 10: Partial*, register_local_var, compute_gradients
+    "local_variables_and_compute_gradients",        # Partial*, register_local_var, compute_gradients
 ]
 
 
@@ -44,8 +43,20 @@ def test_frontend_two_ranks():
     _check_all_ok(res, CHECKS, 2)
 
 
+HOROVOD_BEHAVIOUR_CHECKS = [
+    "repeated_init_process_sets",   # init(process_sets=) again, mpi_ops._basics, unregistered ids
+    "tf1_optimizer_reduces",        # DistributedOptimizer(tf.compat.v1.train optimizer) in a Session
+    "local_variable_refs",          # v.ref() of Keras 3 variables as local variables
+]
+
+
+def test_horovod_behaviours_two_ranks():
+    res = run_mpi(WORKER, 2, HOROVOD_BEHAVIOUR_CHECKS, timeout=400)
+    _check_all_ok(res, HOROVOD_BEHAVIOUR_CHECKS, 2)
+
+
 def test_checkpoint_resume_in_new_processes(tmp_path):
-    """Issue 9 item 2: train + checkpoint on rank 0, then load on all ranks in
+    """Train + checkpoint on rank 0, then load on all ranks in
     a new launch, continue: equal to the uninterrupted run."""
     env = {"NVG_CKPT_DIR": str(tmp_path)}
     res = run_mpi(WORKER, 2, ["checkpoint_save"], env=env, timeout=300)

@@ -4,7 +4,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from nvgroup_tf._keras_impl.reduce import GradientReducer, resolve_bucket_cap_bytes  # noqa: E402
+from nvgroup_tf.gradient_reducer import GradientReducer, ReduceOptions, resolve_bucket_cap_bytes  # noqa: E402
 
 MiB = 1 << 20
 
@@ -27,19 +27,19 @@ def test_default_and_env_cap(monkeypatch):
 
 
 def test_size_buckets_first_small():
-    r = GradientReducer(bucket_cap_bytes=4 * MiB)
+    r = GradientReducer(ReduceOptions(bucket_cap_bytes=4 * MiB))
     sizes = [MiB // 2, MiB // 2, MiB // 2, 3 * MiB, MiB]
     assert r._buckets(sizes, ["float32"] * 5, list("abcde")) == [[0, 1], [2, 3], [4]]
 
 
 def test_num_groups_and_groups():
-    r = GradientReducer(num_groups=2)
+    r = GradientReducer(ReduceOptions(num_groups=2))
     assert r._buckets([4] * 5, ["float32"] * 5, list("abcde")) == [[0, 1], [2, 3, 4]]
-    r = GradientReducer(groups=[[_Var("a"), _Var("d")], [_Var("b")]], bucket_cap_bytes=0)
+    r = GradientReducer(ReduceOptions(groups=[[_Var("a"), _Var("d")], [_Var("b")]], bucket_cap_bytes=0))
     # explicit groups (split by dtype), the rest bucketed by size (cap 0: alone)
     assert r._buckets([4] * 5, ["float32", "float32", "float32", "float16", "float32"], list("abcde")) == [
         [0], [1], [2], [3], [4]]
-    r = GradientReducer(groups=[[_Var("a"), _Var("c")]], bucket_cap_bytes=MiB)
+    r = GradientReducer(ReduceOptions(groups=[[_Var("a"), _Var("c")]], bucket_cap_bytes=MiB))
     assert r._buckets([4] * 4, ["float32"] * 4, list("abcd")) == [[0, 2], [1, 3]]
     with pytest.raises(ValueError, match="more than one group"):
-        GradientReducer(groups=[[_Var("a")], [_Var("a")]])
+        GradientReducer(ReduceOptions(groups=[[_Var("a")], [_Var("a")]]))

@@ -1,4 +1,4 @@
-"""Multi-rank tests of Horovod's Python-level API that issue 10 adds: the small
+"""Multi-rank tests of Horovod's Python-level API: the small
 API (topology ops, flags, util helpers, broadcast_global_variables, object
 helpers in graphs, IndexedSlices, timeline control), SyncBatchNormalization
 (Keras 3 and tf_keras), and the elastic state API with BestModelCheckpoint.

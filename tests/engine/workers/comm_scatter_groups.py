@@ -1,4 +1,4 @@
-"""The hierarchical reduce-scatter over several NV-groups (CPU; issue 10,
+"""The hierarchical reduce-scatter over several NV-groups (CPU;
 cc/algorithms/hierarchical_reduce_scatter.h), run with NVGROUP_GROUP_SIZE so
 one machine has several groups (4 ranks as 2 x 2, 3 ranks as 3 groups of 1).
 

@@ -1,4 +1,4 @@
-"""The engine's fast path (issue 11), np = 2 or 3, one launch:
+"""The engine's fast path, np = 2 or 3, one launch:
   1. a grouped collective repeated over steps runs from its cached plan
      (stats: plan_launches, no negotiation), results checked every step
      against a float64 reference, every element, and bitwise across ranks;

@@ -1,4 +1,4 @@
-"""The engine on one rank (issue 11): nothing to agree with and nothing to
+"""The engine on one rank: nothing to agree with and nothing to
 reduce, so no cycle runs an MPI agreement allreduce (stats
 `agreement_allreduces` stays 0 while cycles run) and a fused bucket is the
 members' scaled copies input -> output with no registered buffer. Checked:

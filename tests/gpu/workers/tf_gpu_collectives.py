@@ -132,7 +132,7 @@ def check_broadcast(c, d):
 
 
 def check_new_collectives(c, d):
-    """Collectives of the Horovod-API issue, where this build has them."""
+    """reducescatter, alltoall, grouped allgather and the rest beyond allreduce, where this build has them."""
     if hasattr(hvd, "reducescatter"):
         for mode in MODES:
             for dtype in (tf.float32, tf.int32):

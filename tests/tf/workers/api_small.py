@@ -1,4 +1,4 @@
-"""Horovod's small TF API (issue 10), on every rank: topology ops read at run
+"""Horovod's small TF API, on every rank: topology ops read at run
 time, build flags, mpi_threads_supported / is_homogeneous, Horovod's util
 helpers, broadcast_global_variables (eager error, graph op, the TF1 hook), the
 object helpers in TF1 graph mode, IndexedSlices as Horovod treats them, and

@@ -259,7 +259,7 @@ def check_random_order(c):
             check_reduced(c, results[i], arrays, "sum", tf.float32, "threaded random order %d" % i)
 
 
-def check_extras(c):
+def check_compression_sparse_objects(c):
     n, me = hvd.size(), hvd.rank()
     arrays, mine = per_rank(9000, lambda g: random_array(g, tf.float32, (50,)))
     got = hvd.allreduce(tf.constant(mine), op=hvd.Sum, compression=hvd.Compression.fp16,
@@ -300,7 +300,7 @@ def check_extras(c):
         warnings.simplefilter("ignore", DeprecationWarning)
         c.raises(ValueError, lambda: hvd.allreduce(tf.ones([2]), op=hvd.Sum, average=True),
                  "op and average together")
-    # uint8 reduces since the added dtypes (issue 10), wrapping modulo 256 like TF's own uint8 add.
+    # uint8 reduces, wrapping modulo 256 like TF's own uint8 add.
     n, r = hvd.size(), hvd.rank()
     got = hvd.allreduce(tf.constant([200, 7 * r + 1], tf.uint8), op=hvd.Sum, name="u8").numpy()
     c.equal(got.astype(np.int64), np.array([(200 * n) % 256, sum(7 * k + 1 for k in range(n)) % 256]),
@@ -334,8 +334,8 @@ def main():
     check_in_tf_function(c)
     c.section("check_random_order")
     check_random_order(c)
-    c.section("check_extras")
-    check_extras(c)
+    c.section("check_compression_sparse_objects")
+    check_compression_sparse_objects(c)
     c.finish()
 
 

@@ -1,4 +1,4 @@
-"""hvd.elastic with the same ranks (issue 10): TensorFlowState and KerasState
+"""hvd.elastic with the same ranks: TensorFlowState and KerasState
 commit/restore/sync, hvd.elastic.run retrying after HorovodInternalError and
 after a real engine failure (shutdown with collectives in flight ->
 AbortedError), no retry for a mismatch, the Keras elastic callbacks in fit, and

@@ -1,4 +1,4 @@
-"""The collectives added for Horovod parity, through the pybind11 module
+"""Horovod's collectives beyond allreduce/allgather/broadcast, through the pybind11 module
 (np = 2, 3, 4): allreduce of the small integer dtypes (wrapping) and of
 integers with scale factors (Horovod's truncation), reducescatter and grouped
 reducescatter (Horovod's uneven split, Sum/Average, scale factors; every row

@@ -1,22 +1,23 @@
-"""Multi-rank tests of the collectives added for Horovod parity (issue 10),
-through the engine's pybind11 module: see tests/engine/workers/engine_extra.py."""
+"""Multi-rank tests of reducescatter, alltoall, grouped allgather, join, process
+sets, small-integer allreduce and the cross-rank mismatch errors, through the
+engine's pybind11 module: see tests/engine/workers/engine_scatter_alltoall.py."""
 import os
 
 import pytest
 
 from mpi_util import run_mpi
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "engine_extra.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "engine_scatter_alltoall.py")
 
 
 @pytest.mark.parametrize("np", [2, 3, 4])
-def test_extra_collectives(np):
+def test_scatter_alltoall_join_process_sets(np):
     result = run_mpi(WORKER, np, timeout=240)
     for r in range(np):
         assert "[rank %d] OK" % r in result.output, result.output[-20000:]
 
 
-def test_extra_collectives_hierarchical():
+def test_scatter_alltoall_join_process_sets_hierarchical():
     """4 ranks as 2 NV-groups of 2: reducescatter through the hierarchical reduce-scatter."""
     result = run_mpi(WORKER, 4, env={"NVGROUP_GROUP_SIZE": "2"}, timeout=240)
     for r in range(4):

@@ -29,7 +29,8 @@ reduced gradients (Average by default) of all ranks:
     rows are touched); with sparse_as_dense=True they are densified first and
     fused with the dense ones.
   * Local variables (register_local_var / local_layers, Horovod's
-    PartialDistributed*): their gradients are not communicated; with
+    PartialDistributed*; given as variables or as their `v.ref()`, see
+    variable_key): their gradients are not communicated; with
     scale_local_gradients (default) they are divided by size(), as Horovod does.
   * gradient_predivide_factor f (Horovod): Average becomes prescale 1/f,
     postscale f (the engine divides by size()): the same average, with the
@@ -43,8 +44,9 @@ the accumulators are zeroed; other calls only advance the optimizer's
 iteration counter. All ranks count the same calls, so they take the same
 branch and issue the same collectives.
 """
+import dataclasses
 import os
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -102,31 +104,57 @@ def _num_bytes(grad, variable) -> int:
     return int(shape.num_elements()) * tf.as_dtype(grad.dtype).size
 
 
+@dataclasses.dataclass(frozen=True)
+class ReduceOptions:
+    """The reduction settings of DistributedOptimizer, DistributedGradientTape
+    and their Partial variants, built once from their (Horovod's) keyword
+    arguments and handed to GradientReducer / LocalAggregator. Field names and
+    defaults are Horovod's; None for op / compression means Average /
+    Compression.none. Validated by GradientReducer and LocalAggregator."""
+
+    op: Any = None
+    compression: Any = None
+    sparse_as_dense: bool = False
+    device_dense: str = ""
+    device_sparse: str = ""
+    gradient_predivide_factor: float = 1.0
+    backward_passes_per_step: int = 1
+    average_aggregated_gradients: bool = False
+    num_groups: int = 0
+    groups: Any = None
+    process_set: Any = None
+    scale_local_gradients: bool = True
+    bucket_cap_bytes: Optional[int] = None
+
+    def replace(self, **changes) -> "ReduceOptions":
+        return dataclasses.replace(self, **changes)
+
+
 class GradientReducer:
     """Allreduces lists of gradients in fusion buckets. See the module docstring."""
 
-    def __init__(self, op=None, compression=None, sparse_as_dense=False, device_dense="",
-                 device_sparse="", num_groups=0, groups=None, bucket_cap_bytes=None,
-                 name_prefix="DistributedOptimizer", gradient_predivide_factor=1.0, process_set=None,
-                 scale_local_gradients=True):
+    def __init__(self, options: Optional[ReduceOptions] = None, name_prefix="DistributedOptimizer"):
+        options = ReduceOptions() if options is None else options
         core = _core()
-        self.op = core.Average if op is None else op
+        self.op = core.Average if options.op is None else options.op
         if self.op == core.Adasum:
             raise NotImplementedError("nvgroup_tf does not implement Adasum; use op=Average or op=Sum")
         if self.op not in (core.Average, core.Sum):
             # Horovod's DistributedOptimizer/DistributedGradientTape accept these two only.
             raise ValueError("op currently only supports Average and Sum (got %r): gradients are "
                              "averaged or summed over ranks" % (self.op,))
-        self.process_set = check_process_set(process_set)
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.process_set = check_process_set(options.process_set)
+        self.gradient_predivide_factor = float(options.gradient_predivide_factor)
         if self.gradient_predivide_factor != 1.0 and self.op != core.Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if not self.gradient_predivide_factor > 0.0:
-            raise ValueError("gradient_predivide_factor must be > 0, got %r" % (gradient_predivide_factor,))
-        self.compression = core.Compression.none if compression is None else compression
-        self.sparse_as_dense = bool(sparse_as_dense)
-        self.device_dense = device_dense
-        self.device_sparse = device_sparse
+            raise ValueError("gradient_predivide_factor must be > 0, got %r"
+                             % (options.gradient_predivide_factor,))
+        self.compression = core.Compression.none if options.compression is None else options.compression
+        self.sparse_as_dense = bool(options.sparse_as_dense)
+        self.device_dense = options.device_dense
+        self.device_sparse = options.device_sparse
+        groups, num_groups = options.groups, options.num_groups
         if groups is not None and num_groups:
             raise ValueError("give num_groups or groups, not both")
         if isinstance(groups, int):  # Horovod accepts groups=<int> as num_groups
@@ -140,16 +168,21 @@ class GradientReducer:
             seen = [p for g in self.group_paths for p in g]
             if len(seen) != len(set(seen)):
                 raise ValueError("groups: a variable appears in more than one group")
-        self.cap_bytes = resolve_bucket_cap_bytes(bucket_cap_bytes)
+        self.cap_bytes = resolve_bucket_cap_bytes(options.bucket_cap_bytes)
         self.first_cap_bytes = min(FIRST_BUCKET_CAP_BYTES, self.cap_bytes)
         self.name_prefix = name_prefix
-        self.scale_local_gradients = bool(scale_local_gradients)
-        self.local_vars = []      # registered local variables (identity matters)
+        self.scale_local_gradients = bool(options.scale_local_gradients)
+        self.local_vars = []      # registered local variables, in registration order
+        self.local_keys = set()   # their variable_key()s
         self._traced = {}         # eager path: variable paths -> tf.function
 
     def register_local_var(self, var):
-        if not any(v is var for v in self.local_vars):
-            self.local_vars.append(var)
+        """`var`: a variable (Keras 3, tf.Variable), a watched tensor, or a reference
+        (`v.ref()`, Horovod's local-variable sets)."""
+        key = variable_key(var)
+        if key not in self.local_keys:
+            self.local_keys.add(key)
+            self.local_vars.append(var.deref() if _is_reference(var) else var)
 
     def _buckets(self, sizes: List[int], dtypes: List[str], paths: List[str]) -> List[List[int]]:
         """Buckets of positions into the backprop-ordered dense list."""
@@ -191,7 +224,8 @@ class GradientReducer:
         if len(grads) != len(variables):
             raise ValueError("%s: %d gradients for %d variables" % (self.name_prefix, len(grads), len(variables)))
         core = _core()
-        local = [any(v is lv for lv in self.local_vars) for v in variables]
+        local = [variable_key(v) in self.local_keys for v in variables] if self.local_keys else [False] * len(
+            variables)
         out = list(grads)
         if self.scale_local_gradients and any(local):
             size = float(core.size())
@@ -262,6 +296,55 @@ class GradientReducer:
         return out
 
 
+def _is_reference(obj) -> bool:
+    return callable(getattr(obj, "deref", None))
+
+
+class _IdentityKey:
+    """Key of an object without `ref()`: its identity (it is kept alive)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _IdentityKey) and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+
+def variable_key(variable):
+    """Hashable identity of a variable for local-variable lookups, the same for
+    a variable and its references (`v.ref()`, hvd.vars_to_refs): a Keras 3
+    variable's key is the reference of the tf.Variable it holds (what its
+    `ref()` returns, nvgroup_tf/keras/compat.py); a tf.Variable's or tensor's
+    is its `ref()`; a reference's is its object's; anything else is keyed by
+    identity."""
+    if _is_reference(variable):
+        variable = variable.deref()
+    held = _keras3_held_variable(variable)
+    if held is not None:
+        return held.ref()
+    ref = getattr(variable, "ref", None)
+    if callable(ref):
+        try:
+            return ref()
+        except (TypeError, ValueError):
+            pass
+    return _IdentityKey(variable)
+
+
+def _keras3_held_variable(variable):
+    try:
+        from keras.src.backend.common.variables import Variable as KerasVariable
+    except ImportError:  # no Keras 3
+        return None
+    if isinstance(variable, KerasVariable):
+        held = getattr(variable, "_value", None)
+        return held if callable(getattr(held, "ref", None)) else None
+    return None
+
+
 def _scale(grad, factor):
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
@@ -278,6 +361,20 @@ def check_process_set(process_set):
     from nvgroup_tf import process_sets
     process_sets._process_set_id(process_set)  # TypeError / ValueError naming the problem
     return process_set
+
+
+def local_layers_variables(local_layers) -> List:
+    """The trainable weights of Horovod's `local_layers` argument (a Keras layer
+    or a list of them; None for none), whose gradients stay local."""
+    import keras
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    layers = list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise ValueError("All local layers must be of keras.layers.Layer type.")
+    return [var for layer in layers for var in layer.trainable_weights]
 
 
 class LocalAggregator:

@@ -7,10 +7,10 @@ config, as Horovod does) whose class is a subclass of opt's class with one
 method overridden:
   * Keras 3 (tf.keras in TF >= 2.16): `apply(grads, trainable_variables)`.
     `model.fit` reaches it through `apply_gradients`, custom loops through
-    either, so both reduce. Gradients are reduced (see _keras_impl/reduce.py:
+    either, so both reduce. Gradients are reduced (see nvgroup_tf/gradient_reducer.py:
     fusion buckets in backprop order, variables identified by `.path`) and the
     original `apply` runs on the result.
-  * tf_keras (TF_USE_LEGACY_KERAS=1): `apply_gradients`, see _keras_impl/legacy.py.
+  * tf_keras (TF_USE_LEGACY_KERAS=1): `apply_gradients`, see legacy_optimizer.py.
 Horovod's `_compute_gradients(loss, var_list, grad_loss, tape)` /
 `compute_gradients` return reduced gradients too; an `apply` of exactly those
 gradients does not reduce them a second time.
@@ -49,7 +49,7 @@ visible, off on CPU-only machines).
 """
 import tensorflow as tf
 
-from nvgroup_tf._keras_impl.reduce import GradientReducer, LocalAggregator
+from nvgroup_tf.gradient_reducer import GradientReducer, LocalAggregator, ReduceOptions, local_layers_variables
 
 _DISTRIBUTED_MARK = "_nvg_is_distributed"
 
@@ -65,17 +65,11 @@ class _SyncState:
         self.reduced_outside = False  # an outer (distributed) LossScaleOptimizer reduces for us
 
 
-def _make_sync(name_prefix, op=None, compression=None, sparse_as_dense=False, device_dense="",
-               device_sparse="", backward_passes_per_step=1, average_aggregated_gradients=False,
-               num_groups=0, groups=None, bucket_cap_bytes=None, gradient_predivide_factor=1.0,
-               process_set=None, scale_local_gradients=True):
-    reducer = GradientReducer(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                              device_dense=device_dense, device_sparse=device_sparse,
-                              num_groups=num_groups, groups=groups, bucket_cap_bytes=bucket_cap_bytes,
-                              name_prefix=name_prefix, gradient_predivide_factor=gradient_predivide_factor,
-                              process_set=process_set, scale_local_gradients=scale_local_gradients)
-    aggregator = (LocalAggregator(backward_passes_per_step, average_aggregated_gradients)
-                  if backward_passes_per_step != 1 else None)
+def _make_sync(name_prefix, options=None):
+    options = ReduceOptions() if options is None else options
+    reducer = GradientReducer(options, name_prefix=name_prefix)
+    aggregator = (LocalAggregator(options.backward_passes_per_step, options.average_aggregated_gradients)
+                  if options.backward_passes_per_step != 1 else None)
     return _SyncState(reducer, aggregator)
 
 
@@ -100,9 +94,15 @@ class _DistributedKerasMixin:
     def _nvg_local_vars(self):
         return list(self._nvg_sync.reducer.local_vars)
 
+    @property
+    def _local_vars(self):
+        """Horovod's: the set of `v.ref()` of the local variables."""
+        return set(self._nvg_sync.reducer.local_keys)
+
     def register_local_var(self, var):
-        """Horovod: the gradient of `var` stays this rank's own (not reduced;
-        divided by size() when scale_local_gradients, Horovod's default)."""
+        """Horovod: the gradient of `var` (a variable or its `v.ref()`) stays this
+        rank's own (not reduced; divided by size() when scale_local_gradients,
+        Horovod's default)."""
         self._nvg_sync.reducer.register_local_var(var)
 
     def _nvg_reduce(self, grads, variables):
@@ -207,12 +207,13 @@ def _register_builtin_optimizers():
 def make_distributed_in_place(optimizer, **kwargs):
     """Turns a built Keras 3 optimizer into a distributed one without
     rebuilding it: its variables (iterations, moments) are kept. Used by
-    load_model; kwargs as DistributedOptimizer's."""
+    load_model; kwargs as DistributedOptimizer's (name and ReduceOptions' fields)."""
     if not is_distributed(optimizer):
         optimizer.__class__ = distributed_class(type(optimizer))
         optimizer._nvg_sync = None
     if kwargs or getattr(optimizer, "_nvg_sync", None) is None:
-        optimizer._nvg_sync = _make_sync(kwargs.pop("name", None) or type(optimizer).__name__, **kwargs)
+        name = kwargs.pop("name", None) or type(optimizer).__name__
+        optimizer._nvg_sync = _make_sync(name, ReduceOptions(**kwargs))
     _install_keras_hooks()
     return optimizer
 
@@ -285,24 +286,31 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         MiB, else 25 MiB; 0 = one collective per gradient). num_groups / groups,
         when given, replace size-based bucketing by Horovod's grouping.
     """
+    options = ReduceOptions(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                            device_dense=device_dense, device_sparse=device_sparse,
+                            backward_passes_per_step=backward_passes_per_step,
+                            average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+                            groups=groups, bucket_cap_bytes=bucket_cap_bytes,
+                            gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
+                            scale_local_gradients=scale_local_gradients)
+    return distribute(optimizer, name, options)
+
+
+def distribute(optimizer, name, options):
+    """DistributedOptimizer(optimizer, name=name, **options' fields)."""
     if is_distributed(optimizer):
         raise ValueError("DistributedOptimizer: this optimizer is already distributed")
-    settings = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                    device_dense=device_dense, device_sparse=device_sparse,
-                    backward_passes_per_step=backward_passes_per_step,
-                    average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-                    groups=groups, bucket_cap_bytes=bucket_cap_bytes,
-                    gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
-                    scale_local_gradients=scale_local_gradients)
-    sync = _make_sync(name or "Distributed%s" % type(optimizer).__name__, **settings)
+    sync = _make_sync(name or "Distributed%s" % type(optimizer).__name__, options)
     if _is_tf_keras_optimizer(optimizer):
-        from nvgroup_tf._keras_impl import legacy
-        return legacy.wrap(optimizer, sync)
+        from nvgroup_tf.keras import legacy_optimizer
+        return legacy_optimizer.wrap(optimizer, sync)
     if not _is_keras3_optimizer(optimizer):
         raise TypeError("DistributedOptimizer expects a Keras optimizer (keras.optimizers.Optimizer, or "
-                        "a tf_keras optimizer with TF_USE_LEGACY_KERAS=1), got %s" % type(optimizer).__name__)
+                        "a tf_keras optimizer with TF_USE_LEGACY_KERAS=1) or, through "
+                        "nvgroup_tf.DistributedOptimizer, a tf.compat.v1.train.Optimizer; got %s"
+                        % type(optimizer).__name__)
     import keras
-    from nvgroup_tf._keras_impl import compat
+    from nvgroup_tf.keras import compat
     compat.install()  # Keras 3 shims for Horovod programs: experimental_run_tf_function, opt.lr, ...
     if (keras.config.dtype_policy().name == "mixed_float16"
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
@@ -327,30 +335,18 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
     """Horovod's PartialDistributedOptimizer: DistributedOptimizer whose
     `local_layers` (a Keras layer or a list of them) keep their gradients local
     (their trainable weights are register_local_var'ed)."""
-    layers = _local_layers(local_layers)
-    opt = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
-                               compression=compression, sparse_as_dense=sparse_as_dense,
-                               gradient_predivide_factor=gradient_predivide_factor, op=op,
-                               backward_passes_per_step=backward_passes_per_step,
-                               average_aggregated_gradients=average_aggregated_gradients, groups=groups,
-                               process_set=process_set, scale_local_gradients=scale_local_gradients,
-                               bucket_cap_bytes=bucket_cap_bytes)
-    for layer in layers:
-        for var in layer.trainable_weights:
-            opt.register_local_var(var)
+    local_vars = local_layers_variables(local_layers)
+    options = ReduceOptions(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                            device_dense=device_dense, device_sparse=device_sparse,
+                            backward_passes_per_step=backward_passes_per_step,
+                            average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                            bucket_cap_bytes=bucket_cap_bytes,
+                            gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
+                            scale_local_gradients=scale_local_gradients)
+    opt = distribute(optimizer, name, options)
+    for var in local_vars:
+        opt.register_local_var(var)
     return opt
-
-
-def _local_layers(local_layers):
-    import keras
-    if local_layers is None:
-        return []
-    if isinstance(local_layers, keras.layers.Layer):
-        return [local_layers]
-    layers = list(local_layers)
-    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
-        raise ValueError("All local layers must be of keras.layers.Layer type.")
-    return layers
 
 
 try:

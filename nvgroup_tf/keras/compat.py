@@ -14,7 +14,9 @@ migration section lists them), each described where it is defined:
   takes the argument is left alone.
 * Resuming from a legacy .h5 checkpoint (restore_hdf5_optimizer, which
   nvgroup_tf.keras.load_model calls).
-* `opt.variables()` and `opt.lr` (keras2_optimizer_attributes).
+* `opt.variables()` and `opt.lr` (keras2_optimizer_attributes), and tf.keras
+  2's `lr=` constructor argument (keras2_lr_argument).
+* `v.ref()` on Keras 3 variables (variable_ref).
 
 install() puts in every other shim that applies, once per process; it runs when
 nvgroup_tf.keras is imported and when a DistributedOptimizer or
@@ -193,7 +195,85 @@ def _set_lr(self, value):
     self.learning_rate = value
 
 
+# `lr=` in optimizer constructors (`keras.optimizers.SGD(lr=0.1)`, as older
+# Horovod Keras examples write it): tf.keras 2 took it as learning_rate, with a
+# deprecation warning, and `lr` won over `learning_rate`; Keras 3 raises
+# "Argument(s) not recognized: {'lr': ...}". Every Keras 3 optimizer hands its
+# unknown keyword arguments to BaseOptimizer.__init__, so one wrapper there
+# does what tf.keras 2 did, warning the same way. Passing both is an error.
+
+_lr_shim_installed = False
+
+
+def keras2_lr_argument():
+    global _lr_shim_installed
+    if _lr_shim_installed:
+        return
+    _lr_shim_installed = True
+    try:
+        from keras.src.optimizers import base_optimizer
+    except ImportError:  # no Keras 3
+        return
+    base = base_optimizer.BaseOptimizer
+    init = base.__init__
+    try:
+        if "lr" in inspect.signature(inspect.unwrap(init)).parameters:
+            return  # a Keras that takes lr itself
+    except (TypeError, ValueError):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, learning_rate, *args, **kwargs):
+        if "lr" in kwargs:
+            import warnings
+            warnings.warn("The `lr` argument is deprecated, use `learning_rate` instead.", UserWarning,
+                          stacklevel=3)
+            learning_rate = kwargs.pop("lr")
+        return init(self, learning_rate, *args, **kwargs)
+
+    base.__init__ = __init__
+
+
+# `v.ref()` on Keras 3 variables. Horovod's API works with variable references
+# (`hvd.vars_to_refs`, the `v.ref()` sets of local variables that
+# PartialDistributedOptimizer / PartialDistributedGradientTape keep, code
+# testing `v.ref() in opt._local_vars`); a tf.keras 2 variable was a
+# tf.Variable and had `ref()`, a Keras 3 variable holds one and has not. The
+# shim returns the reference of the tf.Variable it holds -- what that
+# variable's own `ref()` returns, so both spellings name the same variable
+# and `.deref()` gives the tf.Variable. A Keras whose Variable has `ref` is left alone.
+
+_ref_shim_installed = False
+
+
+def variable_ref():
+    global _ref_shim_installed
+    if _ref_shim_installed:
+        return
+    _ref_shim_installed = True
+    try:
+        from keras.src.backend.common import variables
+    except ImportError:  # no Keras 3
+        return
+    cls = variables.Variable
+    if hasattr(cls, "ref"):
+        return
+
+    def ref(self):
+        """The reference of the tf.Variable this Keras variable holds (tf.Variable.ref())."""
+        held = getattr(self, "_value", None)
+        if held is None or not hasattr(held, "ref"):
+            raise ValueError("%s.ref(): the variable %r holds no TensorFlow variable yet (not "
+                             "initialized, or not the TensorFlow backend)" % (type(self).__name__,
+                                                                              getattr(self, "path", self)))
+        return held.ref()
+
+    cls.ref = ref
+
+
 def install():
     """Every shim of this module that applies to the Keras in use (once each)."""
     accept_obsolete_compile_arguments()
     keras2_optimizer_attributes()
+    keras2_lr_argument()
+    variable_ref()

@@ -1,30 +1,31 @@
-"""The collectives added for Horovod parity, under XLA (tf.function(jit_compile=True);
-XLA CPU here, XLA GPU through the kit), in one launch per rank count:
+"""Horovod's collectives beyond allreduce/allgather/broadcast, under XLA
+(tf.function(jit_compile=True); XLA CPU here, XLA GPU through the kit), in one
+launch per rank count. The sections (command-line arguments):
 
-    xla_extra.py collectives  reducescatter (every dtype it takes, Sum/Average, scale
-                              factors, Horovod's uneven split, fewer rows than ranks),
-                              grouped reducescatter (mixed dtypes, one custom call),
-                              alltoall (uneven and zero splits given as constants, as a
-                              compile-time-constant argument or variable, the even
-                              split, every dtype), grouped allgather, broadcast_ on variables, the
-                              16-bit integer dtypes of the first four collectives, and
-                              every lowered collective inside process sets: compiled by
-                              XLA (the HLO holds our custom call), bit for bit equal to
-                              the same collective without XLA, both checked against a
-                              float64 / exact integer reference, identical on every rank.
-    xla_extra.py gradients    reducescatter and grouped reducescatter gradients
-                              (Horovod's: the allgather of the upstream gradient, times
-                              the set size for Sum, times the scale factors) and the
-                              alltoall gradient (the rows go back) under XLA: bit for bit
-                              the non-XLA gradient, and the float64 reference.
-    xla_extra.py errors       cross-rank mismatches of the new collectives inside an XLA
-                              program (shape, op, dtype, member, trailing dimension) raise
-                              FailedPreconditionError naming the tensor on every rank
-                              within seconds; invalid alltoall splits on one rank raise
-                              InvalidArgumentError on every rank at compile time; splits
-                              that are not a compile-time constant, a collective on a
-                              process set this rank is not in, and join (not lowered)
-                              raise a clear error; the engine keeps working afterwards.
+    collectives  reducescatter (every dtype it takes, Sum/Average, scale
+                 factors, Horovod's uneven split, fewer rows than ranks),
+                 grouped reducescatter (mixed dtypes, one custom call),
+                 alltoall (uneven and zero splits given as constants, as a
+                 compile-time-constant argument or variable, the even
+                 split, every dtype), grouped allgather, broadcast_ on variables, the
+                 16-bit integer dtypes of the first four collectives, and
+                 every lowered collective inside process sets: compiled by
+                 XLA (the HLO holds our custom call), bit for bit equal to
+                 the same collective without XLA, both checked against a
+                 float64 / exact integer reference, identical on every rank.
+    gradients    reducescatter and grouped reducescatter gradients
+                 (Horovod's: the allgather of the upstream gradient, times
+                 the set size for Sum, times the scale factors) and the
+                 alltoall gradient (the rows go back) under XLA: bit for bit
+                 the non-XLA gradient, and the float64 reference.
+    errors       cross-rank mismatches of the new collectives inside an XLA
+                 program (shape, op, dtype, member, trailing dimension) raise
+                 FailedPreconditionError naming the tensor on every rank
+                 within seconds; invalid alltoall splits on one rank raise
+                 InvalidArgumentError on every rank at compile time; splits
+                 that are not a compile-time constant, a collective on a
+                 process set this rank is not in, and join (not lowered)
+                 raise a clear error; the engine keeps working afterwards.
 
 Several sections may be given; each rank prints "... N checks, 0 failures".
 """
@@ -525,7 +526,7 @@ def main():
     # GPU: full fp32 matmuls, so tolerances mean the same as on CPU.
     tf.config.experimental.enable_tensor_float_32_execution(False)
     hvd.init()
-    c = Checker("xla_extra")
+    c = Checker("xla_scatter_alltoall")
     digest = Digest()
     sections = {"collectives": section_collectives, "gradients": section_gradients, "errors": section_errors}
     for name in sys.argv[1:]:

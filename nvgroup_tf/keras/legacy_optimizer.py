@@ -1,6 +1,6 @@
 """DistributedOptimizer for tf_keras (Keras 2, selected by TF_USE_LEGACY_KERAS=1).
 
-How it works: like the Keras 3 path (nvgroup_tf/optimizer.py) but the hook is
+How it works: like the Keras 3 path (optimizer.py) but the hook is
 `apply_gradients(grads_and_vars, ...)`, which tf_keras' `minimize` (used by
 `fit`) and custom loops both reach, for the new tf_keras optimizers and the
 legacy OptimizerV2 ones alike. Overriding it on the outermost optimizer puts the

@@ -1,4 +1,4 @@
-"""The TF ops added for Horovod parity (issue 10), eager and in tf.function:
+"""Horovod's TF ops beyond allreduce/allgather/broadcast, eager and in tf.function:
 small integer dtypes and integer scale factors, reducescatter / grouped
 reducescatter (Horovod's uneven split, rows bitwise equal to the allreduce's,
 Horovod's gradient), alltoall with uneven and zero splits and its gradient,

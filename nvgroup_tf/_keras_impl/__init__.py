@@ -1,1 +1,0 @@
-"""Keras-side internals: gradient reduction (reduce.py) and the tf_keras optimizer (legacy.py)."""

@@ -1,0 +1,113 @@
+"""The op library nvgroup_tf/lib/libnvgroup_tf_ops.so: loading it (once per
+process), its extern "C" entry points (ops/c_api.cc) and their status, and the
+topology queries. basics (init, shutdown, rank, ...) and process_sets build on
+this module; it imports neither.
+
+Note [One engine per process]. The engine (cc/) is linked into the TF op library.
+This module loads that library twice by the same path -- tf.load_op_library for
+the ops, ctypes for the extern "C" entry points -- and the dynamic loader returns
+the same handle, so init() and the ops talk to one engine. The pybind11 module
+nvgroup_tf._engine contains a second copy of the engine for non-TF use and is
+never imported here.
+"""
+import ctypes
+import ctypes.util
+import os
+import threading
+import warnings
+
+import tensorflow as tf
+
+from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE, raise_for_status
+
+LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib",
+                            "libnvgroup_tf_ops.so")
+_MESSAGE_BYTES = 4096
+
+_load_lock = threading.Lock()
+_library = None  # (ctypes.CDLL, op module) once loaded
+
+
+def _load():
+    """Loads the op library once; returns (ctypes handle, TF op module)."""
+    global _library
+    with _load_lock:
+        if _library is not None:
+            return _library
+        if not os.path.exists(LIBRARY_PATH):
+            raise ImportError(
+                "%s is missing: build nvgroup_tf first ('bash scripts/setup.sh', or "
+                "'python setup.py build_ext --inplace' in the repository)." % LIBRARY_PATH)
+        # Open MPI loads its transport plugins with dlopen at MPI_Init; they
+        # resolve symbols of libmpi globally, which fails if libmpi came in
+        # RTLD_LOCAL as a dependency of a TF op library.
+        libmpi = ctypes.util.find_library("mpi")
+        if libmpi:
+            ctypes.CDLL(libmpi, mode=ctypes.RTLD_GLOBAL)
+        # The op library first: TF collects the ops registered while *it*
+        # loads the library; a prior ctypes load would register them unseen.
+        ops = tf.load_op_library(LIBRARY_PATH)
+        handle = ctypes.CDLL(LIBRARY_PATH, mode=ctypes.RTLD_GLOBAL)
+        for fn in ("nvgroup_tf_init",):
+            getattr(handle, fn).argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int]
+        for fn in ("nvgroup_tf_shutdown", "nvgroup_tf_finalize_mpi"):
+            getattr(handle, fn).argtypes = [ctypes.c_char_p, ctypes.c_int]
+        for fn in list(_TOPOLOGY_FUNCTIONS.values()) + list(_ENGINE_FLAGS.values()):
+            getattr(handle, fn).argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
+                                            ctypes.c_int]
+        handle.nvgroup_tf_start_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int,
+                                                     ctypes.c_char_p, ctypes.c_int]
+        handle.nvgroup_tf_stop_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        _register_xla_kernels(handle)
+        _library = (handle, ops)
+        return _library
+
+
+@tf.autograph.experimental.do_not_convert
+def _register_xla_kernels(handle):
+    """The collectives' XLA kernels (ops/xla_ops.cc) are registered right after
+    the library loads: TF takes XLA kernels in only once per process, at its
+    first XLA compilation; warns if that has already happened."""
+    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    if handle.nvgroup_tf_register_xla_kernels(message, _MESSAGE_BYTES) != 0:
+        warnings.warn(message.value.decode(errors="replace"), RuntimeWarning)
+
+
+def op_module():
+    """The generated TF op wrappers (nvgroup_allreduce, ...)."""
+    return _load()[1]
+
+
+def _call(what, fn, *args):
+    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    code = fn(*args, message, _MESSAGE_BYTES)
+    raise_for_status(code, message.value.decode(errors="replace"), what)
+
+
+_TOPOLOGY_FUNCTIONS = {
+    "rank": "nvgroup_tf_rank",
+    "size": "nvgroup_tf_size",
+    "local_rank": "nvgroup_tf_local_rank",
+    "local_size": "nvgroup_tf_local_size",
+    "cross_rank": "nvgroup_tf_cross_rank",
+    "cross_size": "nvgroup_tf_cross_size",
+}
+
+
+# Flags the engine settles at init (ops/c_api.cc), queried like the topology.
+_ENGINE_FLAGS = {
+    "mpi_threads_supported": "nvgroup_tf_mpi_threads_supported",
+    "is_homogeneous": "nvgroup_tf_is_homogeneous",
+}
+
+
+def _topology(query):
+    handle, _ = _load()
+    if not handle.nvgroup_tf_is_initialized():
+        raise ValueError(NOT_INITIALIZED_MESSAGE)
+    value = ctypes.c_int(-1)
+    function = _TOPOLOGY_FUNCTIONS.get(query) or _ENGINE_FLAGS[query]
+    _call("nvgroup_tf.%s()" % query, getattr(handle, function), ctypes.byref(value))
+    return value.value
+
+
