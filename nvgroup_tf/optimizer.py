@@ -343,12 +343,14 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
 
 def _local_layers(local_layers):
     import keras
+    # Keras 3 layers, and tf_keras ones under TF_USE_LEGACY_KERAS=1 (tf.keras is tf_keras then).
+    layer_types = tuple({keras.layers.Layer, tf.keras.layers.Layer})
     if local_layers is None:
         return []
-    if isinstance(local_layers, keras.layers.Layer):
+    if isinstance(local_layers, layer_types):
         return [local_layers]
     layers = list(local_layers)
-    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+    if not all(isinstance(layer, layer_types) for layer in layers):
         raise ValueError("All local layers must be of keras.layers.Layer type.")
     return layers
 
