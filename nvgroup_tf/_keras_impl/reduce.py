@@ -339,8 +339,10 @@ class LocalAggregator:
     def compute(self, grads: Sequence, variables: Sequence, reduce_fn: Callable[[List], List]) -> List:
         """Horovod's `_compute_gradients` with backward_passes_per_step: adds
         `grads` to the running sums; on the N-th pass returns
-        reduce_fn(aggregated) and zeroes the sums and the counter, otherwise
-        returns this rank's running sums (not reduced). None stays None."""
+        reduce_fn(aggregated) (the sums, divided by N when
+        average_aggregated_gradients) and zeroes the sums and the counter,
+        otherwise returns this rank's running sums (not reduced, not divided).
+        None stays None."""
         grads = list(grads)
         is_boundary = self._accumulate(grads, variables)
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -351,9 +353,8 @@ class LocalAggregator:
             with tf.control_dependencies(self._reset(reduced)):
                 return [tf.identity(r) for r in reduced]
 
-        def not_boundary():
-            running = self._aggregated()
-            return [running[i] for i in present]
+        def not_boundary():   # the running sums as they are (Horovod divides by N only when reducing)
+            return [self.accumulators[i].read_value() for i in present]
 
         result = tf.cond(is_boundary, boundary, not_boundary) if present else []
         out = [None] * len(grads)
