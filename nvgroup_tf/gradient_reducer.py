@@ -41,8 +41,13 @@ reduced gradients (Average by default) of all ranks:
 every call adds the local gradients to accumulators; every N-th call the sum
 (divided by N when average_aggregated_gradients) is reduced and applied, and
 the accumulators are zeroed; other calls only advance the optimizer's
-iteration counter. All ranks count the same calls, so they take the same
-branch and issue the same collectives.
+iteration counter. Its `counter` (Horovod's `_agg_helper.counter`) holds the
+passes since the last reduction, 0..N-1. All ranks count the same calls, so
+they take the same branch and issue the same collectives. `step` does it all
+in one call (apply_gradients of local gradients); `compute` is Horovod's
+`_compute_gradients` half: it returns the reduced sum on the N-th pass and the
+local running sum on the others, and the apply that follows runs only where
+`counter` is back at 0.
 """
 import dataclasses
 import os
@@ -367,12 +372,14 @@ def local_layers_variables(local_layers) -> List:
     """The trainable weights of Horovod's `local_layers` argument (a Keras layer
     or a list of them; None for none), whose gradients stay local."""
     import keras
+    # Keras 3 layers, and tf_keras ones under TF_USE_LEGACY_KERAS=1 (tf.keras is tf_keras then).
+    layer_types = tuple({keras.layers.Layer, tf.keras.layers.Layer})
     if local_layers is None:
         return []
-    if isinstance(local_layers, keras.layers.Layer):
+    if isinstance(local_layers, layer_types):
         local_layers = [local_layers]
     layers = list(local_layers)
-    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+    if not all(isinstance(layer, layer_types) for layer in layers):
         raise ValueError("All local layers must be of keras.layers.Layer type.")
     return [var for layer in layers for var in layer.trainable_weights]
 
@@ -386,24 +393,22 @@ class LocalAggregator:
             raise ValueError("backward_passes_per_step must be an int >= 1, got %r" % (backward_passes_per_step,))
         self.n = backward_passes_per_step
         self.average = bool(average_aggregated_gradients)
-        self.counter = None
-        self.accumulators: Optional[List] = None
-
-    def _build(self, grads, variables):
         # init_scope lifts creation out of any tf.function being traced, so the
         # variables exist once, whatever retracing happens later.
         with tf.init_scope():
             self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="nvg_backward_passes")
+        self.accumulators: Optional[List] = None
+
+    def _build(self, grads, variables):
+        with tf.init_scope():
             self.accumulators = [
                 None if g is None else tf.Variable(tf.zeros(v.shape, dtype=g.dtype), trainable=False,
                                                    name="nvg_grad_accumulator")
                 for g, v in zip(grads, variables)]
 
-    def step(self, grads: Sequence, variables: Sequence, apply_fn: Callable[[List], None],
-             skip_fn: Callable[[], None]) -> None:
-        """Accumulates `grads`; on every N-th call runs apply_fn(aggregated grads)
-        (which reduces and applies), otherwise skip_fn()."""
-        grads = list(grads)
+    def _accumulate(self, grads, variables):
+        """Adds `grads` to the accumulators and counts the pass; returns whether
+        this pass is the N-th (a bool tensor ordered after the updates)."""
         if self.accumulators is None:
             self._build(grads, variables)
         if len(grads) != len(self.accumulators) or any(
@@ -413,24 +418,70 @@ class LocalAggregator:
         for g, a in zip(grads, self.accumulators):
             if g is not None:
                 updates.append(a.assign_add(tf.convert_to_tensor(g)))
+        # The counter update and accumulation happen before the branch reads them.
+        with tf.control_dependencies(updates):
+            return tf.equal(self.counter.read_value(), self.n)
+
+    def _aggregated(self):
+        return [None if a is None else (a.read_value() / self.n if self.average else a.read_value())
+                for a in self.accumulators]
+
+    def _reset(self, after):
+        """Zeroes the accumulators and the counter once the tensors `after` exist."""
+        with tf.control_dependencies([t for t in after if t is not None]):
+            ops = [self.counter.assign(0)]
+            for a in self.accumulators:
+                if a is not None:
+                    ops.append(a.assign(tf.zeros_like(a)))
+        return ops
+
+    def compute(self, grads: Sequence, variables: Sequence, reduce_fn: Callable[[List], List]) -> List:
+        """Horovod's `_compute_gradients` with backward_passes_per_step: adds
+        `grads` to the running sums; on the N-th pass returns
+        reduce_fn(aggregated) (the sums, divided by N when
+        average_aggregated_gradients) and zeroes the sums and the counter,
+        otherwise returns this rank's running sums (not reduced, not divided).
+        None stays None."""
+        grads = list(grads)
+        is_boundary = self._accumulate(grads, variables)
+        present = [i for i, g in enumerate(grads) if g is not None]
 
         def boundary():
-            aggregated = [None if a is None else (a.read_value() / self.n if self.average else a.read_value())
-                          for a in self.accumulators]
+            reduced = reduce_fn(self._aggregated())
+            reduced = [tf.convert_to_tensor(reduced[i]) for i in present]
+            with tf.control_dependencies(self._reset(reduced)):
+                return [tf.identity(r) for r in reduced]
+
+        def not_boundary():   # the running sums as they are (Horovod divides by N only when reducing)
+            return [self.accumulators[i].read_value() for i in present]
+
+        result = tf.cond(is_boundary, boundary, not_boundary) if present else []
+        out = [None] * len(grads)
+        for i, r in zip(present, result):
+            out[i] = r
+        return out
+
+    def applies_now(self):
+        """After `compute`: whether this pass's gradients are the reduced ones."""
+        return tf.equal(self.counter.read_value(), 0)
+
+    def step(self, grads: Sequence, variables: Sequence, apply_fn: Callable[[List], None],
+             skip_fn: Callable[[], None]) -> None:
+        """Accumulates `grads`; on every N-th call runs apply_fn(aggregated grads)
+        (which reduces and applies), otherwise skip_fn()."""
+        grads = list(grads)
+        is_boundary = self._accumulate(grads, variables)
+
+        def boundary():
+            aggregated = self._aggregated()
             apply_fn(aggregated)
             # Zero only after the reduced values are applied (apply's ops consume
             # `aggregated`, which is a snapshot, so this ordering is by data).
-            with tf.control_dependencies([t for t in aggregated if t is not None]):
-                for a in self.accumulators:
-                    if a is not None:
-                        a.assign(tf.zeros_like(a))
+            self._reset(aggregated)
             return tf.constant(True)
 
         def not_boundary():
             skip_fn()
             return tf.constant(False)
 
-        # The counter update and accumulation happen before the branch reads them.
-        with tf.control_dependencies(updates):
-            is_boundary = tf.equal(self.counter.read_value() % self.n, 0)
         tf.cond(is_boundary, boundary, not_boundary)

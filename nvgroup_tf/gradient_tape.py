@@ -14,7 +14,8 @@ names per tape and per gradient() call inside a graph; one traced function
 when called eagerly). Sources are identified by their `.path` (Keras 3
 variables) or `.name`; nested source structures come back in the same
 structure. `register_local_source(var)` / PartialDistributedGradientTape's
-`local_layers` keep some gradients local (Horovod).
+`local_layers` keep some gradients local (Horovod); `get_local_and_global_gradients`
+returns the local and the reduced (source, gradient) pairs apart.
 """
 import tensorflow as tf
 
@@ -89,9 +90,22 @@ class _DistributedTapeMixin:
         scale_local_gradients)."""
         self._nvg_reducer.register_local_var(source)
 
-    def gradient(self, target, sources, output_gradients=None, **kwargs):
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=False, **kwargs):
+        # use_generic_names: Horovod's argument (names of its ops); accepted, no effect here.
         grads = super().gradient(target, sources, output_gradients=output_gradients, **kwargs)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         reduced = self._nvg_reducer.reduce(flat_grads, flat_sources)
         return tf.nest.pack_sequence_as(grads, reduced)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
+        """Horovod's: gradient() split into two lists of (source, gradient)
+        pairs, in source order: the registered local sources' (not reduced;
+        divided by size() when scale_local_gradients) and the others' (reduced)."""
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(self.gradient(target, sources, output_gradients=output_gradients))
+        local_vars = self._nvg_reducer.local_vars
+        local_pairs, global_pairs = [], []
+        for s, g in zip(flat_sources, flat_grads):
+            (local_pairs if any(s is v for v in local_vars) else global_pairs).append((s, g))
+        return local_pairs, global_pairs

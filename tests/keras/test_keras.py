@@ -45,8 +45,22 @@ def test_keras3_three_ranks():
     _check_all_ok(res, THREE_RANK_CHECKS, 3)
 
 
+# Horovod's tf_keras optimizer/tape API (_compute_gradients, _agg_helper,
+# get_local_and_global_gradients), checked against float64 references.
+LEGACY_HOROVOD_API_CHECKS = ["compute_gradients_matches_reference", "compute_gradients_aggregation",
+                             "aggregation_clears_infinite_gradient", "fit_agg_helper_counter",
+                             "get_local_and_global_gradients"]
+
+
 def test_legacy_tf_keras_two_ranks():
     pytest.importorskip("tf_keras", reason="tf-keras not installed (scripts/setup.sh installs it)")
     checks = ["fit_matches_reference", "broadcast_callback", "backward_passes_per_step", "mixed_precision"]
     res = run_mpi(LEGACY_WORKER, 2, checks, env={"TF_USE_LEGACY_KERAS": "1"}, timeout=300)
     _check_all_ok(res, checks, 2)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_legacy_tf_keras_horovod_api(np_):
+    pytest.importorskip("tf_keras", reason="tf-keras not installed (scripts/setup.sh installs it)")
+    res = run_mpi(LEGACY_WORKER, np_, LEGACY_HOROVOD_API_CHECKS, env={"TF_USE_LEGACY_KERAS": "1"}, timeout=400)
+    _check_all_ok(res, LEGACY_HOROVOD_API_CHECKS, np_)
