@@ -10,8 +10,8 @@ is a pure function of the seed. Verdict of a trial whose fault was delivered:
   * named    -- every survivor that had not finished ends with an error naming
                 the lost rank ("rank V "), within the bound;
   * bounded  -- mpirun and every rank are gone within the bound after the
-                fault: NVGROUP_TIMEOUT (set to TIMEOUT_S here; README
-                "Failures") plus EXIT_SLACK_S for the detection (heartbeats
+                fault: NVGROUP_TIMEOUT (set to TIMEOUT_S here; README "When
+                things go wrong") plus EXIT_SLACK_S for the detection (heartbeats
                 every 0.2 s, silent after 1 s: cc/transport/liveness.h) and
                 the processes' exit. Processes still there are killed and
                 reported as left behind;
@@ -64,14 +64,19 @@ def plan(seed, trials, max_ranks=4):
     rng = random.Random(seed)
     out = []
     for i in range(trials):
-        path = PATHS[i % len(PATHS)] if i < len(PATHS) else rng.choice(PATHS)
-        phases = PHASES if path == "keras_fit" else [p for p in PHASES if p != "checkpoint"]
-        phase = rng.choice(phases)
+        # Every path in turn; two kills for one stop; Keras fit cycles through
+        # all phases (the checkpoint save is its own), the others draw theirs.
+        path = PATHS[i % len(PATHS)]
+        if path == "keras_fit":
+            phase = PHASES[(i // len(PATHS)) % len(PHASES)]
+        else:
+            phase = rng.choice([p for p in PHASES if p != "checkpoint"])
+        fault = "stop" if i % 3 == 2 else "kill"
         np_ = rng.randint(2, max_ranks)
         victim = 0 if phase == "checkpoint" else rng.randrange(np_)
         lo, hi = DELAYS[phase]
-        out.append({"index": i, "path": path, "phase": phase, "fault": rng.choice(["kill", "stop"]),
-                    "np": np_, "victim": victim, "delay_s": round(rng.uniform(lo, hi), 3)})
+        out.append({"index": i, "path": path, "phase": phase, "fault": fault, "np": np_, "victim": victim,
+                    "delay_s": round(rng.uniform(lo, hi), 3)})
     return out
 
 
@@ -331,7 +336,12 @@ def main():
     ap.add_argument("--max-ranks", type=int, default=4)
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "fault_campaign.json"))
     ap.add_argument("--workdir", default=None, help="keep the trials' records here (default: a temporary dir)")
+    ap.add_argument("--plot-from", default=None, help="only draw the histogram of an existing JSON report")
     args = ap.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            drawn = histogram(json.load(f)["trials"], os.path.splitext(args.plot_from)[0] + ".png")
+        sys.exit(0 if drawn else "matplotlib is needed for the histogram")
     workdir = args.workdir or tempfile.mkdtemp(prefix="fault_campaign.")
     specs = plan(args.seed, args.trials, args.max_ranks)
 

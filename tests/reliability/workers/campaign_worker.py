@@ -15,8 +15,9 @@ fires DELAY_S after its phase starts, from a thread.
 
 Every rank writes lines to RECORD_DIR/<pid>.log (mpirun may drop output of a
 job it aborts): "START rank pid", "PHASE name t", "FAULT kind t phase" (the
-victim, just before the signal), "ERROR t Type: message" (a survivor whose
-program failed; the exception then propagates as in a user's script), "DONE t"
+victim, just before the signal), "ERROR t Type: message" (the first error a
+survivor saw; the exception then propagates as in a user's script, or
+hvd.elastic.run retries), "DONE t"
 (the program ended normally).
 """
 import faulthandler
@@ -31,6 +32,7 @@ SIZE = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
 STEPS = 60
 STEP_PAUSE_S = 0.05  # keeps every path training for a few seconds, the faults' window
 _phase = ["start"]
+_errors = []
 
 
 def record(text):
@@ -51,6 +53,14 @@ def fire():
     time.sleep(DELAY_S)
     record("FAULT %s %.6f %s" % (FAULT, time.time(), _phase[0]))
     os.kill(os.getpid(), signal.SIGKILL if FAULT == "kill" else signal.SIGSTOP)
+
+
+def note_error(e):
+    """Records the first error this rank saw (the one that names the cause)."""
+    if not _errors:
+        _errors.append(e)
+        message = getattr(e, "message", None) or str(e)
+        record("ERROR %.6f %s: %s" % (time.time(), type(e).__name__, " ".join(message.split())))
 
 
 def tiny_model(keras):
@@ -159,6 +169,13 @@ def run_elastic(hvd, tf, keras, np):
 
     @hvd.elastic.run
     def train(state):
+        try:
+            steps(state)
+        except BaseException as e:  # seen here first: run() then restores, re-inits and retries
+            note_error(e)
+            raise
+
+    def steps(state):
         for step in range(state.batch, STEPS):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean((model(x[:16]) - y[:16]) ** 2)
@@ -201,8 +218,7 @@ def main():
         enter("shutdown")
         hvd.shutdown()
     except BaseException as e:
-        message = getattr(e, "message", None) or str(e)
-        record("ERROR %.6f %s: %s" % (time.time(), type(e).__name__, " ".join(message.split())))
+        note_error(e)
         raise
     record("DONE %.6f" % time.time())
 
