@@ -1,5 +1,6 @@
 """A fixed sample of the fault campaign (fault_campaign.py): 2-rank jobs on
-different paths, each losing a rank (SIGKILL or SIGSTOP) in a different phase.
+different paths, each losing a rank (SIGKILL or SIGSTOP) in training or at
+shutdown().
 Every promise of the campaign's verdict must hold: the survivors name the lost
 rank within NVGROUP_TIMEOUT plus the detection and exit slack, nothing is left
 behind (processes, shared memory, stray files), the checkpoint loads."""
@@ -17,6 +18,11 @@ pytest.importorskip("tensorflow")
 # hangs at exit: nvgroup_tf's atexit calls MPI_Finalize (cc/engine/engine.cc
 # FinalizeMpi), which waits for the stopped rank forever, so mpirun never ends.
 FINALIZE_HANGS = pytest.mark.xfail(strict=True, reason="MPI_Finalize at exit waits for the stopped rank")
+# A rank killed as it enters shutdown(): the survivor's shutdown() waits out
+# NVGROUP_TIMEOUT in its shutdown agreement although the monitor saw the death
+# at once (Shutdown() in cc/engine/engine.cc takes the engine out of reach of
+# AbortEngine before stopping it), so mpirun kills it before it can say why.
+SHUTDOWN_WAITS = pytest.mark.xfail(strict=True, reason="shutdown() is not aborted by a peer's death")
 
 SAMPLE = [
     {"path": "collectives", "phase": "train", "fault": "kill", "victim": 1, "delay_s": 0.3},
@@ -25,7 +31,8 @@ SAMPLE = [
                  marks=FINALIZE_HANGS),
     {"path": "xla", "phase": "train", "fault": "kill", "victim": 0, "delay_s": 0.1},
     {"path": "elastic", "phase": "train", "fault": "kill", "victim": 1, "delay_s": 0.2},
-    {"path": "process_sets", "phase": "shutdown", "fault": "kill", "victim": 1, "delay_s": 0.0},
+    pytest.param({"path": "process_sets", "phase": "shutdown", "fault": "kill", "victim": 1, "delay_s": 0.0},
+                 marks=SHUTDOWN_WAITS),
 ]
 
 
