@@ -283,8 +283,10 @@ def summarize(results):
         "passed": sum(1 for r in results if not r["verdict"]),
         "time_to_error_s": {"count": len(times), "max": max(times) if times else None,
                             "median": statistics.median(times) if times else None},
-        "leaks": sum(1 for r in results if r["shm_left"] or r["stray_files"]
-                     or any(x["listening"] for x in r["left_behind"])),
+        "left_behind": sum(1 for r in results if r["left_behind"]),
+        # Segments or files that outlive the job (listening sockets die with
+        # their process: see each left-behind process's "listening").
+        "leaks": sum(1 for r in results if r["shm_left"] or r["stray_files"]),
         "findings": [{"index": r["index"], "path": r["path"], "phase": r["phase"], "fault": r["fault"],
                       "np": r["np"], "victim": r["victim"], "delay_s": r["delay_s"], "broken": r["verdict"]}
                      for r in results if r["verdict"]],
@@ -347,9 +349,10 @@ def main():
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     done = []
+    where = machine()  # the commit the campaign started from
 
     def write(results, complete):
-        report = {"machine": machine(), "seed": args.seed, "trials_planned": len(specs), "complete": complete,
+        report = {"machine": where, "seed": args.seed, "trials_planned": len(specs), "complete": complete,
                   "nvgroup_timeout_s": TIMEOUT_S, "bound_s": TIMEOUT_S + EXIT_SLACK_S,
                   "summary": summarize(results), "trials": results}
         with open(args.out, "w") as f:
