@@ -256,6 +256,10 @@ def verdict(r):
 
 def check_checkpoints(results):
     """Loads every Keras fit checkpoint in one process; marks the torn ones."""
+    for r in results:  # the fault came before rank 0's first save: nothing to tear
+        if r.get("checkpoint") and not os.path.exists(r["checkpoint"]):
+            r["checkpoint_loads"] = "none written"
+            r["checkpoint"] = None
     paths = [r["checkpoint"] for r in results if r.get("checkpoint")]
     if not paths:
         return
