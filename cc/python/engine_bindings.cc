@@ -36,6 +36,7 @@
 #include "engine/stall_inspector.h"
 #include "engine/wire_format.h"
 #include "nvgroup/engine.h"
+#include "transport/liveness.h"
 
 namespace py = pybind11;
 
@@ -573,6 +574,12 @@ void RegisterTestingBindings(py::module_& t) {
   t.def("perturb_state_digest", [] { PerturbStateDigestForTesting(); },
         "Makes this rank's response-cache digest differ from the other ranks' (the next cycle "
         "must fail on every rank).");
+  t.def("set_liveness_connect_delay", [](double seconds) { SetLivenessConnectDelayForTesting(seconds); },
+        py::arg("seconds"),
+        "In the next init(), ranks other than 0 wait `seconds` before connecting to rank 0's "
+        "dead-rank detection port.");
+  t.def("liveness_listen_addresses", [] { return LivenessListenAddressesForTesting(); },
+        "Rank 0, while init() is accepting the dead-rank detection connections: [(address, port)].");
   t.def("build_response", [](const std::vector<py::dict>& by_rank) {
     if (by_rank.empty()) throw EngineError("INVALID_ARGUMENT: build_response needs one request per rank");
     std::vector<RequestMessage> qs;

@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -18,12 +19,19 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <thread>
 
 #include "common/checks.h"
 #include "common/logging.h"
 
 namespace nvgroup {
 namespace {
+
+// Testing hooks (liveness.h).
+std::mutex g_testing_mu;
+double g_connect_delay_s = 0;
+std::vector<std::pair<std::string, int>> g_listening;
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -64,27 +72,86 @@ constexpr int kHostBytes = 256;
 // Rank 0 publishes at most this many IPv4 addresses (interfaces) to try.
 constexpr int kMaxAddresses = 16;
 
+// The job's secret (Note [Liveness connection authentication]).
+constexpr int kSecretBytes = 32;
+// Rank 0 holds at most this many connections that have not proved the secret
+// yet; past it the oldest is closed, so a flood cannot exhaust descriptors.
+constexpr size_t kMaxUnauthenticated = 256;
+
 struct RootAddress {
-  uint16_t port;  // 0: rank 0 could not listen
-  uint16_t count;
+  uint16_t count;                     // 0: rank 0 could not listen
+  uint16_t ports[kMaxAddresses];      // ports[i] listens on addresses[i]
   uint32_t addresses[kMaxAddresses];  // network byte order; loopback last
+  uint8_t secret[kSecretBytes];
 };
 
-// Sends a whole frame without blocking forever: the kernel buffer of a live
-// peer always has room for 32 bytes unless it stopped reading for a long time
-// (then the heartbeat is dropped, which is harmless). MSG_NOSIGNAL: a closed
-// peer gives EPIPE instead of killing the process with SIGPIPE.
-bool SendFrame(int fd, const Frame& f, bool block) {
-  const char* p = reinterpret_cast<const char*>(&f);
-  size_t left = sizeof(f);
+// What a rank sends right after connecting: a HELLO frame, then the secret.
+struct HelloRecord {
+  Frame frame;
+  uint8_t secret[kSecretBytes];
+};
+static_assert(sizeof(HelloRecord) == 64, "HelloRecord is a fixed 64-byte record");
+
+// Sends `n` bytes without blocking forever: the kernel buffer of a live peer
+// always has room for a frame unless it stopped reading for a long time (then
+// the heartbeat is dropped, which is harmless). MSG_NOSIGNAL: a closed peer
+// gives EPIPE instead of killing the process with SIGPIPE.
+bool SendBytes(int fd, const void* data, size_t n, bool block) {
+  const char* p = static_cast<const char*>(data);
+  size_t left = n;
   while (left > 0) {
-    ssize_t n = send(fd, p, left, MSG_NOSIGNAL | (block ? 0 : MSG_DONTWAIT));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    left -= static_cast<size_t>(n);
+    ssize_t sent = send(fd, p, left, MSG_NOSIGNAL | (block ? 0 : MSG_DONTWAIT));
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent <= 0) return false;
+    p += sent;
+    left -= static_cast<size_t>(sent);
   }
   return true;
+}
+
+bool SendFrame(int fd, const Frame& f, bool block) { return SendBytes(fd, &f, sizeof(f), block); }
+
+// Fills `out` from the kernel's random source: getrandom(2), or /dev/urandom
+// on kernels without it.
+Status DrawSecret(uint8_t* out, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = getrandom(out + got, n - got, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && errno == ENOSYS) break;
+    if (r < 0) return Status::Internal(std::string("getrandom failed: ") + std::strerror(errno));
+    got += static_cast<size_t>(r);
+  }
+  if (got == n) return Status::Ok();
+  const int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::Internal(std::string("cannot open /dev/urandom: ") + std::strerror(errno));
+  while (got < n) {
+    ssize_t r = read(fd, out + got, n - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      const std::string why = r == 0 ? std::string("end of file") : std::strerror(errno);
+      close(fd);
+      return Status::Internal("reading /dev/urandom failed: " + why);
+    }
+    got += static_cast<size_t>(r);
+  }
+  close(fd);
+  return Status::Ok();
+}
+
+// Compares in a time that does not depend on where the secrets differ.
+bool SameSecret(const uint8_t* a, const uint8_t* b) {
+  uint8_t diff = 0;
+  for (int i = 0; i < kSecretBytes; ++i) diff = static_cast<uint8_t>(diff | (a[i] ^ b[i]));
+  return diff == 0;
+}
+
+std::string AddressText(uint32_t address, int port = -1) {
+  char text[INET_ADDRSTRLEN] = "?";
+  in_addr a{};
+  a.s_addr = address;
+  inet_ntop(AF_INET, &a, text, sizeof(text));
+  return port < 0 ? std::string(text) : std::string(text) + ":" + std::to_string(port);
 }
 
 Frame MakeFrame(FrameType type, int32_t rank, uint32_t aux = 0, uint64_t a = 0, uint64_t b = 0) {
@@ -124,21 +191,29 @@ Status PollOne(int fd, short events, double deadline, bool* ready) {
   }
 }
 
-// Rank 0: a listening TCP socket on every interface, ephemeral port.
-Status Listen(int size, int* fd, RootAddress* out) {
+// Rank 0: a listening socket on `address`, ephemeral port (non-blocking, so
+// that accept never waits).
+Status ListenOn(uint32_t address, int size, std::vector<int>* fds, uint16_t* port) {
   int s;
-  NVG_SYS_CHECK(s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  *fd = s;
+  NVG_SYS_CHECK(s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  fds->push_back(s);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_addr.s_addr = address;
   addr.sin_port = 0;
   NVG_SYS_CHECK(bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)));
-  NVG_SYS_CHECK(listen(s, std::max(size, 16)));
+  NVG_SYS_CHECK(listen(s, std::max(size, 128)));
   socklen_t len = sizeof(addr);
   NVG_SYS_CHECK(getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len));
-  out->port = ntohs(addr.sin_port);
+  *port = ntohs(addr.sin_port);
+  return Status::Ok();
+}
+
+// Rank 0: the job's secret, and a listening TCP socket on each address it
+// publishes (never on every interface).
+Status Listen(int size, std::vector<int>* listen_fds, RootAddress* out) {
   out->count = 0;
+  NVG_RETURN_IF_ERROR(DrawSecret(out->secret, kSecretBytes));
   // Which addresses the other ranks try, best first: transport/liveness_address.h.
   std::vector<NetInterface> interfaces;
   ifaddrs* list = nullptr;
@@ -160,9 +235,26 @@ Status Listen(int size, int* fd, RootAddress* out) {
   }
   StatusOr<std::vector<uint32_t>> chosen = ChooseLivenessAddresses(interfaces, settings);
   if (!chosen.ok()) return chosen.status();
+  std::vector<uint32_t> publish;
   for (uint32_t a : chosen.value())
-    if (out->count < kMaxAddresses - 1) out->addresses[out->count++] = a;
-  out->addresses[out->count++] = htonl(INADDR_LOOPBACK);
+    if (publish.size() < kMaxAddresses - 1 && a != htonl(INADDR_LOOPBACK)) publish.push_back(a);
+  publish.push_back(htonl(INADDR_LOOPBACK));
+  for (uint32_t a : publish) {
+    uint16_t port = 0;
+    Status s = ListenOn(a, size, listen_fds, &port);
+    if (!s.ok()) {
+      if (!settings.address.empty() && a != htonl(INADDR_LOOPBACK))
+        return Status::Unavailable("NVGROUP_LIVENESS_ADDR=" + settings.address +
+                                   ": rank 0 cannot listen on it: " + s.message());
+      NVG_LOG(kWarning) << "dead-rank detection: rank 0 does not listen on " << AddressText(a) << ": "
+                        << s.message();
+      continue;
+    }
+    out->addresses[out->count] = a;
+    out->ports[out->count] = port;
+    ++out->count;
+  }
+  if (out->count == 0) return Status::Unavailable("no address to listen on");
   return Status::Ok();
 }
 
@@ -196,34 +288,109 @@ int ConnectTo(uint32_t address, uint16_t port, double deadline) {
   return s;
 }
 
-// Rank 0: reads the HELLO of an accepted connection; returns the sender's rank or -1.
-int ReadHello(int fd, int size, double deadline) {
-  Frame f;
-  size_t got = 0;
-  while (got < sizeof(f)) {
-    bool ready = false;
-    if (!PollOne(fd, POLLIN, deadline, &ready).ok() || !ready) return -1;
-    ssize_t n = recv(fd, reinterpret_cast<char*>(&f) + got, sizeof(f) - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return -1;
-    got += static_cast<size_t>(n);
-  }
-  if (f.magic != kMagic || f.type != kHello || f.rank <= 0 || f.rank >= size) return -1;
-  return f.rank;
-}
+// A connection rank 0 accepted whose HELLO has not been checked yet.
+struct Unauthenticated {
+  int fd = -1;
+  std::string from;  // "a.b.c.d:port"
+  size_t got = 0;    // bytes of `hello` read so far
+  HelloRecord hello{};
+};
 
 // The sockets of a setup in progress; whatever is still held when Create
-// returns (an error path) is closed.
+// returns (an error path) is closed. Rank 0 logs the connections it refused
+// once, when the setup ends.
 struct SetupSockets {
-  int listen_fd = -1;
-  std::vector<int> by_rank;   // the sockets Create hands to the monitor
-  std::vector<int> accepted;  // rank 0: accepted, HELLO not read yet
+  std::vector<int> listen_fds;           // rank 0
+  std::vector<int> by_rank;              // the sockets Create hands to the monitor
+  std::vector<Unauthenticated> pending;  // rank 0: accepted, HELLO not checked yet
+  int refused = 0;
+  std::string first_refusal;
+
+  void Refuse(Unauthenticated* u, const std::string& why) {
+    CloseFd(&u->fd);
+    if (refused++ == 0) first_refusal = u->from + " " + why;
+  }
   ~SetupSockets() {
-    CloseFd(&listen_fd);
+    for (Unauthenticated& u : pending)
+      if (u.fd >= 0) Refuse(&u, "sent no complete HELLO before the setup ended");
+    if (refused > 0)
+      NVG_LOG(kWarning) << "dead-rank detection: refused " << refused << " connection(s) to rank 0 that did "
+                        << "not prove this job's secret (the first: " << first_refusal
+                        << "); a process outside the job reached the port";
+    for (int& fd : listen_fds) CloseFd(&fd);
     for (int& fd : by_rank) CloseFd(&fd);
-    for (int& fd : accepted) CloseFd(&fd);
   }
 };
+
+// Rank 0: checks a complete HELLO and places its connection, or refuses it.
+void CheckHello(SetupSockets* s, Unauthenticated* u, const uint8_t* secret, int size) {
+  const Frame& f = u->hello.frame;
+  if (f.magic != kMagic || f.type != kHello) {
+    s->Refuse(u, "sent something other than a HELLO");
+  } else if (!SameSecret(u->hello.secret, secret)) {
+    s->Refuse(u, "sent a HELLO without this job's secret");
+  } else if (f.rank <= 0 || f.rank >= size) {
+    s->Refuse(u, "sent a HELLO for rank " + std::to_string(f.rank) + " of a job of " + std::to_string(size));
+  } else if (s->by_rank[f.rank] >= 0) {
+    s->Refuse(u, "sent a second HELLO for rank " + std::to_string(f.rank));
+  } else {
+    fcntl(u->fd, F_SETFL, fcntl(u->fd, F_GETFL) & ~O_NONBLOCK);
+    int one = 1;
+    setsockopt(u->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    std::swap(s->by_rank[f.rank], u->fd);
+  }
+}
+
+// Rank 0: one round of the accept loop (Note [Liveness connection
+// authentication]). Waits up to `wait_s` for a connection or HELLO bytes,
+// reads what every pending connection sent, places the ones that prove the
+// secret and accepts what is queued. Never blocks on one connection.
+Status AcceptRound(SetupSockets* s, const uint8_t* secret, int size, double wait_s) {
+  std::vector<pollfd> p;
+  for (int fd : s->listen_fds) p.push_back({fd, POLLIN, 0});
+  for (const Unauthenticated& u : s->pending) p.push_back({u.fd, POLLIN, 0});
+  const int n = poll(p.data(), p.size(), std::max(0, static_cast<int>(std::ceil(wait_s * 1000))));
+  if (n < 0 && errno == EINTR) return Status::Ok();
+  if (n < 0) return Status::Internal(std::string("poll failed: ") + std::strerror(errno));
+  if (n == 0) return Status::Ok();
+  const size_t listeners = s->listen_fds.size();
+  for (size_t i = 0; i < s->pending.size(); ++i) {
+    if (p[listeners + i].revents == 0) continue;
+    Unauthenticated& u = s->pending[i];
+    ssize_t got = recv(u.fd, reinterpret_cast<char*>(&u.hello) + u.got, sizeof(u.hello) - u.got, MSG_DONTWAIT);
+    if (got < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (got <= 0) {
+      s->Refuse(&u, got == 0 ? "closed before a complete HELLO" : "failed: " + std::string(std::strerror(errno)));
+      continue;
+    }
+    u.got += static_cast<size_t>(got);
+    // Only this many bytes are read: whatever a placed rank sends next stays
+    // in its socket for the monitor.
+    if (u.got == sizeof(u.hello)) CheckHello(s, &u, secret, size);
+  }
+  s->pending.erase(std::remove_if(s->pending.begin(), s->pending.end(),
+                                  [](const Unauthenticated& u) { return u.fd < 0; }),
+                   s->pending.end());
+  for (size_t i = 0; i < listeners; ++i) {
+    if (p[i].revents == 0) continue;
+    for (;;) {  // everything queued
+      sockaddr_in peer{};
+      socklen_t len = sizeof(peer);
+      int fd = accept4(s->listen_fds[i], reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0 && errno == EINTR) continue;
+      if (fd < 0) break;  // EAGAIN: none left; anything else: next round
+      if (s->pending.size() >= kMaxUnauthenticated) {
+        s->Refuse(&s->pending.front(), "was dropped: too many connections without a HELLO");
+        s->pending.erase(s->pending.begin());
+      }
+      Unauthenticated u;
+      u.fd = fd;
+      u.from = AddressText(peer.sin_addr.s_addr, ntohs(peer.sin_port));
+      s->pending.push_back(std::move(u));
+    }
+  }
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -232,7 +399,21 @@ struct SetupSockets {
 // monitor that reports ranks "dead" that never connected. Two reductions
 // order the setup: (1) MIN over "my connection is made" -- after it, every
 // connection rank 0 will ever get is in its accept queue (or already
-// accepted); (2) rank 0 broadcasts whether it accepted a HELLO from every rank.
+// accepted); (2) rank 0 broadcasts whether it placed a HELLO from every rank.
+//
+// Note [Liveness connection authentication]
+// Rank 0's port can be reached by any process that can reach its host, and the
+// frame format is public. So a connection takes a rank's place only if its
+// HELLO carries the job's secret: 32 bytes rank 0 draws from the kernel's
+// random source and hands to the other ranks with its addresses over MPI (the
+// job's own channel), compared in constant time. A connection that sends
+// anything else, too little, or a second HELLO for a placed rank is closed and
+// never holds a slot: rank 0 reads every pending connection as its bytes come,
+// until every rank is placed or the setup deadline passes, so a rank's HELLO
+// arriving after a stranger's is still placed. Refusals are logged once per
+// setup. The listening sockets (only on the published addresses) are closed
+// when Create returns; a frame on rank k's socket is rank k's whatever its
+// rank field says, and only placed sockets get or give heartbeats.
 StatusOr<std::unique_ptr<LivenessMonitor>> LivenessMonitor::Create(MPI_Comm comm, double timeout_s,
                                                                    LostCallback on_lost) {
   const double deadline = Now() + timeout_s;
@@ -263,28 +444,48 @@ StatusOr<std::unique_ptr<LivenessMonitor>> LivenessMonitor::Create(MPI_Comm comm
   std::vector<int>& fds = sockets.by_rank;
   RootAddress root{};
   Status local;
-  if (rank == 0 && size > 1) local = Listen(size, &sockets.listen_fd, &root);
-  if (!local.ok()) root.port = 0;
+  if (rank == 0 && size > 1) local = Listen(size, &sockets.listen_fds, &root);
+  if (!local.ok()) root.count = 0;
+  struct TestingAddresses {  // LivenessListenAddressesForTesting while accepting
+    explicit TestingAddresses(const RootAddress& root) {
+      std::lock_guard<std::mutex> lock(g_testing_mu);
+      g_listening.clear();
+      for (int i = 0; i < root.count; ++i) g_listening.emplace_back(AddressText(root.addresses[i]), root.ports[i]);
+    }
+    ~TestingAddresses() {
+      std::lock_guard<std::mutex> lock(g_testing_mu);
+      g_listening.clear();
+    }
+  } testing_addresses(root);
   NVG_MPI_CHECK(MPI_Ibcast(&root, sizeof(root), MPI_BYTE, 0, comm, &req));
   NVG_RETURN_IF_ERROR(WaitRequest(&req, deadline, "the address broadcast"));
 
   int connected = 1;
   if (rank != 0 && size > 1) {
+    double delay = 0;
+    {
+      std::lock_guard<std::mutex> lock(g_testing_mu);
+      delay = g_connect_delay_s;
+    }
+    if (delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay));
     connected = 0;
-    std::vector<uint32_t> order(root.addresses, root.addresses + std::min<int>(root.count, kMaxAddresses));
+    std::vector<int> order;  // indices into root's addresses
+    for (int i = 0; i < std::min<int>(root.count, kMaxAddresses); ++i) order.push_back(i);
     if (hosts[rank] == hosts[0]) {  // same host: loopback first
-      auto lo = std::find(order.begin(), order.end(), htonl(INADDR_LOOPBACK));
+      auto lo = std::find_if(order.begin(), order.end(),
+                             [&](int i) { return root.addresses[i] == htonl(INADDR_LOOPBACK); });
       if (lo != order.end()) std::rotate(order.begin(), lo, lo + 1);
     }
-    for (uint32_t a : order) {
-      if (root.port == 0) break;
+    HelloRecord hello{MakeFrame(kHello, rank), {}};
+    std::memcpy(hello.secret, root.secret, kSecretBytes);
+    for (int i : order) {
       // Each address gets an equal share of the time left, at most 5 s: an
       // address that drops SYNs must not eat the whole budget.
       const double left = deadline - Now();
       const double slot = std::min(5.0, left / static_cast<double>(order.size()));
-      int fd = ConnectTo(a, root.port, Now() + slot);
+      int fd = ConnectTo(root.addresses[i], root.ports[i], Now() + slot);
       if (fd < 0) continue;
-      if (SendFrame(fd, MakeFrame(kHello, rank), true)) {
+      if (SendBytes(fd, &hello, sizeof(hello), true)) {
         fds[0] = fd;
         connected = 1;
         break;
@@ -294,7 +495,8 @@ StatusOr<std::unique_ptr<LivenessMonitor>> LivenessMonitor::Create(MPI_Comm comm
   }
 
   // Agreement (1): every rank's connection is made (or failed). Rank 0 accepts
-  // meanwhile so that a backlog smaller than the job cannot stall connects.
+  // and checks HELLOs meanwhile so that a backlog smaller than the job cannot
+  // stall connects.
   int all_connected = 0;
   NVG_MPI_CHECK(MPI_Iallreduce(&connected, &all_connected, 1, MPI_INT, MPI_MIN, comm, &req));
   for (;;) {
@@ -303,50 +505,35 @@ StatusOr<std::unique_ptr<LivenessMonitor>> LivenessMonitor::Create(MPI_Comm comm
     if (done) break;
     if (Now() > deadline)
       return Status::Unavailable("timed out while ranks connected to rank 0 for dead-rank detection");
-    bool ready = false;
-    if (sockets.listen_fd >= 0 && PollOne(sockets.listen_fd, POLLIN, Now() + 0.001, &ready).ok() && ready) {
-      int fd = accept4(sockets.listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) sockets.accepted.push_back(fd);
-    } else if (sockets.listen_fd < 0) {
+    if (!sockets.listen_fds.empty()) {
+      NVG_RETURN_IF_ERROR(AcceptRound(&sockets, root.secret, size, 0.001));
+    } else {
       usleep(200);
     }
   }
 
-  // Rank 0 collects one HELLO per rank. Every rank sent its HELLO before it
-  // joined agreement (1), so the bytes are here already; the 1 s per
-  // connection only bounds a stranger that connected and stays silent.
+  // Rank 0 places one connection per rank. Every rank sent its HELLO before
+  // it joined agreement (1), so its bytes are here or on their way; strangers
+  // cost nothing but a pending slot (Note [Liveness connection authentication]).
   int verdict = all_connected;
   std::string why;
   if (rank == 0 && size > 1 && all_connected) {
-    int missing = size - 1;
-    for (size_t next = 0; missing > 0;) {
-      if (next == sockets.accepted.size()) {
-        bool ready = false;
-        if (!PollOne(sockets.listen_fd, POLLIN, deadline, &ready).ok() || !ready) break;
-        int fd = accept4(sockets.listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd >= 0) sockets.accepted.push_back(fd);
-        continue;
-      }
-      int& fd = sockets.accepted[next++];
-      const int r = ReadHello(fd, size, std::min(deadline, Now() + 1.0));
-      if (r < 0 || fds[r] >= 0) continue;  // closed with the others at the end
-      int one = 1;
-      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      std::swap(fds[r], fd);
-      --missing;
-    }
-    for (int r = 1; r < size && missing > 0; ++r)
+    auto placed = [&] { return std::count_if(fds.begin() + 1, fds.end(), [](int fd) { return fd >= 0; }); };
+    while (placed() < size - 1 && Now() < deadline)
+      NVG_RETURN_IF_ERROR(AcceptRound(&sockets, root.secret, size, std::min(0.05, deadline - Now())));
+    for (int r = 1; r < size; ++r)
       if (fds[r] < 0) {
         verdict = 0;
-        why = "rank 0 got no HELLO from rank " + std::to_string(r);
+        why = "rank 0 got no HELLO with this job's secret from rank " + std::to_string(r);
         break;
       }
   }
+  std::memset(root.secret, 0, kSecretBytes);
   // Agreement (2): rank 0's verdict.
   NVG_MPI_CHECK(MPI_Ibcast(&verdict, 1, MPI_INT, 0, comm, &req));
   NVG_RETURN_IF_ERROR(WaitRequest(&req, deadline, "the setup verdict"));
   if (!verdict) {
-    if (root.port == 0)
+    if (root.count == 0)
       return Status::Unavailable("rank 0 could not listen for dead-rank detection" +
                                  (local.ok() ? std::string() : ": " + local.message()));
     return Status::Unavailable("could not connect every rank to rank 0 for dead-rank detection (" +
@@ -588,6 +775,16 @@ std::string LivenessMonitor::DescribeSilentPeers() const {
   if (root.fd >= 0 && !root.said_bye && silent > kMissedHeartbeats * kHeartbeatPeriodS)
     return SuspectText(0, kNoHeartbeat, silent);
   return forwarded_suspect_ >= 0 ? forwarded_text_ : std::string();
+}
+
+void SetLivenessConnectDelayForTesting(double seconds) {
+  std::lock_guard<std::mutex> lock(g_testing_mu);
+  g_connect_delay_s = seconds;
+}
+
+std::vector<std::pair<std::string, int>> LivenessListenAddressesForTesting() {
+  std::lock_guard<std::mutex> lock(g_testing_mu);
+  return g_listening;
 }
 
 }  // namespace nvgroup

@@ -7,13 +7,17 @@
 // survivors SIGTERMed, exit 137). The user sees a dead job and no reason.
 //
 // How it works.
-//  * Setup (Create, collective over the engine's communicator): rank 0 listens
-//    on a TCP socket (all interfaces, ephemeral port) and broadcasts the port
-//    and its IPv4 addresses over MPI; every rank also publishes its host name
-//    and pid. Each other rank connects to rank 0 (loopback when it runs on
-//    rank 0's host, else rank 0's addresses in turn) and says HELLO. One MPI
-//    reduction then tells every rank whether all connections were made, so all
-//    ranks agree on whether the monitor runs.
+//  * Setup (Create, collective over the engine's communicator): rank 0 draws
+//    a random per-job secret, listens on a TCP socket (ephemeral port) on each
+//    IPv4 address it publishes (transport/liveness_address.h, and loopback),
+//    and broadcasts the addresses, ports and secret over MPI; every rank also
+//    publishes its host name and pid. Each other rank connects to rank 0
+//    (loopback when it runs on rank 0's host, else rank 0's addresses in turn)
+//    and says HELLO with the secret. Rank 0 gives a rank's place only to a
+//    connection that proves the secret; anything else is closed, however many
+//    strangers come first (Note [Liveness connection authentication] in
+//    liveness.cc). One MPI reduction then tells every rank whether all
+//    connections were made, so all ranks agree on whether the monitor runs.
 //  * A death closes the dead process's sockets in the kernel. Rank 0 therefore
 //    reads EOF (or ECONNRESET) on that rank's socket at once, sends DEAD(k) to
 //    every other rank and reports the loss locally. If rank 0 dies, every rank
@@ -47,6 +51,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "nvgroup/status.h"
@@ -140,5 +145,13 @@ class LivenessMonitor {
   int wake_pipe_[2] = {-1, -1};
   std::thread thread_;  // last: starts after everything it uses exists
 };
+
+// Testing only: in the next Create, ranks other than 0 wait `seconds` before
+// connecting to rank 0 (a test's stranger process reaches rank 0's port first).
+void SetLivenessConnectDelayForTesting(double seconds);
+
+// Testing only: the (IPv4 address, port) pairs rank 0 listens on while a Create
+// is accepting connections; empty otherwise. Safe from any thread.
+std::vector<std::pair<std::string, int>> LivenessListenAddressesForTesting();
 
 }  // namespace nvgroup

@@ -134,6 +134,38 @@ def test_killed_rank_raises_unavailable_error_in_tensorflow(tmp_path):
         assert float(caught[0]) - float(killed[0]) < 1.0, r.output
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_stranger_impersonating_ranks_cannot_take_their_place(tmp_path, np_):
+    """A process that reaches rank 0's dead-rank port first (the ranks' connects
+    are delayed 3 s) and sends a HELLO with the public magic for every rank,
+    garbage and forged heartbeats, then hangs up: the job's allreduces all
+    complete, and a rank killed afterwards is still named by the survivors.
+    Before the per-job secret the forged HELLO took rank 1's place and the
+    hang-up aborted the job as if rank 1 had died."""
+    victim = np_ - 1
+    r = run_recorded(tmp_path, "liveness_stranger.py", np_, [3, victim], env={"NVGROUP_TIMEOUT": 60})
+    assert not r.timed_out, r
+    connected = lines(r, r"^STRANGER CONNECTED ([0-9.]+) connections=(\d+)$")
+    assert connected and int(connected[0][1]) > 0, r.output
+    hung_up = lines(r, r"^STRANGER HUNG UP ([0-9.]+)$")
+    assert hung_up, r.output
+    # Lines come twice (stdout and the record files): compare sets.
+    ranks_connect = {float(t) for t in lines(r, r"^rank [1-9]\d*: CONNECTS_AFTER ([0-9.]+)$")}
+    assert len(ranks_connect) == np_ - 1, r.output
+    assert float(connected[0][0]) < min(ranks_connect), "the stranger was not first; the test proves nothing:\n" + r.output
+    assert lines(r, r"^rank 0: STRANGER_EXIT 0$"), r.output
+    assert len(set(lines(r, r"^(rank \d+): ALLREDUCES_OK \d+$"))) == np_, r.output
+    refused = lines(r, r"^\[nvgroup rank 0\] WARNING: dead-rank detection: refused (\d+) connection")
+    assert len(refused) == 1 and int(refused[0]) == int(connected[0][1]), r.output
+    killed = lines(r, r"^rank %d: KILL ([0-9.]+)$" % victim)
+    assert killed, r.output
+    for survivor in range(np_ - 1):
+        caught = lines(r, r"^rank %d: CAUGHT [0-9.]+ UNAVAILABLE: rank %d \(host [^,]+, pid \d+\) died or "
+                          r"exited without shutdown\(\); aborting$" % (survivor, victim))
+        assert caught, "rank %d did not report the death of rank %d:\n%s" % (survivor, victim, r.output)
+    assert r.returncode != 0, r
+
+
 def test_stopped_rank_is_named_when_the_timeout_fires(tmp_path):
     r = run_recorded(tmp_path, "rank_failure.py", 3, [2, 150, "stop", "allreduce"], env={"NVGROUP_TIMEOUT": 4})
     assert not r.timed_out, r

@@ -1,0 +1,383 @@
+"""Fault campaign: small CPU jobs (mpirun, 2-4 ranks) on the user's paths, one
+rank SIGKILLed or SIGSTOPped at a random time, and a verdict per trial.
+
+    python tests/reliability/fault_campaign.py --trials N [--seed S] \\
+        [--out benchmarks/results/fault_campaign.json]
+
+The paths, phases and faults are those of workers/campaign_worker.py; the plan
+is a pure function of the seed. Verdict of a trial whose fault was delivered:
+
+  * named    -- every survivor that had not finished ends with an error naming
+                the lost rank ("rank V "), within the bound;
+  * bounded  -- mpirun and every rank are gone within the bound after the
+                fault: NVGROUP_TIMEOUT (set to TIMEOUT_S here; README "When
+                things go wrong") plus EXIT_SLACK_S for the detection (heartbeats
+                every 0.2 s, silent after 1 s: cc/transport/liveness.h) and
+                the processes' exit. Processes still there are killed and
+                reported as left behind;
+  * no leaks -- no /dev/shm segment named after a rank's pid
+                (cc/transport/shm_group.cc: /nvgroup.<pid>.*), no listening
+                TCP socket of a rank still alive, no stray file beside the
+                checkpoint;
+  * checkpoint -- Keras fit's model.keras (saved before training and by
+                ModelCheckpoint every epoch on rank 0) loads with
+                keras.models.load_model after the trial: the old file or the
+                new one, never a torn one.
+
+A trial whose victim finished before its fault fired must end cleanly (exit
+0, every rank DONE). Output: a JSON report (and a histogram PNG beside it when
+matplotlib is there) with machine, date and commit.
+"""
+import argparse
+import glob
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from mpi_util import MPI_ENV  # noqa: E402
+
+WORKER = os.path.join(HERE, "workers", "campaign_worker.py")
+TIMEOUT_S = 5.0     # NVGROUP_TIMEOUT of the campaign's jobs
+EXIT_SLACK_S = 10.0  # detection (<= 1.2 s) plus the processes' exit under load
+START_LIMIT_S = 400  # a job that never reaches its fault (imports under load) is cut here
+PATHS = ["keras_fit", "tape", "xla", "collectives", "process_sets", "elastic"]
+PHASES = ["init", "train", "checkpoint", "shutdown"]
+# Seconds after the phase starts at which the victim fires: init() takes a
+# fraction of a second here, a checkpoint save of the tiny model tens of ms.
+DELAYS = {"init": (0.0, 0.6), "train": (0.0, 1.5), "checkpoint": (0.0, 0.08), "shutdown": (0.0, 0.05)}
+
+
+def plan(seed, trials, max_ranks=4):
+    """The trial specs, deterministic from `seed`."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(trials):
+        # Every path in turn; two kills for one stop; Keras fit cycles through
+        # all phases (the checkpoint save is its own), the others draw theirs.
+        path = PATHS[i % len(PATHS)]
+        if path == "keras_fit":
+            phase = PHASES[(i // len(PATHS)) % len(PHASES)]
+        else:
+            phase = rng.choice([p for p in PHASES if p != "checkpoint"])
+        fault = "stop" if i % 3 == 2 else "kill"
+        np_ = rng.randint(2, max_ranks)
+        victim = 0 if phase == "checkpoint" else rng.randrange(np_)
+        lo, hi = DELAYS[phase]
+        out.append({"index": i, "path": path, "phase": phase, "fault": fault, "np": np_, "victim": victim,
+                    "delay_s": round(rng.uniform(lo, hi), 3)})
+    return out
+
+
+def _alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _listening_inodes():
+    """inode -> "addr:port" of every LISTEN TCP socket (IPv4 and IPv6)."""
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == "0A":  # TCP_LISTEN
+                        out[fields[9]] = fields[1]
+        except OSError:
+            pass
+    return out
+
+
+def _sockets_of(pid, listening):
+    found = []
+    for fd in glob.glob("/proc/%d/fd/*" % pid):
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        m = re.match(r"socket:\[(\d+)\]", target)
+        if m and m.group(1) in listening:
+            found.append(listening[m.group(1)])
+    return found
+
+
+def _records(record_dir):
+    by_pid = {}
+    for f in glob.glob(os.path.join(record_dir, "*.log")):
+        pid = int(os.path.basename(f)[:-4])
+        with open(f) as fh:
+            by_pid[pid] = fh.read().splitlines()
+    return by_pid
+
+
+def run_trial(spec, workdir):
+    """Runs one trial; returns its spec with the observations and verdict."""
+    record_dir = os.path.join(workdir, "trial%03d" % spec["index"])
+    shutil.rmtree(record_dir, ignore_errors=True)
+    os.makedirs(os.path.join(record_dir, "ckpt"))
+    env = dict(os.environ)
+    env.update(MPI_ENV)
+    env.update({"NVGROUP_TIMEOUT": str(TIMEOUT_S), "OMPI_MCA_mpi_yield_when_idle": "1",
+                "PYTHONPATH": REPO + os.pathsep + os.path.join(HERE, "workers")})
+    cmd = ["mpirun", "-np", str(spec["np"]), "--bind-to", "none", sys.executable, WORKER, spec["path"],
+           spec["phase"], spec["fault"], str(spec["victim"]), str(spec["delay_s"]), record_dir]
+    log = open(os.path.join(record_dir, "mpirun.out"), "w")
+    started = time.time()
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    fault_at = None
+    hung = False
+    while proc.poll() is None:
+        time.sleep(0.2)
+        if fault_at is None:
+            for lines in _records(record_dir).values():
+                for line in lines:
+                    if line.startswith("FAULT "):
+                        fault_at = float(line.split()[2])
+        now = time.time()
+        limit = fault_at + TIMEOUT_S + EXIT_SLACK_S if fault_at is not None else started + START_LIMIT_S
+        if now > limit:
+            hung = True
+            break
+    ended = time.time()
+    records = _records(record_dir)
+    pids = {}
+    for pid, lines in records.items():
+        for line in lines:
+            if line.startswith("START "):
+                pids[int(line.split()[1])] = pid
+    listening = _listening_inodes()
+    left = []
+    for rank, pid in sorted(pids.items()):
+        if _alive(pid):
+            left.append({"rank": rank, "pid": pid, "listening": _sockets_of(pid, listening)})
+    if proc.poll() is None:
+        left.append({"rank": "mpirun", "pid": proc.pid, "listening": []})
+    for item in left:  # where a rank is stuck (workers dump their Python stacks on SIGUSR1)
+        if item["rank"] != "mpirun" and item["rank"] != spec["victim"]:
+            try:
+                os.kill(item["pid"], signal.SIGUSR1)
+            except OSError:
+                pass
+    if left:
+        time.sleep(1.0)
+    for item in left:  # nothing stays behind the campaign
+        stack = os.path.join(record_dir, "%d.stack" % item["pid"])
+        if os.path.exists(stack):
+            with open(stack) as f:
+                item["stack"] = f.read()[-3000:]
+        try:
+            os.kill(item["pid"], signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    proc.wait()
+    log.close()
+    # A killed rank's shared-memory names would stay in /dev/shm.
+    shm = sorted(os.path.basename(p) for pid in pids.values() for p in glob.glob("/dev/shm/nvgroup.%d.*" % pid))
+    stray = sorted(f for f in os.listdir(os.path.join(record_dir, "ckpt")) if f != "model.keras")
+
+    victim_pid = pids.get(spec["victim"])
+    fault_line = next((line for line in records.get(victim_pid, []) if line.startswith("FAULT ")), None)
+    result = dict(spec)
+    result.update({"returncode": proc.returncode, "seconds": round(ended - started, 2), "hung": hung,
+                   "left_behind": left, "shm_left": shm, "stray_files": stray, "fault_delivered": bool(fault_line),
+                   "fault_phase_seen": fault_line.split()[3] if fault_line else None, "survivors": []})
+    if fault_line:
+        t_fault = float(fault_line.split()[2])
+        result["gone_after_s"] = round(ended - t_fault, 2)
+        for rank in range(spec["np"]):
+            if rank == spec["victim"]:
+                continue
+            lines = records.get(pids.get(rank), [])
+            err = next((line for line in lines if line.startswith("ERROR ")), None)
+            done = next((line for line in lines if line.startswith("DONE ")), None)
+            s = {"rank": rank, "outcome": "none"}
+            if err:
+                t_err = float(err.split()[1])
+                s.update({"outcome": "error", "after_s": round(t_err - t_fault, 3), "message": err[-700:],
+                          "names_victim": ("rank %d " % spec["victim"]) in err})
+            elif done:
+                s.update({"outcome": "done", "after_s": round(float(done.split()[1]) - t_fault, 3)})
+            result["survivors"].append(s)
+    else:
+        result["clean"] = proc.returncode == 0 and all(
+            any(line.startswith("DONE ") for line in lines) for lines in records.values()) and \
+            len(records) == spec["np"]
+    result["checkpoint"] = os.path.join(record_dir, "ckpt", "model.keras") if spec["path"] == "keras_fit" else None
+    result["verdict"] = verdict(result)
+    return result
+
+
+def verdict(r):
+    """Which promises the trial broke ([] when none)."""
+    broken = []
+    if r["hung"]:
+        broken.append("hang: the job was still running %.0f s after the fault" % (TIMEOUT_S + EXIT_SLACK_S))
+    if r["left_behind"]:
+        broken.append("left behind: %s" % ", ".join("%s (pid %d)" % (x["rank"], x["pid"]) for x in r["left_behind"]))
+    if r["shm_left"]:
+        broken.append("shared memory left: %s" % ", ".join(r["shm_left"]))
+    if r["stray_files"]:
+        broken.append("stray files: %s" % ", ".join(r["stray_files"]))
+    if not r["fault_delivered"]:
+        if not r.get("clean"):
+            broken.append("no fault fired, yet the job did not end cleanly (rc %s)" % r["returncode"])
+        return broken
+    for s in r["survivors"]:
+        if s["outcome"] == "done":
+            continue  # it had finished its program when the fault came
+        if s["outcome"] == "none":
+            broken.append("rank %d ended without an error naming rank %d" % (s["rank"], r["victim"]))
+        elif not s["names_victim"]:
+            broken.append("rank %d's error does not name rank %d: %s" % (s["rank"], r["victim"], s["message"]))
+        elif s["after_s"] > TIMEOUT_S + EXIT_SLACK_S:
+            broken.append("rank %d named rank %d after %.1f s" % (s["rank"], r["victim"], s["after_s"]))
+    return broken
+
+
+def check_checkpoints(results):
+    """Loads every Keras fit checkpoint in one process; marks the torn ones."""
+    for r in results:  # the fault came before rank 0's first save: nothing to tear
+        if r.get("checkpoint") and not os.path.exists(r["checkpoint"]):
+            r["checkpoint_loads"] = "none written"
+            r["checkpoint"] = None
+    paths = [r["checkpoint"] for r in results if r.get("checkpoint")]
+    if not paths:
+        return
+    code = ("import json, sys, os\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'\nimport keras\nout = {}\n"
+            "for p in sys.argv[1:]:\n    try:\n        keras.models.load_model(p, compile=False)\n"
+            "        out[p] = 'ok'\n    except Exception as e:\n        out[p] = '%s: %s' % (type(e).__name__, e)\n"
+            "print('CHECKPOINTS ' + json.dumps(out))\n")
+    p = subprocess.run([sys.executable, "-c", code] + paths, capture_output=True, text=True, timeout=600)
+    m = re.search(r"^CHECKPOINTS (.*)$", p.stdout, flags=re.MULTILINE)
+    loaded = json.loads(m.group(1)) if m else {}
+    for r in results:
+        if r.get("checkpoint"):
+            r["checkpoint_loads"] = loaded.get(r["checkpoint"], "not checked: " + p.stderr[-300:])
+            if r["checkpoint_loads"] != "ok":
+                r["verdict"].append("torn checkpoint: %s" % r["checkpoint_loads"][:300])
+
+
+def summarize(results):
+    times = [s["after_s"] for r in results for s in r["survivors"] if s["outcome"] == "error"]
+    delivered = [r for r in results if r["fault_delivered"]]
+    return {
+        "trials": len(results),
+        "faults_delivered": len(delivered),
+        "bounded": sum(1 for r in results if not r["hung"] and not r["left_behind"]),
+        "passed": sum(1 for r in results if not r["verdict"]),
+        "time_to_error_s": {"count": len(times), "max": max(times) if times else None,
+                            "median": statistics.median(times) if times else None},
+        "left_behind": sum(1 for r in results if r["left_behind"]),
+        # Segments or files that outlive the job (listening sockets die with
+        # their process: see each left-behind process's "listening").
+        "leaks": sum(1 for r in results if r["shm_left"] or r["stray_files"]),
+        "findings": [{"index": r["index"], "path": r["path"], "phase": r["phase"], "fault": r["fault"],
+                      "np": r["np"], "victim": r["victim"], "delay_s": r["delay_s"], "broken": r["verdict"]}
+                     for r in results if r["verdict"]],
+    }
+
+
+def machine():
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "commit": commit,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def histogram(results, png):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    kill = [s["after_s"] for r in results if r["fault"] == "kill" for s in r["survivors"] if s["outcome"] == "error"]
+    stop = [s["after_s"] for r in results if r["fault"] == "stop" for s in r["survivors"] if s["outcome"] == "error"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist([kill, stop], bins=30, label=["SIGKILL", "SIGSTOP"], stacked=True)
+    ax.axvline(TIMEOUT_S, color="k", linestyle="--", label="NVGROUP_TIMEOUT")
+    ax.set_xlabel("seconds from the fault to a survivor's error")
+    ax.set_ylabel("survivors")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png)
+    return True
+
+
+def campaign(specs, workdir, progress=None):
+    results = []
+    for spec in specs:
+        r = run_trial(spec, workdir)
+        results.append(r)
+        if progress:
+            progress(r)
+    check_checkpoints(results)
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-ranks", type=int, default=4)
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "fault_campaign.json"))
+    ap.add_argument("--workdir", default=None, help="keep the trials' records here (default: a temporary dir)")
+    ap.add_argument("--plot-from", default=None, help="only draw the histogram of an existing JSON report")
+    args = ap.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            drawn = histogram(json.load(f)["trials"], os.path.splitext(args.plot_from)[0] + ".png")
+        sys.exit(0 if drawn else "matplotlib is needed for the histogram")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="fault_campaign.")
+    specs = plan(args.seed, args.trials, args.max_ranks)
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    done = []
+    where = machine()  # the commit the campaign started from
+
+    def write(results, complete):
+        report = {"machine": where, "seed": args.seed, "trials_planned": len(specs), "complete": complete,
+                  "nvgroup_timeout_s": TIMEOUT_S, "bound_s": TIMEOUT_S + EXIT_SLACK_S,
+                  "summary": summarize(results), "trials": results}
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        return report
+
+    def progress(r):
+        print("trial %d %s np=%d %s %s victim=%d delay=%.3f: %s" % (
+            r["index"], r["path"], r["np"], r["phase"], r["fault"], r["victim"], r["delay_s"],
+            "; ".join(r["verdict"]) or "ok"), flush=True)
+        done.append(r)
+        write(done, False)  # an interrupted campaign still leaves its trials
+
+    results = campaign(specs, workdir, progress)
+    report = write(results, True)
+    png = os.path.splitext(args.out)[0] + ".png"
+    histogram(results, png)
+    print(json.dumps(report["summary"], indent=1))
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
