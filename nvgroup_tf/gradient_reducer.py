@@ -50,7 +50,6 @@ local running sum on the others, and the apply that follows runs only where
 `counter` is back at 0.
 """
 import dataclasses
-import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
@@ -59,33 +58,22 @@ from nvgroup_tf import bucketing
 
 MiB = 1 << 20
 
-# Default bucket cap. Measured with examples/resnet50 (2 ranks, CPU, 64x64
-# images, batch 8 per rank): see the bucket-cap table in examples/resnet50/README.md.
-DEFAULT_BUCKET_CAP_MB = 25.0
 # First bucket: small so the first collective starts early (PyTorch DDP uses
-# 1 MiB for the same reason: shared/ANCHORS.md section 6).
+# 1 MiB for the same reason: kDefaultFirstBucketBytes in PyTorch's
+# torch/csrc/distributed/c10d/reducer.hpp).
 FIRST_BUCKET_CAP_BYTES = 1 * MiB
-BUCKET_CAP_ENV = "NVGROUP_BUCKET_CAP_MB"
 
 
 def resolve_bucket_cap_bytes(bucket_cap_bytes: Optional[int]) -> int:
-    """Constructor argument, else NVGROUP_BUCKET_CAP_MB, else the default. 0 = no fusion."""
+    """Constructor argument, else NVGROUP_BUCKET_CAP_MB (MiB, parsed by the
+    library's settings table: cc/common/env.h; default 25), in bytes. 0 = no fusion."""
     if bucket_cap_bytes is not None:
         if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 0:
             raise ValueError("bucket_cap_bytes must be a non-negative int (0 disables fusion), got %r"
                              % (bucket_cap_bytes,))
         return bucket_cap_bytes
-    raw = os.environ.get(BUCKET_CAP_ENV)
-    if raw is None or raw.strip() == "":
-        return int(DEFAULT_BUCKET_CAP_MB * MiB)
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0.0 or mb == float("inf"):
-        raise ValueError("%s=%r: expected a non-negative number of MiB (0 disables fusion)"
-                         % (BUCKET_CAP_ENV, raw))
-    return int(mb * MiB)
+    from nvgroup_tf import basics  # the op library's C API; imported late, as _core()
+    return int(float(basics.setting_value("NVGROUP_BUCKET_CAP_MB")) * MiB)
 
 
 def variable_path(variable, index: int) -> str:

@@ -353,9 +353,10 @@ def _broadcast_grad(op, grad):
     return averaged
 
 
-# ---- Horovod's collectives beyond allreduce/allgather/broadcast -----------------
+# ---- reducescatter, alltoall, grouped allgather, join, process sets -------------
 # reducescatter, grouped_reducescatter, alltoall, grouped_allgather, broadcast_,
-# join, process_set_included_op; ops in ops/nvgroup_ops_extra.cc.
+# join, process_set_included_op; ops in ops/nvgroup_negotiated_output_ops.cc and
+# ops/nvgroup_topology_ops.cc.
 
 def _process_set_of(process_set_id):
     """The ProcessSet object of an op's process_set_id attr (for gradients)."""

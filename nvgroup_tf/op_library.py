@@ -58,6 +58,8 @@ def _load():
         handle.nvgroup_tf_start_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int,
                                                      ctypes.c_char_p, ctypes.c_int]
         handle.nvgroup_tf_stop_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        handle.nvgroup_tf_setting_value.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                                    ctypes.c_char_p, ctypes.c_int]
         _register_xla_kernels(handle)
         _library = (handle, ops)
         return _library
@@ -82,6 +84,19 @@ def _call(what, fn, *args):
     message = ctypes.create_string_buffer(_MESSAGE_BYTES)
     code = fn(*args, message, _MESSAGE_BYTES)
     raise_for_status(code, message.value.decode(errors="replace"), what)
+
+
+def setting_value(name):
+    """The NVGROUP_* variable `name` as the library's settings table parses it
+    from the environment now (cc/common/env.h, docs/SETTINGS.md): its
+    normalized value as text, the default when unset. A malformed value raises
+    ValueError naming the variable, the value and what was expected."""
+    handle, _ = _load()
+    value = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    if handle.nvgroup_tf_setting_value(name.encode(), value, _MESSAGE_BYTES, message, _MESSAGE_BYTES) != 0:
+        raise ValueError(message.value.decode(errors="replace"))
+    return value.value.decode(errors="replace")
 
 
 _TOPOLOGY_FUNCTIONS = {

@@ -67,7 +67,7 @@ namespace tf_adapter {
 
 namespace tf = ::tensorflow;
 
-// The one conversion from engine Status to TF's status (STYLE.md §C).
+// The one conversion from engine Status to TF's status.
 absl::Status ToTfStatus(const Status& status);
 // The reverse, for the allocate-output callback the engine calls.
 Status FromTfStatus(const absl::Status& status);

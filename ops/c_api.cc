@@ -8,6 +8,7 @@
 #include <cstring>
 #include <string>
 
+#include "common/env.h"
 #include "nvgroup/engine.h"
 #include "ops/adapter.h"
 #if GOOGLE_CUDA
@@ -91,6 +92,21 @@ int nvgroup_tf_start_timeline(const char* path, int mark_cycles, char* msg, int 
   return Report(nvgroup::StartTimeline(path == nullptr ? "" : path, mark_cycles != 0), msg, msg_len);
 }
 int nvgroup_tf_stop_timeline(char* msg, int msg_len) { return Report(nvgroup::StopTimeline(), msg, msg_len); }
+
+// The settings table (cc/common/env.h): `name`'s value parsed from the
+// environment now (its default when unset), normalized, into `value`.
+// kInvalidArgument naming the variable when it is malformed, or when `name`
+// has no parse or the value does not fit.
+int nvgroup_tf_setting_value(const char* name, char* value, int value_len, char* msg, int msg_len) {
+  nvgroup::StatusOr<std::string> v = nvgroup::SettingValueFromEnvironment(name == nullptr ? "" : name);
+  if (!v.ok()) return Report(v.status(), msg, msg_len);
+  if (value == nullptr || value_len <= 0 || v.value().size() >= static_cast<size_t>(value_len))
+    return Report(nvgroup::Status::InvalidArgument(std::string(name) + "'s value does not fit in " +
+                                                   std::to_string(value_len) + " bytes"),
+                  msg, msg_len);
+  std::memcpy(value, v.value().c_str(), v.value().size() + 1);
+  return 0;
+}
 
 // 1 when the library was built with the DEVICE_GPU kernels.
 int nvgroup_tf_cuda_built() {

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "ops/adapter.h"
-#include "ops/adapter_extra.h"
+#include "ops/negotiated_output_kernels.h"
 #include "tensorflow/core/framework/device_base.h"
 #include "xla/stream_executor/stream.h"
 #include "xla/stream_executor/stream_executor.h"
@@ -161,7 +161,7 @@ REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedAllreduce").Device(tf::DEVICE_GPU),
 REGISTER_KERNEL_BUILDER(Name("NvgroupAllgather").Device(tf::DEVICE_GPU), AllgatherOp<GpuTraits>);
 REGISTER_KERNEL_BUILDER(Name("NvgroupBroadcast").Device(tf::DEVICE_GPU), BroadcastOp<GpuTraits>);
 
-// Collectives added for Horovod parity (ops/nvgroup_ops_extra.cc). Alltoall's
+// The collectives of ops/nvgroup_negotiated_output_ops.cc (join is CPU only). Alltoall's
 // splits and received splits stay in host memory.
 REGISTER_KERNEL_BUILDER(Name("NvgroupReducescatter").Device(tf::DEVICE_GPU), ReducescatterOp<GpuTraits>);
 REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedReducescatter").Device(tf::DEVICE_GPU),

@@ -1,5 +1,6 @@
 // Topology queries as TF ops (Horovod's rank_op, size_op, local_rank_op,
-// local_size_op; cross_rank_op/cross_size_op complete the set): the value is
+// local_size_op; cross_rank_op/cross_size_op complete the set; and
+// process_set_included_op, this rank's membership of a process set): the value is
 // read when the op runs, not when the graph is built, so a graph built before
 // init() (or before a re-init) reports the engine it runs against.
 //
@@ -76,6 +77,40 @@ NVG_TOPOLOGY_OP("NvgroupLocalSize", LocalSize, "Number of ranks on the node");
 NVG_TOPOLOGY_OP("NvgroupCrossRank", CrossRank, "Index of the node");
 NVG_TOPOLOGY_OP("NvgroupCrossSize", CrossSize, "Number of nodes");
 #undef NVG_TOPOLOGY_OP
+
+// Horovod's process_set_included_op: 1 if this rank belongs to the set, 0 if
+// not; -1 before init, -3 for an unknown set (Horovod's error codes
+// HOROVOD_PROCESS_SET_ERROR_INIT and _UNKNOWN_SET).
+class ProcessSetIncludedOp : public tf::OpKernel {
+ public:
+  explicit ProcessSetIncludedOp(tf::OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("process_set_id", &process_set_id_));
+  }
+  void Compute(tf::OpKernelContext* context) override {
+    tf::Tensor* output = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, tf::TensorShape({}), &output));
+    int32_t value = -1;
+    if (IsInitialized()) {
+      StatusOr<int> r = ProcessSetRank(process_set_id_);
+      value = !r.ok() ? -3 : (r.value() >= 0 ? 1 : 0);
+    }
+    output->scalar<int32_t>()() = value;
+  }
+
+ private:
+  int process_set_id_ = 0;
+};
+
+REGISTER_OP("NvgroupProcessSetIncluded")
+    .Attr("process_set_id: int = 0")
+    .Output("included: int32")
+    .SetIsStateful()
+    .SetShapeFn(tf::shape_inference::ScalarShape)
+    .Doc(R"doc(
+1 if this rank belongs to the process set, 0 if not, -1 before init, -3 for an
+unknown set (Horovod's process_set_included_op).
+)doc");
+REGISTER_KERNEL_BUILDER(Name("NvgroupProcessSetIncluded").Device(tf::DEVICE_CPU), ProcessSetIncludedOp);
 
 }  // namespace tf_adapter
 }  // namespace nvgroup

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/env.h"
 #include "ops/adapter.h"
 #include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
 #include "tensorflow/compiler/tf2xla/xla_op_registry.h"
@@ -386,14 +387,18 @@ absl::Status StaticShapeWithLayout(XlaOpKernelContext* ctx, int index, const std
   return absl::OkStatus();
 }
 
-// NVGROUP_XLA_ASYNC (read once): "1" lowers to the asynchronous host handler,
-// unset or "0" to the synchronous one; anything else fails the compilation.
+// NVGROUP_XLA_ASYNC (the settings table, cc/common/env.h; parsed once per
+// process): 1 lowers to the asynchronous host handler, unset or 0 to the
+// synchronous one; a malformed value fails the compilation naming it.
 absl::Status XlaTarget(const char** target) {
-  static const char* const value = std::getenv("NVGROUP_XLA_ASYNC");
-  const std::string text = value == nullptr ? "0" : value;
-  if (text != "0" && text != "1")
-    return absl::InvalidArgumentError("NVGROUP_XLA_ASYNC must be 0 or 1, got '" + text + "'");
-  *target = text == "1" ? kXlaAsyncTarget : kXlaTarget;
+  static const StatusOr<bool> async = []() -> StatusOr<bool> {
+    Knobs knobs;
+    Status parsed = ParseSettingFromEnvironment("NVGROUP_XLA_ASYNC", &knobs);
+    if (!parsed.ok()) return parsed;
+    return knobs.xla_async;
+  }();
+  if (!async.ok()) return tf_adapter::ToTfStatus(async.status());
+  *target = async.value() ? kXlaAsyncTarget : kXlaTarget;
   return absl::OkStatus();
 }
 

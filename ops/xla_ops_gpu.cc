@@ -19,7 +19,7 @@
 //    which is what keeps the ranks' collectives in one order (xla_ops.h,
 //    "Order").
 //  * "host": until the engine's `done`, which comes only after the result is
-//    complete on the device (the synchronous call of earlier builds; XLA's
+//    complete on the device (a synchronous call; XLA's
 //    host thread, and so the GPU's queue, waits for each bucket).
 //
 // What the early return rests on:
@@ -53,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/env.h"
 #include "ops/xla_ops.h"
 
 namespace nvgroup {
@@ -63,14 +64,14 @@ Status CudaStatus(const char* what, cudaError_t error) {
   return Status::Internal(std::string(what) + " failed: " + cudaGetErrorString(error));
 }
 
-// NVGROUP_XLA_CUDA_WAIT, read once: true = "stream" (the default), false = "host".
+// NVGROUP_XLA_CUDA_WAIT (the settings table, cc/common/env.h; parsed once per
+// process): true = "stream" (the default), false = "host".
 StatusOr<bool> WaitOnStream() {
   static const StatusOr<bool> parsed = []() -> StatusOr<bool> {
-    const char* value = std::getenv("NVGROUP_XLA_CUDA_WAIT");
-    const std::string text = value == nullptr || *value == '\0' ? "stream" : value;
-    if (text == "stream") return true;
-    if (text == "host") return false;
-    return Status::InvalidArgument("NVGROUP_XLA_CUDA_WAIT must be 'stream' or 'host', got '" + text + "'");
+    Knobs knobs;
+    Status status = ParseSettingFromEnvironment("NVGROUP_XLA_CUDA_WAIT", &knobs);
+    if (!status.ok()) return status;
+    return knobs.xla_cuda_wait_on_stream;
   }();
   return parsed;
 }

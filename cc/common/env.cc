@@ -1,6 +1,12 @@
+// The settings table (env.h) and its parsers.
 #include "common/env.h"
 
+#include <arpa/inet.h>
+
+#include <cctype>
 #include <cerrno>
+#include <charconv>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 
@@ -17,7 +23,234 @@ Status Malformed(const char* name, const std::string& value, const std::string& 
                                  "' is not valid: expected " + expected);
 }
 
+Status SizeInto(const char* name, const std::string& value, size_t* out) {
+  StatusOr<int64_t> r = ParseInt64Knob(name, value, 0);
+  if (!r.ok()) return r.status();
+  *out = static_cast<size_t>(r.value());
+  return Status::Ok();
+}
+
+Status IntInto(const char* name, const std::string& value, int* out) {
+  StatusOr<int64_t> r = ParseInt64Knob(name, value, 0);
+  if (!r.ok()) return r.status();
+  if (r.value() > INT_MAX) return Malformed(name, value, "an integer <= " + std::to_string(INT_MAX));
+  *out = static_cast<int>(r.value());
+  return Status::Ok();
+}
+
+Status SecondsInto(const char* name, const std::string& value, double* out) {
+  StatusOr<double> r = ParseDoubleKnob(name, value, 0.0);
+  if (!r.ok()) return r.status();
+  *out = r.value();
+  return Status::Ok();
+}
+
+Status BoolInto(const char* name, const std::string& value, bool* out) {
+  if (value != "0" && value != "1") return Malformed(name, value, "0 or 1");
+  *out = value == "1";
+  return Status::Ok();
+}
+
+const char* const kAlgorithms[] = {"auto", "mpi", "hierarchical"};
+const char* const kLogLevels[] = {"trace", "debug", "info", "warning", "error"};
+
+const char* const kBucketCapExpected = "a non-negative number of MiB (0 disables fusion)";
+
+// Columns: name, scope, type, default, read by, nvgrouprun flag, help, parse, value.
+std::vector<Setting> MakeSettings() {
+  using S = SettingScope;
+  using K = Knobs;
+  return {
+      // ---- agreed across ranks (AgreedKnobs, in this order)
+      {"NVGROUP_FUSION_THRESHOLD", S::kAgreed, "bytes", "67108864 (64 MiB)", "engine", "--fusion-threshold-mb",
+       "Largest fused buffer: ready allreduces of one dtype, op and device are packed into one buffer of up "
+       "to this many bytes and reduced by one collective. 0 disables fusion.",
+       +[](const char* n, const std::string& v, K* k) { return SizeInto(n, v, &k->fusion_threshold); },
+       +[](const K& k) { return std::to_string(k.fusion_threshold); }},
+      {"NVGROUP_CACHE_CAPACITY", S::kAgreed, "entries", "1024", "engine", "",
+       "Response-cache entries: a collective seen before is negotiated by a bit instead of its full "
+       "description. 0 disables the cache.",
+       +[](const char* n, const std::string& v, K* k) { return IntInto(n, v, &k->cache_capacity); },
+       +[](const K& k) { return std::to_string(k.cache_capacity); }},
+      {"NVGROUP_ALLREDUCE_ALGORITHM", S::kAgreed, "auto, mpi or hierarchical", "auto", "engine", "",
+       "auto: the hierarchical NV-group allreduce when it applies; mpi: the flat MPI reference path; "
+       "hierarchical: the NV-group skeleton even with one group.",
+       +[](const char* n, const std::string& v, K* k) -> Status {
+         for (int i = 0; i < 3; ++i)
+           if (v == kAlgorithms[i]) {
+             k->algorithm = static_cast<AllreduceAlgorithm>(i);
+             return Status::Ok();
+           }
+         return Malformed(n, v, "one of auto, mpi, hierarchical");
+       },
+       +[](const K& k) { return std::string(kAlgorithms[static_cast<int>(k.algorithm)]); }},
+      {"NVGROUP_PIPELINE_CHUNK", S::kAgreed, "bytes (> 0)", "4194304 (4 MiB)", "engine", "",
+       "Chunk of the pipelined hierarchical allreduce.",
+       +[](const char* n, const std::string& v, K* k) -> Status {
+         size_t chunk = 0;
+         Status s = SizeInto(n, v, &chunk);
+         if (!s.ok()) return s;
+         if (chunk == 0) return Malformed(n, v, "a positive byte count");
+         k->pipeline_chunk = chunk;
+         return Status::Ok();
+       },
+       +[](const K& k) { return std::to_string(k.pipeline_chunk); }},
+      {"NVGROUP_ONESHOT_MAX_BYTES", S::kAgreed, "bytes", "0 (the measured default)", "engine (CUDA)", "",
+       "CUDA: allreduces up to this size use the one-shot kernel, larger ones the two-shot kernel; 0 keeps "
+       "the measured default (docs/PERFORMANCE.md).",
+       +[](const char* n, const std::string& v, K* k) { return SizeInto(n, v, &k->oneshot_max_bytes); },
+       +[](const K& k) { return std::to_string(k.oneshot_max_bytes); }},
+      {"NVGROUP_GROUP_SIZE", S::kAgreed, "ranks", "0 (detect)", "engine", "",
+       "NV-group size override; it must divide the ranks per node (2 on 4 ranks per node: 2 groups of 2).",
+       +[](const char* n, const std::string& v, K* k) { return IntInto(n, v, &k->group_size); },
+       +[](const K& k) { return std::to_string(k.group_size); }},
+      {"NVGROUP_BUCKET_CAP_MB", S::kAgreed, "MiB", "25", "Python front end", "",
+       "Cap of one gradient fusion bucket of DistributedOptimizer and DistributedGradientTape: the "
+       "gradients of one bucket are one grouped allreduce (the first bucket is 1 MiB, so communication "
+       "starts early). 0 puts every gradient in a bucket of its own. The constructor's bucket_cap_bytes "
+       "wins. Read when the optimizer or tape is made.",
+       +[](const char* n, const std::string& v, K* k) -> Status {
+         if (v.find_first_not_of(" \t\n\v\f\r\x1c\x1d\x1e\x1f") == std::string::npos)
+           return Status::Ok();  // only whitespace counts as unset
+         StatusOr<double> r = ParseNonNegativeDecimal(n, v, kBucketCapExpected);
+         if (!r.ok()) return r.status();
+         k->bucket_cap_mb = r.value();
+         return Status::Ok();
+       },
+       +[](const K& k) { return ShortestDouble(k.bucket_cap_mb); }},
+      // ---- per process
+      {"NVGROUP_CYCLE_TIME", S::kPerProcess, "milliseconds", "1.0", "engine", "--cycle-time-ms",
+       "How long the background loop waits for more requests when nothing is ready (it wakes at once on "
+       "an enqueue).",
+       +[](const char* n, const std::string& v, K* k) { return SecondsInto(n, v, &k->cycle_time_ms); },
+       +[](const K& k) { return ShortestDouble(k.cycle_time_ms); }},
+      {"NVGROUP_TIMEOUT", S::kPerProcess, "seconds (> 0)", "30", "engine", "",
+       "A collective or barrier that cannot progress for this long because a peer is gone fails with "
+       "UnavailableError naming it; bounds every wait of the engine.",
+       +[](const char* n, const std::string& v, K* k) -> Status {
+         double t = 0;
+         Status s = SecondsInto(n, v, &t);
+         if (!s.ok()) return s;
+         if (t <= 0) return Malformed(n, v, "a positive number of seconds");
+         k->peer_timeout_s = t;
+         return Status::Ok();
+       },
+       +[](const K& k) { return ShortestDouble(k.peer_timeout_s); }},
+      {"NVGROUP_STALL_WARNING_TIME", S::kPerProcess, "seconds", "60", "engine", "",
+       "Rank 0 warns about ranks missing tensors after this long. 0 turns the warning off.",
+       +[](const char* n, const std::string& v, K* k) { return SecondsInto(n, v, &k->stall_warning_s); },
+       +[](const K& k) { return ShortestDouble(k.stall_warning_s); }},
+      {"NVGROUP_STALL_SHUTDOWN_TIME", S::kPerProcess, "seconds", "0 (never)", "engine", "",
+       "Stalled requests fail with DeadlineExceededError after this long. 0 = never.",
+       +[](const char* n, const std::string& v, K* k) { return SecondsInto(n, v, &k->stall_shutdown_s); },
+       +[](const K& k) { return ShortestDouble(k.stall_shutdown_s); }},
+      {"NVGROUP_TIMELINE", S::kPerProcess, "file path", "off", "engine", "--timeline-filename",
+       "Chrome-trace timeline file, written by rank 0.",
+       +[](const char*, const std::string& v, K* k) {
+         k->timeline_path = v;
+         return Status::Ok();
+       },
+       +[](const K& k) { return k.timeline_path; }},
+      {"NVGROUP_LOG_LEVEL", S::kPerProcess, "trace, debug, info, warning or error", "warning", "engine",
+       "--log-level", "Least severe message the engine prints; every line starts with the rank.",
+       +[](const char* n, const std::string& v, K* k) -> Status {
+         for (int i = 0; i < 5; ++i)
+           if (v == kLogLevels[i]) {
+             k->log_level = i;
+             return Status::Ok();
+           }
+         return Malformed(n, v, "one of trace, debug, info, warning, error");
+       },
+       +[](const K& k) { return std::string(kLogLevels[k.log_level]); }},
+      {"NVGROUP_LIVENESS_ADDR", S::kPerProcess, "IPv4 address a.b.c.d", "unset (chosen as NVGROUP_LIVENESS_IFACE says)",
+       "engine", "",
+       "The only address of rank 0 the other ranks use for the dead-rank connections (read on rank 0). "
+       "Wins over NVGROUP_LIVENESS_IFACE.",
+       +[](const char* n, const std::string& v, K* k) -> Status {
+         in_addr a{};
+         if (inet_pton(AF_INET, v.c_str(), &a) != 1) return Malformed(n, v, "an IPv4 address (a.b.c.d)");
+         k->liveness_address = v;
+         return Status::Ok();
+       },
+       +[](const K& k) { return k.liveness_address; }},
+      {"NVGROUP_LIVENESS_IFACE", S::kPerProcess, "interface name", "unset (chosen automatically)", "engine", "",
+       "Rank 0's interface whose addresses the dead-rank connections use (read on rank 0). Unset: every "
+       "address of rank 0, best first: on an interface MPI was told to use, then its host name's "
+       "addresses, then the rest, container and VM bridges last.",
+       +[](const char*, const std::string& v, K* k) {
+         k->liveness_interface = v;
+         return Status::Ok();
+       },
+       +[](const K& k) { return k.liveness_interface; }},
+      {"NVGROUP_XLA_ASYNC", S::kPerProcess, "0 or 1", "0", "TF ops (XLA on CPU)", "",
+       "1 lowers the collectives of XLA programs on the CPU to the custom call that returns a future "
+       "instead of waiting (docs/XLA.md). Read once per process, at the first compilation.",
+       +[](const char* n, const std::string& v, K* k) { return BoolInto(n, v, &k->xla_async); },
+       +[](const K& k) { return std::string(k.xla_async ? "1" : "0"); }},
+      {"NVGROUP_XLA_CUDA_WAIT", S::kPerProcess, "stream or host", "stream", "TF ops (XLA on GPU)", "",
+       "stream: the XLA custom call returns once the engine enqueued the collective, XLA's stream waiting "
+       "on the engine's completion event; host: it waits on the host until the result is complete "
+       "(docs/XLA.md). Read once per process, at the first call.",
+       +[](const char* n, const std::string& v, K* k) -> Status {
+         if (v != "stream" && v != "host") return Malformed(n, v, "stream or host");
+         k->xla_cuda_wait_on_stream = v == "stream";
+         return Status::Ok();
+       },
+       +[](const K& k) { return std::string(k.xla_cuda_wait_on_stream ? "stream" : "host"); }},
+      // ---- tests
+      {"NVGROUP_ONE_GPU_GROUP", S::kTests, "0 or 1", "0", "engine (CUDA)", "",
+       "1 lets ranks on one GPU form an NV-group (run under MPS), so the group kernels can be checked on a "
+       "one-GPU machine.",
+       +[](const char* n, const std::string& v, K* k) { return BoolInto(n, v, &k->one_gpu_group); },
+       +[](const K& k) { return std::string(k.one_gpu_group ? "1" : "0"); }},
+      {"NVGROUP_TEST_GPU_MB", S::kTests, "MiB", "6144", "tests/gpu/workers/gpu_common.py", "",
+       "GPU memory each GPU test process lets TensorFlow take.", nullptr, nullptr},
+      {"NVGROUP_TEST_TF_GPU_DENSE", S::kTests, "0 or 1", "0", "tests/gpu/test_tf_gpu.py", "",
+       "1 adds the GPU tests that need cuDNN (Keras fit, examples/resnet50 on the GPU).", nullptr, nullptr},
+      {"NVGROUP_TEST_CPU_DRY_RUN", S::kTests, "0 or 1", "0", "tests/gpu/workers/gpu_common.py", "",
+       "1 lets the GPU test workers run on a machine without a GPU (to check the workers themselves).", nullptr, nullptr},
+      {"NVGROUP_TEST_XLA_FOUR_RANKS", S::kTests, "0 or 1", "0", "tests/tf/test_xla_extra.py", "",
+       "1 adds the 4-rank runs of the XLA collective checks.", nullptr, nullptr},
+      {"NVGROUP_TEST_DUMP_AFTER", S::kTests, "seconds", "200", "tests/tf/workers/common.py", "",
+       "A TF test worker still running after this long prints every thread's stack.", nullptr, nullptr},
+      // ---- build
+      {"NVGROUP_WITH_CUDA", S::kBuild, "0 or 1", "0", "setup.py", "",
+       "1 builds the CUDA engine and the DEVICE_GPU kernels (needs CUDA_HOME or nvcc on PATH).", nullptr,
+       nullptr},
+      {"NVGROUP_CUDA_ARCH", S::kBuild, "compute capabilities", "90", "setup.py, scripts/check_gpu_build.sh", "",
+       "GPU architectures to compile for: one or a list such as 70;80;90 (80 = A100, 90 = H100/H200).",
+       nullptr, nullptr},
+      {"NVGROUP_BUILD_JOBS", S::kBuild, "count", "the number of cores", "setup.py", "",
+       "Compiles run in parallel.", nullptr, nullptr},
+      {"NVGROUP_WITHOUT_TF", S::kBuild, "0 or 1", "0", "setup.py", "",
+       "1 builds only the pybind11 module nvgroup_tf._engine (no TensorFlow needed).", nullptr, nullptr},
+      {"NVGROUP_PYTHON", S::kBuild, "path", ".venv/bin/python", "scripts/bazel_build.sh, bazel/local_deps.bzl", "",
+       "The Python whose TensorFlow the Bazel build compiles against.", nullptr, nullptr},
+  };
+}
+
 }  // namespace
+
+const char* SettingScopeName(SettingScope scope) {
+  switch (scope) {
+    case SettingScope::kAgreed: return "agreed";
+    case SettingScope::kPerProcess: return "per process";
+    case SettingScope::kTests: return "tests";
+    case SettingScope::kBuild: return "build";
+  }
+  return "?";
+}
+
+const std::vector<Setting>& Settings() {
+  static const std::vector<Setting> settings = MakeSettings();
+  return settings;
+}
+
+const Setting* FindSetting(const std::string& name) {
+  for (const Setting& s : Settings())
+    if (name == s.name) return &s;
+  return nullptr;
+}
 
 StatusOr<int64_t> ParseInt64Knob(const char* name, const std::string& value, int64_t min_value) {
   errno = 0;
@@ -40,77 +273,72 @@ StatusOr<double> ParseDoubleKnob(const char* name, const std::string& value, dou
   return v;
 }
 
+StatusOr<double> ParseNonNegativeDecimal(const char* name, const std::string& value, const std::string& expected) {
+  // Python's str.strip() whitespace (the ASCII part: \t..\r, \x1c..\x1f, space).
+  auto space = [](char c) { return c == ' ' || (c >= '\t' && c <= '\r') || (c >= '\x1c' && c <= '\x1f'); };
+  size_t begin = 0, end = value.size();
+  while (begin < end && space(value[begin])) ++begin;
+  while (end > begin && space(value[end - 1])) --end;
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  std::string text;
+  for (size_t i = begin; i < end; ++i) {
+    const char c = value[i];
+    if (c == '_') {  // Python: one '_' between two digits
+      if (i == begin || i + 1 == end || !digit(value[i - 1]) || !digit(value[i + 1]))
+        return Malformed(name, value, expected);
+      continue;
+    }
+    // Decimal syntax only (no hex, inf or nan: Python rejects those or they fail the range check).
+    if (!digit(c) && c != '+' && c != '-' && c != '.' && c != 'e' && c != 'E') return Malformed(name, value, expected);
+    text += c;
+  }
+  errno = 0;
+  char* stop = nullptr;
+  const double v = std::strtod(text.c_str(), &stop);
+  // Underflow (ERANGE with a finite result) reads as Python reads it: 0 or a subnormal.
+  if (text.empty() || stop != text.c_str() + text.size() || !std::isfinite(v) || !(v >= 0.0))
+    return Malformed(name, value, expected);
+  return v;
+}
+
+std::string ShortestDouble(double value) {
+  char buf[64];
+  std::to_chars_result r = std::to_chars(buf, buf + sizeof(buf), value);
+  return std::string(buf, r.ptr);
+}
+
+Status ParseSettingFromEnvironment(const std::string& name, Knobs* knobs) {
+  const Setting* s = FindSetting(name);
+  if (s == nullptr || s->parse == nullptr)
+    return Status::InvalidArgument("'" + name + "' is not a setting the library parses (cc/common/env.h)");
+  const char* v = Get(s->name);
+  return v == nullptr ? Status::Ok() : s->parse(s->name, v, knobs);
+}
+
 StatusOr<Knobs> ParseKnobsFromEnvironment() {
   Knobs k;
-  auto size_knob = [](const char* name, size_t* out) -> Status {
-    if (const char* v = Get(name)) {
-      auto r = ParseInt64Knob(name, v, 0);
-      if (!r.ok()) return r.status();
-      *out = static_cast<size_t>(r.value());
+  for (const Setting& s : Settings()) {
+    if (s.parse == nullptr) continue;
+    if (const char* v = Get(s.name)) {
+      Status status = s.parse(s.name, v, &k);
+      if (!status.ok()) return status;
     }
-    return Status::Ok();
-  };
-  auto double_knob = [](const char* name, double* out) -> Status {
-    if (const char* v = Get(name)) {
-      auto r = ParseDoubleKnob(name, v, 0.0);
-      if (!r.ok()) return r.status();
-      *out = r.value();
-    }
-    return Status::Ok();
-  };
-  Status s;
-  if (!(s = size_knob("NVGROUP_FUSION_THRESHOLD", &k.fusion_threshold)).ok()) return s;
-  if (!(s = double_knob("NVGROUP_CYCLE_TIME", &k.cycle_time_ms)).ok()) return s;
-  size_t group_size = 0;
-  if (!(s = size_knob("NVGROUP_GROUP_SIZE", &group_size)).ok()) return s;
-  k.group_size = static_cast<int>(group_size);
-  if (!(s = size_knob("NVGROUP_PIPELINE_CHUNK", &k.pipeline_chunk)).ok()) return s;
-  if (k.pipeline_chunk == 0) return Malformed("NVGROUP_PIPELINE_CHUNK", "0", "a positive byte count");
-  if (!(s = size_knob("NVGROUP_ONESHOT_MAX_BYTES", &k.oneshot_max_bytes)).ok()) return s;
-  if (!(s = double_knob("NVGROUP_TIMEOUT", &k.peer_timeout_s)).ok()) return s;
-  if (k.peer_timeout_s <= 0) return Malformed("NVGROUP_TIMEOUT", "0", "a positive number of seconds");
-  if (!(s = double_knob("NVGROUP_STALL_WARNING_TIME", &k.stall_warning_s)).ok()) return s;
-  if (!(s = double_knob("NVGROUP_STALL_SHUTDOWN_TIME", &k.stall_shutdown_s)).ok()) return s;
-  size_t cache = static_cast<size_t>(k.cache_capacity);
-  if (!(s = size_knob("NVGROUP_CACHE_CAPACITY", &cache)).ok()) return s;
-  k.cache_capacity = static_cast<int>(cache);
-  if (const char* v = Get("NVGROUP_TIMELINE")) k.timeline_path = v;
-  if (const char* v = Get("NVGROUP_ALLREDUCE_ALGORITHM")) {
-    std::string a = v;
-    if (a == "auto") k.algorithm = AllreduceAlgorithm::kAuto;
-    else if (a == "mpi") k.algorithm = AllreduceAlgorithm::kMpi;
-    else if (a == "hierarchical") k.algorithm = AllreduceAlgorithm::kHierarchical;
-    else return Malformed("NVGROUP_ALLREDUCE_ALGORITHM", a, "one of auto, mpi, hierarchical");
   }
-  if (const char* v = Get("NVGROUP_ONE_GPU_GROUP")) {
-    const std::string b = v;
-    if (b != "0" && b != "1") return Malformed("NVGROUP_ONE_GPU_GROUP", b, "0 or 1");
-    k.one_gpu_group = b == "1";
-  }
-  if (const char* v = Get("NVGROUP_LOG_LEVEL")) {
-    static const char* kLevels[] = {"trace", "debug", "info", "warning", "error"};
-    std::string l = v;
-    int found = -1;
-    for (int i = 0; i < 5; ++i)
-      if (l == kLevels[i]) found = i;
-    if (found < 0) return Malformed("NVGROUP_LOG_LEVEL", l, "one of trace, debug, info, warning, error");
-    k.log_level = found;
-  }
-  if (const char* v = Get("NVGROUP_BUCKET_CAP_MB")) k.bucket_cap_mb_text = v;
   return k;
 }
 
+StatusOr<std::string> SettingValueFromEnvironment(const std::string& name) {
+  Knobs k;
+  Status s = ParseSettingFromEnvironment(name, &k);
+  if (!s.ok()) return s;
+  return FindSetting(name)->value(k);
+}
+
 std::vector<std::pair<std::string, std::string>> AgreedKnobs(const Knobs& k) {
-  static const char* kAlgorithms[] = {"auto", "mpi", "hierarchical"};
-  return {
-      {"NVGROUP_FUSION_THRESHOLD", std::to_string(k.fusion_threshold)},
-      {"NVGROUP_CACHE_CAPACITY", std::to_string(k.cache_capacity)},
-      {"NVGROUP_ALLREDUCE_ALGORITHM", kAlgorithms[static_cast<int>(k.algorithm)]},
-      {"NVGROUP_PIPELINE_CHUNK", std::to_string(k.pipeline_chunk)},
-      {"NVGROUP_ONESHOT_MAX_BYTES", std::to_string(k.oneshot_max_bytes)},
-      {"NVGROUP_GROUP_SIZE", std::to_string(k.group_size)},
-      {"NVGROUP_BUCKET_CAP_MB", k.bucket_cap_mb_text.empty() ? "unset" : "'" + k.bucket_cap_mb_text + "'"},
-  };
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const Setting& s : Settings())
+    if (s.scope == SettingScope::kAgreed) out.emplace_back(s.name, s.value(k));
+  return out;
 }
 
 }  // namespace nvgroup

@@ -1,6 +1,10 @@
-// Every NVGROUP_* knob in one table, parsed once (at Init) with validation:
-// a malformed value is an error naming the variable, never a silent default.
-// Add a knob here, nowhere else. The README's knob table mirrors this one.
+// The settings table: every NVGROUP_* environment variable of nvgroup_tf, one
+// row each (name, scope, type, default, help, and the parse into a Knobs
+// field), and the one route by which the C++ library and the Python front end
+// read them. A malformed value is an error naming the variable, never a silent
+// default. Add a variable here, nowhere else: docs/SETTINGS.md is generated
+// from this table (scripts/settings_doc.py) and tests/settings/ checks both
+// that it is current and that no other file reads an NVGROUP_* variable.
 #pragma once
 
 #include <cstddef>
@@ -15,6 +19,7 @@ namespace nvgroup {
 
 enum class AllreduceAlgorithm { kAuto, kMpi, kHierarchical };
 
+// The parsed values of the rows that have a parse (defaults when unset).
 struct Knobs {
   // Largest fused buffer, bytes; 0 disables fusion. Default 64 MiB: see the
   // Note [Fusion threshold] in cc/engine/fusion.h for the measurement behind it.
@@ -48,28 +53,85 @@ struct Knobs {
   // CUDA, tests only: ranks on one GPU may form an NV-group (under MPS), so the
   // group kernels can be checked on a one-GPU machine (cc/device/device_topology.h).
   bool one_gpu_group = false;
-  // NVGROUP_BUCKET_CAP_MB as set ("" = unset). Parsed and used by the Python
-  // side (nvgroup_tf/_keras_impl/reduce.py: which gradients form one grouped
-  // allreduce); the engine only makes the ranks agree on it (AgreedKnobs).
-  std::string bucket_cap_mb_text;
+  // Cap of one gradient fusion bucket of the Python front end
+  // (nvgroup_tf/_keras_impl/reduce.py: which gradients form one grouped
+  // allreduce), MiB; 0 = every gradient alone. The engine only makes the
+  // ranks agree on it (AgreedKnobs). Default 25 MiB: measured with
+  // examples/resnet50 (2 ranks, CPU, 64x64 images, batch 8 per rank), see the
+  // bucket-cap table in examples/resnet50/README.md.
+  double bucket_cap_mb = 25.0;
+  // Rank 0's address / interface for the dead-rank connections
+  // (cc/transport/liveness_address.h); "" = chosen automatically.
+  std::string liveness_address;
+  std::string liveness_interface;
+  // XLA on CPU: lower the collectives to the custom call that returns a
+  // future (ops/xla_ops.cc) instead of the synchronous one.
+  bool xla_async = false;
+  // XLA on GPU: the custom call returns once the engine enqueued the
+  // collective, XLA's stream waiting on the engine's event (true, "stream"), or
+  // waits on the host until the result is complete (false, "host")
+  // (ops/xla_ops_gpu.cc).
+  bool xla_cuda_wait_on_stream = true;
 };
 
-// The knobs every rank must share, as (variable, value) pairs in a fixed order:
-// they decide which requests share a collective (fusion threshold, cache
-// capacity, the Python bucket cap) and how a collective computes (algorithm,
-// pipeline chunk, one-shot limit, group size: fold order and kernel; one rank
-// on one-shot and another on two-shot is a silent wrong answer). Init
-// compares them across ranks and fails on every rank, naming the variable
-// and each rank's value, when they differ. Values are normalized (parsed
-// numbers, algorithm names), so "65536" and "0065536" agree.
+// Who must agree on a variable and who reads it.
+enum class SettingScope {
+  kAgreed,      // the same on every rank: Init compares the parsed values and fails on a mismatch
+  kPerProcess,  // each process uses its own value
+  kTests,       // only for checks on the test machines (the library may read it)
+  kBuild,       // read by setup.py / scripts/bazel_build.sh when the library is built
+};
+const char* SettingScopeName(SettingScope scope);  // "agreed", "per process", "tests", "build"
+
+struct Setting {
+  const char* name;           // NVGROUP_...
+  SettingScope scope;
+  const char* type;           // what a value looks like ("bytes", "seconds", "stream or host", ...)
+  const char* default_value;  // what holds when the variable is unset or empty
+  const char* read_by;        // "engine", "TF ops (XLA)", "Python front end", "setup.py", "tests"
+  const char* launcher_flag;  // the nvgrouprun flag that sets it for every rank, "" = none
+  const char* help;           // one paragraph for users (docs/SETTINGS.md)
+  // Parses a set (non-empty) value into its Knobs field; kInvalidArgument
+  // naming the variable, the value and what was expected. nullptr for rows the
+  // library does not read (scope build, tests read by the test files).
+  Status (*parse)(const char* name, const std::string& value, Knobs* knobs);
+  // The field's value, normalized ("0065536" and "65536" give "65536"; doubles
+  // in their shortest round-trip form). nullptr iff parse is.
+  std::string (*value)(const Knobs& knobs);
+};
+
+// Every row, the agreed ones first, in the order AgreedKnobs lists them.
+const std::vector<Setting>& Settings();
+// The row of `name`, or nullptr.
+const Setting* FindSetting(const std::string& name);
+
+// Walks the table once: every row with a parse whose variable is set and
+// non-empty. Fails with the first malformed value's error.
+StatusOr<Knobs> ParseKnobsFromEnvironment();
+// Parses one row (`name` must have a parse) from the environment into
+// *knobs, leaving the other fields as they are.
+Status ParseSettingFromEnvironment(const std::string& name, Knobs* knobs);
+// `name`'s normalized value as parsed from the environment now (its default
+// when unset): what the Python front end reads (nvgroup_tf.basics.setting_value).
+StatusOr<std::string> SettingValueFromEnvironment(const std::string& name);
+
+// The knobs every rank must share (the rows of scope kAgreed), as (variable,
+// normalized value) pairs in table order: they decide which requests share a
+// collective (fusion threshold, cache capacity, the Python bucket cap) and how
+// a collective computes (algorithm, pipeline chunk, one-shot limit, group
+// size: fold order and kernel; one rank on one-shot and another on two-shot is
+// a silent wrong answer). Init compares them across ranks and fails on every
+// rank, naming the variable and each rank's value, when they differ. Values
+// are normalized, so "65536" and "0065536" agree.
 std::vector<std::pair<std::string, std::string>> AgreedKnobs(const Knobs& knobs);
 
-// Parses the environment. Fails with kInvalidArgument naming the variable, the
-// value and what was expected.
-StatusOr<Knobs> ParseKnobsFromEnvironment();
-
-// Helpers shared by other parsers (exposed for tests).
+// Parsers shared by the rows (exposed for tests).
 StatusOr<int64_t> ParseInt64Knob(const char* name, const std::string& value, int64_t min_value);
 StatusOr<double> ParseDoubleKnob(const char* name, const std::string& value, double min_value);
+// A non-negative number with Python float()'s syntax (surrounding whitespace,
+// '_' between digits; decimal only); nan and inf are rejected.
+StatusOr<double> ParseNonNegativeDecimal(const char* name, const std::string& value, const std::string& expected);
+// The shortest text that reads back as `value` (Python's repr of a float).
+std::string ShortestDouble(double value);
 
 }  // namespace nvgroup

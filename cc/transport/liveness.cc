@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "common/checks.h"
+#include "common/env.h"
 #include "common/logging.h"
 
 namespace nvgroup {
@@ -224,7 +225,9 @@ Status Listen(int size, std::vector<int>* listen_fds, RootAddress* out) {
                           reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr});
   }
   freeifaddrs(list);
-  LivenessAddressSettings settings = LivenessAddressSettingsFromEnvironment();
+  StatusOr<Knobs> knobs = ParseKnobsFromEnvironment();  // the settings table, cc/common/env.h
+  if (!knobs.ok()) return knobs.status();
+  LivenessAddressSettings settings = LivenessAddressSettingsFrom(knobs.value());
   char host[kHostBytes] = {};
   addrinfo hints{}, *found = nullptr;
   hints.ai_family = AF_INET;

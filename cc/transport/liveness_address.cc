@@ -1,3 +1,4 @@
+// Rank 0's address list for the dead-rank connections (liveness_address.h).
 #include "transport/liveness_address.h"
 
 #include <arpa/inet.h>
@@ -5,6 +6,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
+
+#include "common/env.h"
 
 namespace nvgroup {
 namespace {
@@ -52,10 +55,10 @@ bool IsBridge(const std::string& name) {
 
 }  // namespace
 
-LivenessAddressSettings LivenessAddressSettingsFromEnvironment() {
+LivenessAddressSettings LivenessAddressSettingsFrom(const Knobs& knobs) {
   LivenessAddressSettings s;
-  if (const char* v = std::getenv("NVGROUP_LIVENESS_ADDR")) s.address = v;
-  if (const char* v = std::getenv("NVGROUP_LIVENESS_IFACE")) s.interface = v;
+  s.address = knobs.liveness_address;
+  s.interface = knobs.liveness_interface;
   for (const char* var : {"OMPI_MCA_btl_tcp_if_include", "OMPI_MCA_oob_tcp_if_include",
                           "MPIR_CVAR_NEMESIS_TCP_NETWORK_IFACE", "I_MPI_HYDRA_IFACE"})
     for (std::string& item : SplitList(std::getenv(var))) s.mpi_interfaces.push_back(item);

@@ -24,6 +24,8 @@
 
 namespace nvgroup {
 
+struct Knobs;  // cc/common/env.h
+
 struct NetInterface {
   std::string name;
   uint32_t address = 0;  // IPv4, network byte order
@@ -36,9 +38,10 @@ struct LivenessAddressSettings {
   std::vector<uint32_t> hostname_addresses;  // what rank 0's host name resolves to
 };
 
-// Reads the knobs and the MPI interface variables (hostname_addresses is filled
-// by the caller).
-LivenessAddressSettings LivenessAddressSettingsFromEnvironment();
+// address and interface from the parsed knobs (NVGROUP_LIVENESS_ADDR,
+// NVGROUP_LIVENESS_IFACE), mpi_interfaces from MPI's own variables above
+// (hostname_addresses is filled by the caller).
+LivenessAddressSettings LivenessAddressSettingsFrom(const Knobs& knobs);
 
 // The addresses to publish, best first (see above). kInvalidArgument naming the
 // variable when NVGROUP_LIVENESS_ADDR is not an IPv4 address or

@@ -171,8 +171,8 @@ class Communicator : public Collectives, public StreamHelpers {
   virtual const Topology& topology() const = 0;
   virtual Device device() const = 0;
 
-  // Per-bucket completion (the engine's fast path, issue 11). RecordEvent
-  // records `event` (a cudaEvent_t of device()) on `stream` after the work
+  // Per-bucket completion (lets the engine hand a bucket over before the host
+  // waited for it). RecordEvent records `event` (a cudaEvent_t of device()) on `stream` after the work
   // enqueued there so far; WaitRecordedEvent blocks the host until that point
   // is reached, then reports a device-side failure (abort, barrier timeout)
   // as Synchronize does. Unlike Synchronize it does not wait for work enqueued
@@ -181,7 +181,7 @@ class Communicator : public Collectives, public StreamHelpers {
   virtual Status RecordEvent(void* /*event*/, void* /*stream*/) { return Status::Ok(); }
   virtual Status WaitRecordedEvent(void* /*event*/) { return Status::Ok(); }
 
-  // The engine's fused bucket (issue 11): for every member k,
+  // The engine's fused bucket: for every member k,
   //   output_k = postscale * (op over ranks of (prescale * input_k))
   // computed bit for bit as the three-step reference below does: each input
   // scaled into registered_buffer() at byte `offset` (ascending, 16-byte

@@ -28,7 +28,7 @@ KNOBS = [
     ("NVGROUP_ALLREDUCE_ALGORITHM", "mpi", "auto", "mpi"),
     ("NVGROUP_FUSION_THRESHOLD", "1024", "67108864", "1024"),
     ("NVGROUP_CACHE_CAPACITY", "7", "1024", "7"),
-    ("NVGROUP_BUCKET_CAP_MB", "4", "unset", "'4'"),
+    ("NVGROUP_BUCKET_CAP_MB", "4", "25", "4"),
 ]
 
 if mode == "differs":
@@ -52,11 +52,16 @@ elif mode == "knobs":
                  "across ranks", code="INVALID_ARGUMENT")
     os.environ.pop("NVGROUP_ONESHOT_MAX_BYTES", None)
     os.environ.pop("NVGROUP_ALLREDUCE_ALGORITHM", None)
-    # The same value spelled differently agrees.
+    # The same value spelled differently agrees (the bucket cap: unset is its default, 25 MiB).
     os.environ["NVGROUP_PIPELINE_CHUNK"] = "0065536" if rank == last else "65536"
+    os.environ["NVGROUP_BUCKET_CAP_MB"] = "4.0" if rank == last else "4"
+    E.init()
+    E.shutdown()
+    os.environ["NVGROUP_BUCKET_CAP_MB"] = "25" if rank == last else ""
     E.init()
     E.shutdown()
     os.environ.pop("NVGROUP_PIPELINE_CHUNK", None)
+    os.environ.pop("NVGROUP_BUCKET_CAP_MB", None)
 else:
     expect_error(E.init, "NVGROUP_FUSION_THRESHOLD='abc'", "expected an integer", code="INVALID_ARGUMENT")
 check(not E.is_initialized(), "initialized despite the bad environment")

@@ -38,7 +38,7 @@ from common import ALL_DTYPES, FLOAT_DTYPES, Checker, hvd, random_array, referen
 from xla import MAX_SECONDS, Digest, check_value, hlo_of, same_bytes
 
 SMALL_INTS = [tf.uint8, tf.int8, tf.uint16, tf.int16]
-# Every dtype reducescatter takes (ops/nvgroup_ops_extra.cc).
+# Every dtype reducescatter takes (ops/nvgroup_negotiated_output_ops.cc).
 RS_DTYPES = SMALL_INTS + [tf.int32, tf.int64] + FLOAT_DTYPES
 EVERY_DTYPE = ALL_DTYPES + [tf.uint16, tf.int16]
 CUSTOM_CALL = 'custom_call_target="nvgroup_collective'

@@ -1,7 +1,8 @@
-// Kernels of the collectives added for Horovod parity (reducescatter, grouped
-// reducescatter, alltoall, grouped allgather, join, process_set_included), on
-// the same pattern as adapter.h: validate what only this rank can see, build
-// engine requests, hand the engine a callback that allocates the output once
+// Kernels of the collectives whose output the engine produces after
+// negotiation (reducescatter, grouped reducescatter, alltoall, grouped
+// allgather: the output shape; join: the last rank to join), on the same
+// pattern as adapter.h: validate what only this rank can see, build engine
+// requests, hand the engine a callback that allocates the output once
 // negotiation fixed its shape, Submit(). Every op carries "tensor_name" (the
 // engine name, set by nvgroup_tf/mpi_ops.py) and "process_set_id".
 #pragma once
@@ -170,29 +171,6 @@ class JoinOp : public tf::AsyncOpKernel {
 
  private:
   using CpuJoinTraits = CpuTraits;  // ops/adapter.h
-  int process_set_id_ = 0;
-};
-
-// Horovod's process_set_included_op: 1 if this rank belongs to the set, 0 if
-// not; -1 before init, -3 for an unknown set (Horovod's error codes
-// HOROVOD_PROCESS_SET_ERROR_INIT and _UNKNOWN_SET).
-class ProcessSetIncludedOp : public tf::OpKernel {
- public:
-  explicit ProcessSetIncludedOp(tf::OpKernelConstruction* context) : OpKernel(context) {
-    OP_REQUIRES_OK(context, context->GetAttr("process_set_id", &process_set_id_));
-  }
-  void Compute(tf::OpKernelContext* context) override {
-    tf::Tensor* output = nullptr;
-    OP_REQUIRES_OK(context, context->allocate_output(0, tf::TensorShape({}), &output));
-    int32_t value = -1;
-    if (IsInitialized()) {
-      StatusOr<int> r = ProcessSetRank(process_set_id_);
-      value = !r.ok() ? -3 : (r.value() >= 0 ? 1 : 0);
-    }
-    output->scalar<int32_t>()() = value;
-  }
-
- private:
   int process_set_id_ = 0;
 };
 

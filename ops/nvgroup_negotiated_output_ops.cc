@@ -1,8 +1,10 @@
-// Op definitions and CPU kernels of the collectives added for Horovod parity
-// (kernels in adapter_extra.h; GPU registrations appended to
-// nvgroup_ops_gpu.cc). Stateful like the original ops (see the note in
-// nvgroup_ops.cc and Note [Stateful ops] in nvgroup_tf/mpi_ops.py).
-#include "ops/adapter_extra.h"
+// Op definitions and CPU kernels of the collectives whose output the engine
+// produces after negotiation: reducescatter, grouped reducescatter, alltoall,
+// grouped allgather, join (kernels in negotiated_output_kernels.h; GPU
+// registrations in nvgroup_ops_gpu.cc). Stateful like the ops of
+// nvgroup_ops.cc (see the note there and Note [Stateful ops] in
+// nvgroup_tf/mpi_ops.py).
+#include "ops/negotiated_output_kernels.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -110,23 +112,12 @@ allreduces and reducescatters complete with this rank contributing zeros.
 Returns the last rank to join.
 )doc");
 
-REGISTER_OP("NvgroupProcessSetIncluded")
-    .Attr("process_set_id: int = 0")
-    .Output("included: int32")
-    .SetIsStateful()
-    .SetShapeFn(tf::shape_inference::ScalarShape)
-    .Doc(R"doc(
-1 if this rank belongs to the process set, 0 if not, -1 before init, -3 for an
-unknown set (Horovod's process_set_included_op).
-)doc");
-
 REGISTER_KERNEL_BUILDER(Name("NvgroupReducescatter").Device(tf::DEVICE_CPU), ReducescatterOp<CpuTraits>);
 REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedReducescatter").Device(tf::DEVICE_CPU),
                         GroupedReducescatterOp<CpuTraits>);
 REGISTER_KERNEL_BUILDER(Name("NvgroupAlltoall").Device(tf::DEVICE_CPU), AlltoallOp<CpuTraits>);
 REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedAllgather").Device(tf::DEVICE_CPU), GroupedAllgatherOp<CpuTraits>);
 REGISTER_KERNEL_BUILDER(Name("NvgroupJoin").Device(tf::DEVICE_CPU), JoinOp);
-REGISTER_KERNEL_BUILDER(Name("NvgroupProcessSetIncluded").Device(tf::DEVICE_CPU), ProcessSetIncludedOp);
 
 }  // namespace tf_adapter
 }  // namespace nvgroup
