@@ -1,9 +1,13 @@
+// The background loop (background_loop.h): each cycle admits the queue's
+// submissions, agrees with the other ranks on what is ready (the cache-bit
+// allreduce, carrying the state digest and the shutdown bit), negotiates
+// through rank 0 when some rank needs it, and executes; also the engine's
+// start, stop and abort. The plan cache is in plan_cache.cc, execution in
+// executor.cc, completion in completion.cc.
 #include "engine/background_loop.h"
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
-#include <functional>
 
 #ifdef __linux__
 #include <sys/prctl.h>
@@ -11,54 +15,11 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
-#include "engine/collectives_extra.h"
 #include "engine/engine_control.h"
+#include "engine/rank_lists.h"
 #include "engine/wire_format.h"
 
 namespace nvgroup {
-
-// Runs `done` callbacks of CUDA requests after their stream work completes, on
-// its own thread so the background loop keeps negotiating meanwhile.
-class Finalizer {
- public:
-  using Job = std::function<void()>;
-  Finalizer() : thread_([this] { Run(); }) {}
-  std::thread::id thread_id() const { return thread_.get_id(); }
-  ~Finalizer() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_one();
-    thread_.join();
-  }
-  void Add(Job job) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      jobs_.push_back(std::move(job));
-    }
-    cv_.notify_one();
-  }
-
- private:
-  void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stop_ and drained
-      Job job = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.unlock();
-      job();
-      lock.lock();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  bool stop_ = false;
-  std::thread thread_;  // last: starts after the members it uses exist
-};
 
 // Flag word (word 0 of the cycle's bit vector). Each bit means "all clear" so
 // that the bitwise AND tells whether *any* rank cleared it.
@@ -153,69 +114,6 @@ void Engine::DropTaken() {
   order_.erase(std::remove_if(order_.begin(), order_.end(), [](const Pending* p) { return p->taken; }), order_.end());
 }
 
-const Engine::Plan* Engine::PlanFor(const Submission& s) const {
-  if (s.group_id == 0 || joined_) return nullptr;
-  auto it = plans_.find(s.group_id);
-  if (it == plans_.end()) return nullptr;
-  const Plan& plan = it->second;
-  if (plan.entry_of.size() != s.entries.size() || !PlanMatchesCache(plan)) return nullptr;
-  // Names are unique among the submission's entries (TensorQueue::Push), so
-  // a match of every member makes entry_of a one-to-one map.
-  for (size_t k = 0; k < plan.slots.size(); ++k) {
-    const uint32_t e = plan.entry_of[k];
-    if (e >= s.entries.size() || !EntryMatchesResponse(s.entries[e], cache_.Get(plan.slots[k]), rank_))
-      return nullptr;
-  }
-  return &plan;
-}
-
-void Engine::AdmitSubmission(Submission submission, double now) {
-  Add(counters_.queue_entries);
-  if (PlanFor(submission) != nullptr) {  // Note [Cached groups]
-    if (timeline_.enabled())
-      for (const TensorEntry& e : submission.entries) TimelineAdmitted(e, now);
-    auto g = std::make_unique<CachedGroup>();
-    g->submission = std::move(submission);
-    g->since = now;
-    cached_groups_.push_back(std::move(g));
-    Add(counters_.cached_group_admissions);
-    return;
-  }
-  for (TensorEntry& e : submission.entries) Admit(std::move(e), now);
-}
-
-void Engine::DemoteCachedGroups(double now, bool all) {
-  size_t kept = 0;
-  for (std::unique_ptr<CachedGroup>& g : cached_groups_) {
-    // A plan that changed while the group waited (evicted, a member
-    // renegotiated) no longer describes it: PlanFor checks it again.
-    if (!all && now - g->since < report_cached_after_s_ && PlanFor(g->submission) != nullptr) {
-      cached_groups_[kept++] = std::move(g);
-      continue;
-    }
-    Add(counters_.cached_group_demotions);
-    // The timeline's admission events were written when the group came.
-    for (TensorEntry& e : g->submission.entries) AddPending(std::move(e), g->since);
-  }
-  cached_groups_.resize(kept);
-}
-
-void Engine::TakeReadyCachedGroups(const std::vector<uint64_t>& bits) {
-  size_t kept = 0;
-  for (std::unique_ptr<CachedGroup>& g : cached_groups_) {
-    const Plan& plan = plans_.at(g->submission.group_id);  // checked by DemoteCachedGroups this cycle
-    bool ready = true;
-    for (const auto& [word, mask] : plan.bit_words) ready = ready && (bits[1 + word] & mask) == mask;
-    if (!ready) {
-      cached_groups_[kept++] = std::move(g);
-      continue;
-    }
-    for (int slot : plan.slots) claimed_slots_[slot] = 1;
-    ready_groups_.push_back(std::move(g));
-  }
-  cached_groups_.resize(kept);
-}
-
 bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
   std::vector<int> slots(order_.size(), -1);
   const std::vector<Pending*>& entries = order_;
@@ -242,7 +140,7 @@ bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
     if (!p->reported && (slots[i] < 0 || now - p->since >= report_cached_after_s_)) must_report = true;
   }
   for (const std::unique_ptr<CachedGroup>& g : cached_groups_)  // Note [Cached groups]
-    for (const auto& [word, mask] : plans_.at(g->submission.group_id).bit_words) (*bits)[1 + word] |= mask;
+    for (const auto& [word, mask] : plans_.At(g->submission.group_id).bit_words) (*bits)[1 + word] |= mask;
   if (joined_) SetJoinedCacheBits(bits);
   return must_report;
 }
@@ -369,481 +267,6 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   return Status::Ok();
 }
 
-StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
-  if (device.kind == DeviceKind::kCpu) return cpu_comm_.get();
-  if (cuda_comm_ == nullptr) {
-    // Collective: every rank reaches this through the same response.
-    CommunicatorOptions options;
-    options.group_size = knobs_.group_size;
-    options.pipeline_chunk_bytes = knobs_.pipeline_chunk;
-    options.timeout_seconds = knobs_.peer_timeout_s;
-    options.knobs = &knobs_;  // agreed across ranks at Init
-    StatusOr<std::unique_ptr<Communicator>> c =
-        CreateCommunicator(MPI_Comm_c2f(comm_), device, options);
-    if (!c.ok()) return c.status().WithContext("creating the communicator for " + device.ToString());
-    cuda_comm_ = c.consume();
-    cuda_comm_for_abort_ = cuda_comm_.get();
-    cuda_ordinal_ = device.ordinal;
-#ifdef NVGROUP_WITH_CUDA
-    completion_events_ = std::make_unique<CompletionEvents>(device.ordinal);
-#endif
-    finalizer_ = std::make_unique<Finalizer>();
-    finalizer_thread_ = finalizer_->thread_id();
-  }
-  if (device.ordinal != cuda_ordinal_)
-    return Status::Unimplemented("nvgroup_tf drives one CUDA device per process: this rank uses " +
-                                 Device::Cuda(cuda_ordinal_).ToString() + ", not " + device.ToString());
-  return cuda_comm_.get();
-}
-
-void Engine::CallDone(TensorEntry* e, const Status& status) {
-  DoneCallback done = std::move(e->request.done);
-  e->request.done = nullptr;  // a moved-from std::function is unspecified; this marks "completed"
-  try {
-    done(status);
-  } catch (...) {  // a callback must not take the loop down
-    NVG_LOG(kError) << "the done callback of '" << e->request.name << "' threw; ignored";
-  }
-}
-
-void Engine::Complete(TensorEntry* e, const Status& status) {
-  queue_.Finish(e->request.name);
-  CallDone(e, status);
-}
-
-void Engine::CompleteAfterStream(Communicator* comm, const std::vector<TensorEntry*>& done) {
-  if (comm->device().kind == DeviceKind::kCpu) {
-    const double start = MonotonicSeconds();
-    queue_.Finish(done.data(), done.size());  // one lock for the bucket
-    for (TensorEntry* e : done) CallDone(e, Status::Ok());
-    AddSeconds(counters_.complete_ns, MonotonicSeconds() - start);
-    return;
-  }
-  // One event per bucket, recorded after its copy out: the finalizer waits for
-  // this bucket's work only, not for the buckets enqueued after it. Without an
-  // event (creation failed) it falls back to draining the whole stream.
-  void* event = nullptr;
-#ifdef NVGROUP_WITH_CUDA
-  if (completion_events_ != nullptr) {
-    StatusOr<void*> e = completion_events_->Acquire();
-    if (e.ok() && comm->RecordEvent(e.value(), nullptr).ok()) {
-      event = e.value();
-    } else if (e.ok()) {
-      completion_events_->Release(e.value());
-    }
-  }
-#endif
-  // The Pending objects are owned by the Work list, which dies at the end of
-  // the cycle: move the callbacks into the job. A request with
-  // completion_event_ready hears of the event now; its name leaves the
-  // in-flight set first, so the adapter may resubmit it at once (its `done`
-  // below then must not Finish the name again).
-  struct Callback {
-    std::string name;
-    DoneCallback done;
-    bool finished_early = false;
-  };
-  // The entries die with the cycle and nothing reads their names after this
-  // (the timeline's events are written): the names move, not copy.
-  std::vector<Callback> callbacks;
-  callbacks.reserve(done.size());
-  bool any_early = false;
-  for (TensorEntry* e : done) {
-    CollectiveRequest& q = e->request;
-    Callback c{std::move(q.name), std::move(q.done), false};
-    q.done = nullptr;
-    if (event != nullptr && q.completion_event_ready) {
-      queue_.Finish(c.name);
-      c.finished_early = any_early = true;
-      try {
-        q.completion_event_ready(event);
-      } catch (...) {
-        NVG_LOG(kError) << "the completion_event_ready callback of '" << c.name << "' threw; ignored";
-      }
-    }
-    callbacks.push_back(std::move(c));
-  }
-  finalizer_->Add([this, comm, event, any_early, callbacks = std::move(callbacks)]() mutable {
-    // Orders `done` after the device finished the bucket's copy out.
-    Status s = event != nullptr ? comm->WaitRecordedEvent(event) : comm->Synchronize(nullptr);
-#ifdef NVGROUP_WITH_CUDA
-    if (event != nullptr) completion_events_->Release(event);
-#endif
-    // An adapter may already have let its stream run on the event: a
-    // device-side failure must then stop every later collective.
-    if (!s.ok() && any_early) Abort(s);
-    for (Callback& c : callbacks) {
-      if (!c.finished_early) queue_.Finish(c.name);
-      try {
-        c.done(s);
-      } catch (...) {
-        NVG_LOG(kError) << "the done callback of '" << c.name << "' threw; ignored";
-      }
-    }
-  });
-}
-
-Status Engine::RunAllreduceBucket(const FusionBucket& bucket, const BucketMember* members) {
-  const size_t n = bucket.offsets.size();
-  const ResponseMessage& first = *members[0].response;
-  const Device device = members[0].entry->request.device;
-  StatusOr<Communicator*> comm_or = GetCommunicator(device);
-  if (!comm_or.ok()) return comm_or.status();
-  Communicator* comm = comm_or.value();
-  if (bucket.bytes > comm->registered_capacity()) {
-    // Larger than this device's registered buffer: one tensor at a time, the
-    // communicator cutting each into pieces. The arithmetic is the fused
-    // path's (same scaled copies, same fold), so the bits are too.
-    for (size_t k = 0; k < n; ++k) NVG_RETURN_IF_ERROR(RunAllreduceAlone(members[k]));
-    return Status::Ok();
-  }
-  // Every other bucket, one tensor or many, takes this path (on the GPU no
-  // pointer checks; no extra scaling pass for a lone tensor).
-  const size_t element = DataTypeSize(first.dtype);
-  // Average of floats is a sum with the division folded into the copy out;
-  // integers use the communicator's own (truncating) average unless scale
-  // factors are given (then Horovod's: sum, then * postscale / size).
-  ReduceOp op = first.op;
-  double postscale = first.postscale_factor;
-  if (op == ReduceOp::kAverage && AverageByPostscale(first)) {
-    op = ReduceOp::kSum;
-    postscale /= size_;
-  }
-  Add(counters_.buckets);
-  Add(counters_.bucket_tensors, n);
-  BucketScratch& b = bucket_scratch_;
-  b.members.clear();
-  b.done.clear();
-  b.events.clear();
-  // Distinct ready events of the bucket (a framework records one event for a
-  // whole step's gradients, so usually one).
-  for (size_t k = 0; k < n; ++k) {
-    TensorEntry* p = members[k].entry;
-    const size_t count = ResponseBytes(*members[k].response) / element;
-    b.members.push_back({p->request.input, p->request.output, count, bucket.offsets[k]});
-    b.done.push_back(p);
-    void* e = p->request.ready_event;
-    if (e != nullptr && std::find(b.events.begin(), b.events.end(), e) == b.events.end()) b.events.push_back(e);
-  }
-  // Orders the copy-in after the framework produced the inputs (GPU-side
-  // waits, one per distinct event).
-  for (void* e : b.events) NVG_RETURN_IF_ERROR(comm->WaitEvent(e, nullptr));
-  Add(counters_.ready_event_waits, b.events.size());
-  // The timeline's per-tensor phases, from the communicator's phase reports.
-  struct Marker {
-    Timeline* timeline;
-    const std::vector<TensorEntry*>* done;
-  } marker{&timeline_, &b.done};
-  Communicator::PhaseObserver observer;
-  if (timeline_.enabled()) {
-    observer.context = &marker;
-    observer.mark = [](void* context, Communicator::FusedPhase phase, bool begin) {
-      static const char* const kNames[] = {"FUSION_COPY_IN", "ALLREDUCE", "FUSION_COPY_OUT"};
-      const Marker& m = *static_cast<const Marker*>(context);
-      const char* name = kNames[static_cast<int>(phase)];
-      const double t = MonotonicSeconds();
-      for (TensorEntry* p : *m.done)
-        begin ? m.timeline->Begin(p->request.name, name, t) : m.timeline->End(p->request.name, name, t);
-    };
-  }
-  // The communicator fuses the members (Communicator::FusedAllreduce): the
-  // prescale rides on the copy in, the postscale (and an Average's division)
-  // on the copy out, and it skips the registered buffer where no peer reads it.
-  if (bucket.bytes > 0)
-    NVG_RETURN_IF_ERROR(comm->FusedAllreduce(b.members.data(), b.members.size(), bucket.bytes, first.dtype, op,
-                                             first.prescale_factor, postscale, nullptr, observer));
-  CompleteAfterStream(comm, b.done);
-  return Status::Ok();
-}
-
-Status Engine::RunAllreduceAlone(const BucketMember& m) {
-  const ResponseMessage& r = *m.response;
-  const CollectiveRequest& q = m.entry->request;
-  StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
-  if (!comm_or.ok()) return comm_or.status();
-  Communicator* comm = comm_or.value();
-  const size_t count = static_cast<size_t>(NumElements(r.shape));
-  ReduceOp op = r.op;
-  double postscale = r.postscale_factor;
-  if (op == ReduceOp::kAverage && AverageByPostscale(r)) {
-    op = ReduceOp::kSum;
-    postscale /= size_;
-  }
-  Add(counters_.buckets);
-  Add(counters_.bucket_tensors);
-  NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_.enabled()) timeline_.Begin(q.name, "ALLREDUCE", MonotonicSeconds());
-  const void* source = q.input;
-  if (r.prescale_factor != 1.0) {  // scale into the output, then reduce in place
-    Communicator::CopySpec pre{q.input, q.output, count};
-    NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&pre, 1, r.dtype, r.prescale_factor, nullptr));
-    source = q.output;
-  }
-  NVG_RETURN_IF_ERROR(comm->Allreduce(source, q.output, count, r.dtype, op, nullptr));
-  if (postscale != 1.0) {
-    Communicator::CopySpec post{q.output, q.output, count};
-    NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&post, 1, r.dtype, postscale, nullptr));
-  }
-  if (timeline_.enabled()) timeline_.End(q.name, "ALLREDUCE", MonotonicSeconds());
-  CompleteAfterStream(comm, {m.entry});
-  return Status::Ok();
-}
-
-Status Engine::RunAllgather(Work* w) {
-  const ResponseMessage& r = *w->response;
-  const CollectiveRequest& q = w->pending->entry.request;
-  StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
-  if (!comm_or.ok()) return comm_or.status();
-  Communicator* comm = comm_or.value();
-  std::vector<int64_t> out_shape = q.shape;
-  out_shape[0] = 0;
-  for (int64_t d : r.first_dims) out_shape[0] += d;
-  std::vector<int64_t> row(q.shape.begin() + 1, q.shape.end());
-  const size_t row_bytes = static_cast<size_t>(NumElements(row)) * DataTypeSize(r.dtype);
-  std::vector<size_t> bytes_per_rank;
-  for (int64_t d : r.first_dims) bytes_per_rank.push_back(static_cast<size_t>(d) * row_bytes);
-
-  void* out = nullptr;
-  Status alloc = q.allocate_output(out_shape, &out);
-  // A host allocation failure on this rank must not leave the others inside
-  // Allgatherv: take part with a scratch buffer, then report the failure.
-  std::vector<char> scratch;
-  if (!alloc.ok() || (out == nullptr && NumElements(out_shape) > 0)) {
-    if (alloc.ok()) alloc = Status::Internal("allocate_output returned no buffer");
-    if (q.device.kind != DeviceKind::kCpu) return alloc.WithContext("allocating the allgather output");
-    scratch.resize(static_cast<size_t>(NumElements(out_shape)) * DataTypeSize(r.dtype));
-    out = scratch.data();
-  }
-  NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_.enabled()) timeline_.Begin(q.name, "ALLGATHER", MonotonicSeconds());
-  NVG_RETURN_IF_ERROR(comm->Allgatherv(q.input, out, bytes_per_rank, nullptr));
-  if (timeline_.enabled()) timeline_.End(q.name, "ALLGATHER", MonotonicSeconds());
-  if (!scratch.empty() || !alloc.ok()) {
-    Complete(w->pending.get(), alloc.WithContext("allocating the allgather output"));
-    return Status::Ok();
-  }
-  CompleteAfterStream(comm, {&w->pending->entry});
-  return Status::Ok();
-}
-
-Status Engine::RunBroadcast(Work* w) {
-  const ResponseMessage& r = *w->response;
-  const CollectiveRequest& q = w->pending->entry.request;
-  StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
-  if (!comm_or.ok()) return comm_or.status();
-  Communicator* comm = comm_or.value();
-  const size_t bytes = static_cast<size_t>(NumElements(r.shape)) * DataTypeSize(r.dtype);
-  NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_.enabled()) timeline_.Begin(q.name, "BROADCAST", MonotonicSeconds());
-  if (rank_ == r.root_rank && q.input != q.output && bytes > 0) {
-    Communicator::CopySpec copy{q.input, q.output, bytes};
-    NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&copy, 1, DataType::kUint8, 1.0, nullptr));
-  }
-  if (bytes > 0) NVG_RETURN_IF_ERROR(comm->Broadcast(q.output, bytes, r.root_rank, nullptr));
-  if (timeline_.enabled()) timeline_.End(q.name, "BROADCAST", MonotonicSeconds());
-  CompleteAfterStream(comm, {&w->pending->entry});
-  return Status::Ok();
-}
-
-Status Engine::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
-  Work& first = (*work)[bucket.responses[0]];
-  if (!first.response->ok()) {  // error responses are buckets of their own
-    if (first.pending) Complete(first.pending.get(), Status(first.response->error_code, first.response->error_message));
-    return Status::Ok();
-  }
-  Status s;
-  switch (first.response->type) {
-    case CollectiveType::kAllreduce: {
-      plan_members_.clear();
-      for (size_t i : bucket.responses) plan_members_.push_back({(*work)[i].response, &(*work)[i].pending->entry});
-      return RunMembers(bucket, plan_members_.data());
-    }
-    case CollectiveType::kAllgather: s = RunAllgather(&first); break;
-    case CollectiveType::kBroadcast: s = RunBroadcast(&first); break;
-    case CollectiveType::kReducescatter: s = RunReducescatter(&first); break;
-    case CollectiveType::kAlltoall: s = RunAlltoall(&first); break;
-    case CollectiveType::kJoin: s = RunJoin(&first); break;
-  }
-  if (s.ok()) return s;
-  std::vector<TensorEntry*> entries;
-  for (size_t i : bucket.responses)
-    if ((*work)[i].pending != nullptr) entries.push_back(&(*work)[i].pending->entry);
-  return FailEntries(s, entries.data(), entries.size());
-}
-
-Status Engine::RunMembers(const FusionBucket& bucket, const BucketMember* members) {
-  Status s = RunAllreduceBucket(bucket, members);
-  if (s.ok()) return s;
-  std::vector<TensorEntry*> entries;
-  for (size_t k = 0; k < bucket.offsets.size(); ++k) entries.push_back(members[k].entry);
-  return FailEntries(s, entries.data(), entries.size());
-}
-
-Status Engine::FailEntries(const Status& status, TensorEntry* const* entries, size_t n) {
-  if (status.ok()) return status;
-  const Status s = Cause(status);
-  // The same call failed on every rank (same arguments, same order); fail the
-  // bucket's requests. A lost or aborted peer ends the loop.
-  for (size_t i = 0; i < n; ++i)
-    if (entries[i]->request.done) Complete(entries[i], s);
-  if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kAborted) return s;
-  return Status::Ok();
-}
-
-Status Engine::RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<bool>* done) {
-  if (plans_.empty()) return Status::Ok();
-  plan_runs_.clear();
-  for (const std::unique_ptr<CachedGroup>& g : ready_groups_) {
-    Plan& plan = plans_.at(g->submission.group_id);
-    plan_runs_.push_back({plan.first_slot, &plan, g.get()});
-  }
-  // The cache hits of whole groups (TakeCacheHits takes groups whole), in
-  // order of their first member.
-  std::vector<uint64_t> groups;
-  for (size_t i = 0; i < cache_hits; ++i) {
-    const ResponseMessage& r = *(*work)[i].response;
-    if (r.group_id == 0 || (*done)[i]) continue;
-    if (std::find(groups.begin(), groups.end(), r.group_id) == groups.end()) groups.push_back(r.group_id);
-  }
-  if (slot_to_work_.size() != static_cast<size_t>(cache_.capacity())) slot_to_work_.assign(cache_.capacity(), 0);
-  for (size_t i = 0; i < cache_hits; ++i)
-    if ((*work)[i].slot >= 0) slot_to_work_[(*work)[i].slot] = i;
-  for (uint64_t group : groups) {
-    auto it = plans_.find(group);
-    if (it == plans_.end()) continue;
-    Plan& plan = it->second;
-    bool valid = PlanMatchesCache(plan);
-    for (size_t k = 0; k < plan.slots.size() && valid; ++k) {
-      // The slot is one of this cycle's hits (the hits hold the group whole);
-      // entries of slots not hit this cycle are stale, hence both checks.
-      const int slot = plan.slots[k];
-      valid = slot_to_work_[slot] < cache_hits && (*work)[slot_to_work_[slot]].slot == slot;
-    }
-    if (!valid || plan.slots.size() != (*work)[slot_to_work_[plan.slots[0]]].response->group_size) {
-      plans_digest_ ^= plan.id;  // a member changed: the group replans after it runs
-      plans_.erase(it);
-      continue;
-    }
-    plan_runs_.push_back({plan.first_slot, &plan, nullptr});
-  }
-  // Every rank runs the same plans in the same order (lowest member slot
-  // first), whether it admitted a group whole or entry by entry.
-  std::sort(plan_runs_.begin(), plan_runs_.end(),
-            [](const PlanRun& a, const PlanRun& b) { return a.first_slot < b.first_slot; });
-  for (const PlanRun& run : plan_runs_) {
-    Plan& plan = *run.plan;
-    plan.last_use = ++plan_clock_;
-    Add(counters_.plan_launches);
-    if (run.group != nullptr) Add(counters_.cached_group_runs);
-    for (const FusionBucket& b : plan.buckets) {
-      plan_members_.clear();
-      for (size_t k : b.responses) {
-        if (run.group != nullptr) {
-          plan_members_.push_back({&cache_.Get(plan.slots[k]), &run.group->submission.entries[plan.entry_of[k]]});
-        } else {
-          const size_t i = slot_to_work_[plan.slots[k]];
-          (*done)[i] = true;
-          plan_members_.push_back({(*work)[i].response, &(*work)[i].pending->entry});
-        }
-      }
-      NVG_RETURN_IF_ERROR(RunMembers(b, plan_members_.data()));
-    }
-  }
-  return Status::Ok();
-}
-
-bool Engine::PlanMatchesCache(const Plan& plan) const {
-  for (size_t k = 0; k < plan.slots.size(); ++k)
-    if (cache_.generation(plan.slots[k]) != plan.generations[k]) return false;
-  return !plan.slots.empty();
-}
-
-void Engine::MakePlans(const std::vector<Work>& work) {
-  if (cache_.capacity() == 0) return;
-  std::unordered_map<uint64_t, std::vector<size_t>> members;  // group id -> work indices
-  std::vector<uint64_t> order;
-  uint64_t kept = 0;  // the last group found with a valid plan (members are adjacent)
-  for (size_t i = 0; i < work.size(); ++i) {
-    const ResponseMessage& r = *work[i].response;
-    if (r.group_id == 0 || (r.group_id == kept && kept != 0)) continue;
-    auto existing = plans_.find(r.group_id);
-    if (existing != plans_.end()) {
-      if (PlanMatchesCache(existing->second)) {  // checked once per group, not per member
-        kept = r.group_id;
-        continue;
-      }
-      plans_digest_ ^= existing->second.id;  // a member was renegotiated: replan below
-      plans_.erase(existing);
-    }
-    auto [it, inserted] = members.try_emplace(r.group_id);
-    if (inserted) order.push_back(r.group_id);
-    it->second.push_back(i);
-  }
-  const size_t threshold = std::min(knobs_.fusion_threshold, cpu_comm_->registered_capacity());
-  for (uint64_t group : order) {
-    const std::vector<size_t>& idx = members[group];
-    Plan plan;
-    std::vector<ResponseMessage> responses;
-    bool ok = idx.size() == work[idx[0]].response->group_size;
-    for (size_t i : idx) {
-      const ResponseMessage& r = *work[i].response;
-      const int slot = work[i].slot >= 0 ? work[i].slot : cache_.Find(r.name);
-      ok = ok && r.ok() && r.type == CollectiveType::kAllreduce && slot >= 0 &&
-           ResponseDigest(cache_.Get(slot)) == ResponseDigest(r);
-      if (!ok) break;
-      plan.slots.push_back(slot);
-      plan.generations.push_back(cache_.generation(slot));
-      responses.push_back(r);
-    }
-    if (!ok) continue;
-    plan.buckets = PlanFusion(responses, threshold);
-    // This rank's own: how to admit the group whole next time (Note [Cached
-    // groups]); a member without its own entry (a join's stand-in) leaves
-    // entry_of empty, so the group is always admitted entry by entry.
-    plan.first_slot = *std::min_element(plan.slots.begin(), plan.slots.end());
-    for (size_t i : idx) {
-      const Pending* p = work[i].pending.get();
-      if (p == nullptr || joined_) {
-        plan.entry_of.clear();
-        break;
-      }
-      plan.entry_of.push_back(p->entry.group_index);
-    }
-    std::vector<int> sorted = plan.slots;
-    std::sort(sorted.begin(), sorted.end());
-    for (int slot : sorted) {
-      if (plan.bit_words.empty() || plan.bit_words.back().first != slot / 64) plan.bit_words.push_back({slot / 64, 0});
-      plan.bit_words.back().second |= uint64_t{1} << (slot % 64);
-    }
-    uint64_t h = group;
-    auto mix = [&h](uint64_t v) {
-      h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);  // boost::hash_combine's constant
-    };
-    for (size_t k = 0; k < plan.slots.size(); ++k) {
-      mix(static_cast<uint64_t>(plan.slots[k]));
-      mix(plan.generations[k]);
-    }
-    for (const FusionBucket& b : plan.buckets) {
-      mix(b.responses.size());
-      for (size_t k = 0; k < b.responses.size(); ++k) {
-        mix(b.responses[k]);
-        mix(b.offsets[k]);
-      }
-    }
-    plan.id = h;
-    if (plans_.size() >= kMaxPlans) {  // evict the least recently used (unique clock values)
-      auto lru = plans_.begin();
-      for (auto p = plans_.begin(); p != plans_.end(); ++p)
-        if (p->second.last_use < lru->second.last_use) lru = p;
-      plans_digest_ ^= lru->second.id;
-      plans_.erase(lru);
-    }
-    plan.last_use = ++plan_clock_;
-    plans_digest_ ^= plan.id;
-    plans_.emplace(group, std::move(plan));
-  }
-}
-
 Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
   if (work->empty() && ready_groups_.empty()) return Status::Ok();
   NVG_LOG(kDebug) << "cycle " << cycle_ << ": executing " << work->size() << " responses ("
@@ -922,7 +345,7 @@ void Engine::Loop() {
     if (leftovers) Add(counters_.quick_cycles);
     Add(counters_.cycles);
     if (liveness_) liveness_->SetProgress(cycle_);
-    if (timeline_command_pending_.load(std::memory_order_acquire)) ApplyTimelineCommand();
+    if (timeline_control_.pending()) timeline_control_.Apply(&timeline_, &mark_cycles_);
     const double now = MonotonicSeconds();
     for (Submission& s : fresh) AdmitSubmission(std::move(s), now);
     // Note [Cached groups]: groups that waited too long or whose plan changed.
@@ -1023,10 +446,8 @@ void Engine::Loop() {
     if (exit_status.code() == StatusCode::kUnavailable && !abort_) {  // see Note [Liveness probe]
       StatusOr<std::vector<int>> silent = FindSilentRanks(comm_, std::min(2.0, knobs_.peer_timeout_s));
       if (silent.ok() && !silent.value().empty()) {
-        std::string ranks;
-        for (int r : silent.value()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-        exit_status = Status::Unavailable(exit_status.message() + "; ranks [" + ranks +
-                                          "] did not answer a liveness probe");
+        exit_status = Status::Unavailable(exit_status.message() + "; ranks " + RanksText(silent.value()) +
+                                          " did not answer a liveness probe");
       }
       const std::string hung = liveness_ ? liveness_->DescribeSilentPeers() : std::string();
       if (!hung.empty()) exit_status = Status::Unavailable(exit_status.message() + "; " + hung);
@@ -1047,58 +468,12 @@ void Engine::Loop() {
   order_.clear();
   pending_.clear();
   timeline_.Close();
-  {
-    std::lock_guard<std::mutex> lock(timeline_mu_);
-    timeline_loop_gone_ = true;
-    if (timeline_command_pending_) {
-      timeline_command_pending_ = false;
-      timeline_answer_ = Status::FailedPrecondition("the engine's background loop has stopped");
-      timeline_answered_ = true;
-    }
-  }
-  timeline_cv_.notify_all();
+  timeline_control_.LoopGone();
   {
     std::lock_guard<std::mutex> lock(exit_mu_);
     loop_exited_ = true;
   }
   exit_cv_.notify_all();
-}
-
-// ---- Run-time timeline control ------------------------------------------------
-
-Status Engine::ControlTimeline(bool start, const std::string& path, bool mark_cycles) {
-  if (rank_ != 0) return Status::Ok();  // rank 0 writes the timeline, as with NVGROUP_TIMELINE
-  const char* what = start ? "start_timeline" : "stop_timeline";
-  std::lock_guard<std::mutex> one_at_a_time(timeline_call_mu_);
-  std::unique_lock<std::mutex> lock(timeline_mu_);
-  if (timeline_loop_gone_)
-    return Status::FailedPrecondition(std::string(what) + ": the engine's background loop has stopped");
-  timeline_command_ = TimelineCommand{start, path, mark_cycles};
-  timeline_answered_ = false;
-  timeline_command_pending_.store(true, std::memory_order_release);
-  if (!timeline_cv_.wait_for(lock, std::chrono::duration<double>(knobs_.peer_timeout_s + 1.0),
-                             [this] { return timeline_answered_; })) {
-    timeline_command_pending_ = false;
-    return Status::Unavailable(std::string(what) + ": the background loop did not take the change within " +
-                               std::to_string(knobs_.peer_timeout_s) + " s (NVGROUP_TIMEOUT)");
-  }
-  return timeline_answer_.ok() ? timeline_answer_ : timeline_answer_.WithContext(what);
-}
-
-void Engine::ApplyTimelineCommand() {
-  std::lock_guard<std::mutex> lock(timeline_mu_);
-  if (!timeline_command_pending_) return;  // the caller gave up meanwhile
-  timeline_command_pending_ = false;
-  if (timeline_command_.start) {
-    timeline_answer_ = timeline_.Open(timeline_command_.path, MonotonicSeconds());
-    mark_cycles_ = timeline_answer_.ok() && timeline_command_.mark_cycles;
-  } else {
-    timeline_.Close();
-    mark_cycles_ = false;
-    timeline_answer_ = Status::Ok();
-  }
-  timeline_answered_ = true;
-  timeline_cv_.notify_all();
 }
 
 Status Engine::Stop() {
@@ -1153,39 +528,16 @@ void Engine::Abort(const Status& reason) {
   if (Communicator* c = cuda_comm_for_abort_.load()) c->Abort();
 }
 
-EngineStats Engine::Stats() const {
-  auto get = [](const std::atomic<uint64_t>& c) { return c.load(std::memory_order_relaxed); };
-  auto seconds = [&](const std::atomic<uint64_t>& c) { return static_cast<double>(get(c)) * 1e-9; };
-  EngineStats st;
-  st.cycles = get(counters_.cycles);
-  st.negotiation_rounds = get(counters_.negotiation_rounds);
-  st.cached_responses = get(counters_.cached_responses);
-  st.negotiated_responses = get(counters_.negotiated_responses);
-  st.plan_launches = get(counters_.plan_launches);
-  st.buckets = get(counters_.buckets);
-  st.bucket_tensors = get(counters_.bucket_tensors);
-  st.ready_event_waits = get(counters_.ready_event_waits);
-  st.agreement_allreduces = get(counters_.agreement_allreduces);
-  st.quick_cycles = get(counters_.quick_cycles);
-  st.queue_entries = get(counters_.queue_entries);
-  st.admitted_entries = get(counters_.admitted_entries);
-  st.cached_group_admissions = get(counters_.cached_group_admissions);
-  st.cached_group_runs = get(counters_.cached_group_runs);
-  st.cached_group_demotions = get(counters_.cached_group_demotions);
-  st.groups_not_batched = queue_.groups_not_batched();
-  st.admit_s = seconds(counters_.admit_ns);
-  st.lookup_s = seconds(counters_.lookup_ns);
-  st.complete_s = seconds(counters_.complete_ns);
-  st.idle_s = seconds(counters_.idle_ns);
-  st.agree_s = seconds(counters_.agree_ns);
-  st.negotiate_s = seconds(counters_.negotiate_ns);
-  st.execute_s = seconds(counters_.execute_ns);
-  return st;
-}
+EngineStats Engine::Stats() const { return counters_.Snapshot(queue_.groups_not_batched()); }
 
 bool Engine::OnEngineThread() const {
   const std::thread::id me = std::this_thread::get_id();
   return me == thread_.get_id() || me == finalizer_thread_.load();
+}
+
+Status Engine::ControlTimeline(bool start, const std::string& path, bool mark_cycles) {
+  if (rank_ != 0) return Status::Ok();  // rank 0 writes the timeline, as with NVGROUP_TIMELINE
+  return timeline_control_.Request(start, path, mark_cycles, knobs_.peer_timeout_s);
 }
 
 }  // namespace nvgroup

@@ -1,6 +1,11 @@
-// The engine's background loop: negotiation, fusion and execution.
+// The running engine (class Engine) and its background loop: the cycle that
+// admits requests, agrees across ranks on what is ready, negotiates through
+// rank 0 and executes. The Engine's methods live by concept: the cycle, start,
+// stop and abort in background_loop.cc; the plan cache in plan_cache.{h,cc};
+// the collectives in executor.cc; completion in completion.{h,cc}; counters
+// in counters.h and timeline control in timeline_control.h.
 //
-// How it works (Horovod's pipeline; see STYLE.md §A.4):
+// How it works (Horovod's pipeline):
 //   1. Enqueue validates the request on this rank and puts a self-contained
 //      TensorEntry into the TensorQueue, waking the background thread.
 //   2. Each cycle the background loop takes the queued entries, then all ranks
@@ -9,8 +14,9 @@
 //      rank has something rank 0 has not seen, through rank 0 (gather the
 //      request lists, Coordinator builds responses, broadcast the response list).
 //   3. The cycle's responses (cache hits in slot order, then rank 0's list) are
-//      planned into fusion buckets (fusion.h) and run through a Communicator.
-//   4. Each request's `done` runs once, with OK or the error.
+//      planned into fusion buckets (fusion.h; whole cached groups run from
+//      their plans, plan_cache.h) and run through a Communicator (executor.cc).
+//   4. Each request's `done` runs once, with OK or the error (completion.h).
 //
 // Design constraints of the background loop (written down as Horovod does):
 //  * Only the background thread calls MPI after Init, on the engine's own
@@ -47,21 +53,23 @@
 #include <vector>
 
 #include "common/env.h"
+#include "engine/completion.h"
 #include "engine/completion_events.h"
 #include "engine/controller.h"
+#include "engine/counters.h"
 #include "engine/fusion.h"
 #include "engine/mpi_wait.h"
+#include "engine/plan_cache.h"
 #include "engine/response_cache.h"
 #include "engine/stall_inspector.h"
 #include "engine/tensor_queue.h"
 #include "engine/timeline.h"
+#include "engine/timeline_control.h"
 #include "nvgroup/communicator.h"
 #include "nvgroup/engine.h"
 #include "transport/liveness.h"
 
 namespace nvgroup {
-
-class Finalizer;  // background_loop.cc: runs CUDA completions off the loop
 
 // One running engine (Init to Shutdown): the queue, the background thread and
 // everything it owns.
@@ -123,64 +131,13 @@ class Engine {
     }
   };
 
-  // Note [Cached plans]
-  // The buckets of a grouped collective (EnqueueGroup: the framework's
-  // deterministic gradient buckets) are planned once and reused. After a group
-  // has run whole (negotiated or from the cache), its plan records the
-  // members' cache slots in execution order, the slots' generations and the
-  // fusion buckets over them (PlanFusion of the group alone). When a later
-  // cycle's cache hits hold the whole group and every slot still has the
-  // recorded generation (no member was evicted or renegotiated), the group
-  // runs from the plan: no fusion planning, its buckets in the plan's fixed
-  // order. A new or changed group still negotiates (its members miss the
-  // cache) and gets a new plan. Plans change only while every rank processes
-  // the same ordered responses, so every rank holds the same plans; the
-  // cycle's agreement allreduce carries a digest of every rank's cache and
-  // plans, so ranks whose state diverged (a bug) fail on every rank instead
-  // of running different collectives.
-  struct Plan {
-    std::vector<int> slots;             // members' cache slots, execution order
-    std::vector<uint64_t> generations;  // the slots' generations at planning time
-    std::vector<FusionBucket> buckets;  // indices into `slots`
-    uint64_t id = 0;                    // hash of the three above (and the group id)
-    uint64_t last_use = 0;
-    int first_slot = 0;                 // the lowest of `slots`: plans run in this order
-    // This rank's own (not agreed, not in `id`): where member k sat in the
-    // Submission it was planned from (TensorEntry::group_index), and the
-    // members' cache bits as (word, mask) pairs. See Note [Cached groups].
-    std::vector<uint32_t> entry_of;
-    std::vector<std::pair<int, uint64_t>> bit_words;
-  };
-  static constexpr size_t kMaxPlans = 256;
-
-  // Note [Cached groups]
-  // A group submitted again exactly as its plan was made (same group id, the
-  // members in the same submission order, each matching its slot's cached
-  // response, every slot's generation unchanged) is admitted whole: one queue
-  // entry, one plan lookup and one comparison per member (no name hashing,
-  // no per-member Pending, no response copies), and it sets its cache bits
-  // from the plan's precomputed words. After the agreement allreduce, in a
-  // cycle without a negotiation round, a group whose bits all survived the
-  // AND runs from its plan (RunPlans, in first-slot order with the plans of
-  // groups admitted entry by entry, so every rank runs the same sequence
-  // whichever way each admitted it) and completes in one pass per bucket.
-  // The cache bits still carry the agreement: a rank whose group changed
-  // (or that admitted it entry by entry) sets exactly the bits it matches,
-  // so a mismatch negotiates and fails on every rank as before. Anything
-  // that needs per-name state turns the group back into entries (Demote):
-  // a negotiation round in the cycle (its members must be reportable, and
-  // rank 0's new responses may change cache slots), waiting past
-  // report_cached_after_s_ (Note [Reporting stuck cache hits]), a join, or a
-  // plan that went stale while it waited.
-  struct CachedGroup {
-    Submission submission;
-    double since = 0;  // when the loop admitted it
-  };
   // One member of an allreduce bucket: its agreed response and its entry.
   struct BucketMember {
     const ResponseMessage* response;
     TensorEntry* entry;
   };
+
+  // ---- The plan cache (plan_cache.cc) ----
   // One submission from the queue: whole, if it fits its plan, else per entry.
   void AdmitSubmission(Submission submission, double now);
   // The plan `s` can run from unchanged, or null.
@@ -197,10 +154,10 @@ class Engine {
   Status RunPlans(std::vector<Work>* work, size_t cache_hits, std::vector<bool>* done);
   // Records plans for groups of this cycle that ran whole without one.
   void MakePlans(const std::vector<Work>& work);
-  // Every member slot still holds the response the plan was made from.
-  bool PlanMatchesCache(const Plan& plan) const;
-  uint64_t StateDigest() const { return cache_.digest() ^ plans_digest_; }
 
+  // ---- The cycle (background_loop.cc) ----
+  // The state digest of Note [Cached plans]: the response cache and the plans.
+  uint64_t StateDigest() const { return cache_.digest() ^ plans_.digest(); }
   void Loop();
   // `s`, or the reason given to Abort() when there is one: after an abort
   // (e.g. a peer died) every failure is a consequence of it.
@@ -214,6 +171,8 @@ class Engine {
   Status Negotiate(double now, std::vector<Work>* work);
   // The first `cache_hits` entries of `work` came from the response cache.
   Status Execute(std::vector<Work>* work, size_t cache_hits);
+
+  // ---- The executor (executor.cc) ----
   // Runs an allreduce bucket over `members` (one per bucket.offsets entry).
   Status RunAllreduceBucket(const FusionBucket& bucket, const BucketMember* members);
   // Runs `bucket` (PlanFusion's, indices into *work) and fails its requests
@@ -227,7 +186,6 @@ class Engine {
   Status RunAllreduceAlone(const BucketMember& m);
   Status RunAllgather(Work* w);
   Status RunBroadcast(Work* w);
-  // Added collectives and join (collectives_extra.cc).
   Status RunReducescatter(Work* w);
   Status RunAlltoall(Work* w);
   Status RunJoin(Work* w);
@@ -238,6 +196,8 @@ class Engine {
   // stand in for.
   void SetJoinedCacheBits(std::vector<uint64_t>* bits);
   StatusOr<Communicator*> GetCommunicator(const Device& device);
+
+  // ---- Completion (completion.cc) ----
   void Complete(TensorEntry* e, const Status& status);
   void Complete(Pending* p, const Status& status) { Complete(&p->entry, status); }
   // Runs the entry's done callback once (it must have one), catching throws.
@@ -246,6 +206,7 @@ class Engine {
   // loop). CUDA: after the bucket's completion event (completion_event_ready
   // hears of it first, engine.h).
   void CompleteAfterStream(Communicator* comm, const std::vector<TensorEntry*>& done);
+
   // `what` names the operation in a timeout or abort message (of this cycle).
   Status Wait(MPI_Request* request, const char* what) {
     return WaitMpi(request, what, knobs_.peer_timeout_s, abort_, static_cast<int64_t>(cycle_));
@@ -295,9 +256,7 @@ class Engine {
   void DropTaken();
   ResponseCache cache_;
   const int cache_words_;
-  std::unordered_map<uint64_t, Plan> plans_;  // by group id; the same on every rank
-  uint64_t plans_digest_ = 0;                 // XOR of the plans' ids
-  uint64_t plan_clock_ = 0;
+  PlanCache plans_;                           // the same on every rank
   std::atomic<uint64_t> perturb_digest_{0};   // PerturbStateDigest
   std::vector<size_t> slot_to_work_;          // scratch of RunPlans, one per cache slot
   std::vector<std::unique_ptr<CachedGroup>> cached_groups_;  // admitted whole, waiting (oldest first)
@@ -323,42 +282,16 @@ class Engine {
   Timeline timeline_;         // rank 0
   bool mark_cycles_ = false;  // background thread: CYCLE_START events (start_timeline)
 
-  // Run-time timeline control (ControlTimeline -> ApplyTimelineCommand at the
-  // top of each cycle). One caller at a time (timeline_call_mu_); the command
-  // and its answer are guarded by timeline_mu_; the atomic flag keeps the
-  // per-cycle check to one load.
-  struct TimelineCommand {
-    bool start = false;
-    std::string path;
-    bool mark_cycles = false;
-  };
-  void ApplyTimelineCommand();
-  std::mutex timeline_call_mu_;
-  std::mutex timeline_mu_;
-  std::condition_variable timeline_cv_;
-  std::atomic<bool> timeline_command_pending_{false};
-  TimelineCommand timeline_command_;
-  bool timeline_answered_ = false;
-  Status timeline_answer_;
-  bool timeline_loop_gone_ = false;  // the loop exited: nobody will apply a command
+  // Run-time timeline control: ControlTimeline -> TimelineControl::Apply at
+  // the top of each cycle.
+  TimelineControl timeline_control_;
   uint64_t cycle_ = 0;
-  bool joined_ = false;       // this rank's join is pending (collectives_extra.cc)
+  bool joined_ = false;       // this rank's join is pending (executor.cc)
 
-  // Counters behind GetEngineStats (written by the background thread, read by
-  // any thread; relaxed: they order nothing).
-  struct Counters {
-    std::atomic<uint64_t> cycles{0}, negotiation_rounds{0}, cached_responses{0},
-        negotiated_responses{0}, plan_launches{0}, buckets{0}, bucket_tensors{0},
-        ready_event_waits{0}, agreement_allreduces{0}, quick_cycles{0}, queue_entries{0},
-        admitted_entries{0}, cached_group_admissions{0}, cached_group_runs{0}, cached_group_demotions{0};
-    std::atomic<uint64_t> idle_ns{0}, agree_ns{0}, negotiate_ns{0}, execute_ns{0}, admit_ns{0}, lookup_ns{0},
-        complete_ns{0};
-  };
-  Counters counters_;
-  static void Add(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
-  static void AddSeconds(std::atomic<uint64_t>& c, double s) {
-    c.fetch_add(static_cast<uint64_t>(s * 1e9), std::memory_order_relaxed);
-  }
+  // Counters behind GetEngineStats (counters.h).
+  EngineCounters counters_;
+  static void Add(std::atomic<uint64_t>& c, uint64_t n = 1) { EngineCounters::Add(c, n); }
+  static void AddSeconds(std::atomic<uint64_t>& c, double s) { EngineCounters::AddSeconds(c, s); }
 
   // Dead-rank detection (transport/liveness.h): calls Abort() when a peer
   // dies. Null when its setup failed (the job runs without it).

@@ -1,5 +1,5 @@
 // CompletionEvents: a pool of CUDA events, one recorded per bucket after its
-// copy out (background_loop.cc, CompleteAfterStream), so that a bucket's
+// copy out (completion.cc, CompleteAfterStream), so that a bucket's
 // requests complete when *their* work is done, not when the whole stream
 // drains (bucket k no longer waits for bucket k+1), and so that an adapter can
 // make its stream wait on the event (CollectiveRequest::completion_event_ready).

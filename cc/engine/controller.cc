@@ -4,6 +4,8 @@
 #include <functional>
 #include <sstream>
 
+#include "engine/rank_lists.h"
+
 namespace nvgroup {
 namespace {
 
@@ -27,30 +29,11 @@ std::string GroupText(const RequestMessage& q) {
 std::string Mismatch(const std::vector<RequestMessage>& by_rank, const std::string& what,
                      const std::function<std::string(const RequestMessage&)>& value) {
   std::vector<std::string> values;
-  std::vector<std::vector<int>> ranks;
-  for (size_t r = 0; r < by_rank.size(); ++r) {
-    std::string v = value(by_rank[r]);
-    size_t i = 0;
-    while (i < values.size() && values[i] != v) ++i;
-    if (i == values.size()) {
-      values.push_back(v);
-      ranks.emplace_back();
-    }
-    ranks[i].push_back(static_cast<int>(r));
-  }
-  if (values.size() <= 1) return std::string();
-  std::string msg = "Mismatched " + what + " for '" + by_rank[0].name + "': ";
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (i) msg += ", ";
-    if (ranks[i].size() == 1) {
-      msg += "rank " + std::to_string(ranks[i][0]) + " has " + values[i];
-    } else {
-      msg += "ranks [";
-      for (size_t j = 0; j < ranks[i].size(); ++j) msg += (j ? ", " : "") + std::to_string(ranks[i][j]);
-      msg += "] have " + values[i];
-    }
-  }
-  return msg;
+  values.reserve(by_rank.size());
+  for (const RequestMessage& q : by_rank) values.push_back(value(q));
+  if (std::all_of(values.begin(), values.end(), [&](const std::string& v) { return v == values[0]; }))
+    return std::string();
+  return "Mismatched " + what + " for '" + by_rank[0].name + "': " + ValuesByRankText(values);
 }
 
 }  // namespace
@@ -158,14 +141,12 @@ void Coordinator::Finish(std::unordered_map<std::string, Pending>::iterator it) 
   for (int r : absent) p.by_rank[r] = *any;
   ResponseMessage resp = BuildResponse(p.by_rank);
   if (resp.ok() && !absent.empty()) {
-    std::string ranks;
-    for (int r : absent) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
     const bool reducing = resp.type == CollectiveType::kAllreduce || resp.type == CollectiveType::kReducescatter;
     if (!reducing || resp.device_kind != DeviceKind::kCpu) {
       resp.error_code = StatusCode::kFailedPrecondition;
       resp.error_message = std::string(reducing ? "a CUDA " : "") + CollectiveTypeName(resp.type) + " of '" +
-                           resp.name + "' cannot run while ranks [" + ranks +
-                           "] have joined (hvd.join()): only allreduce and reducescatter of host tensors "
+                           resp.name + "' cannot run while ranks " + RanksText(absent) +
+                           " have joined (hvd.join()): only allreduce and reducescatter of host tensors "
                            "accept joined ranks, which contribute zeros";
     }
   }

@@ -16,7 +16,7 @@ namespace nvgroup {
 void AbortEngine(const Status& reason);
 
 // Testing only: makes this rank's cache-and-plan digest (Note [Cached plans]
-// in background_loop.h) differ from the other ranks', as if its response cache
+// in plan_cache.h) differ from the other ranks', as if its response cache
 // had diverged; the next cycle must then fail on every rank. No-op when no
 // engine is running.
 void PerturbStateDigestForTesting();

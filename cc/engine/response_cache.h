@@ -13,7 +13,7 @@
 // (Put on an existing name), which invalidates the old entry on every rank.
 //
 // Each slot has a generation, bumped whenever its content changes (Put,
-// eviction), so a cached execution plan (background_loop.h) can tell that its
+// eviction), so a cached execution plan (plan_cache.h) can tell that its
 // members are still the responses it was made from. digest() is an
 // order-independent hash of the whole cache (every used slot's number,
 // generation and response): the ranks compare it in every cycle's agreement

@@ -43,7 +43,7 @@ struct TensorEntry {
 
 // One Enqueue or EnqueueGroup: its entries travel as one queue entry from
 // Push to the background loop, which admits a cached group whole (Note
-// [Cached groups] in background_loop.h) and anything else entry by entry.
+// [Cached groups] in plan_cache.h) and anything else entry by entry.
 // Whether `entry` is what `response` was negotiated for (RequestMatchesResponse).
 inline bool EntryMatchesResponse(const TensorEntry& entry, const ResponseMessage& response, int rank) {
   return RequestMatchesResponse(entry.message, entry.request.name, entry.request.shape, response, rank);

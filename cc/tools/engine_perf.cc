@@ -21,7 +21,7 @@
 //   those phases (admission, cache lookups, CPU completions) and the
 //   group-level bookkeeping (queue entries, entries admitted one by one,
 //   groups admitted and run whole, groups turned back into entries; Note
-//   [Cached groups] in cc/engine/background_loop.h).
+//   [Cached groups] in cc/engine/plan_cache.h).
 // With `grouped` the step is one EnqueueGroup of every gradient (the
 // DistributedOptimizer's bucket), else one Enqueue per gradient. After the
 // timed steps two more grouped calls check the fused bucket's other shapes

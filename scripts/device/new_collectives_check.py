@@ -198,7 +198,7 @@ def int_reduce(xs, dtype, op, divisor=None):
 def int_engine_reference(xs, dtype, op, pre, post):
     """The engine's integer result: without scale factors the plain reduction;
     with them Horovod's trunc(x * pre) in, wrapped sum, trunc(sum * post [/ size])
-    out (in double), wrapped (cc/engine/collectives_extra.cc AverageByPostscale)."""
+    out (in double), wrapped (cc/engine/averaging.cc AverageByPostscale)."""
     if pre == 1.0 and post == 1.0:
         return int_reduce(xs, dtype, op)
     scaled = [np.trunc(x.astype(np.float64) * pre).astype(np.int64).astype(NP[dtype]) for x in xs]

@@ -189,7 +189,7 @@ struct EngineStats {
   uint64_t ready_event_waits = 0;     // CUDA: WaitEvent calls (one per distinct event per bucket)
   uint64_t agreement_allreduces = 0;  // cycles' agreement allreduces run over MPI (none with one rank)
   uint64_t quick_cycles = 0;          // cycles started early for leftover requests (background_loop.cc)
-  // Group-level bookkeeping (Note [Cached groups], background_loop.h):
+  // Group-level bookkeeping (Note [Cached groups], cc/engine/plan_cache.h):
   uint64_t queue_entries = 0;            // submissions the loop took (one per Enqueue or EnqueueGroup)
   uint64_t admitted_entries = 0;         // requests admitted one by one (name lookups, a Pending each)
   uint64_t cached_group_admissions = 0;  // groups admitted whole (one plan lookup, no per-member state)

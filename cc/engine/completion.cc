@@ -1,0 +1,129 @@
+// Completion of requests (completion.h): the Finalizer's thread, and the
+// engine's Complete/CompleteAfterStream, through which every request's `done`
+// runs exactly once.
+#include "engine/completion.h"
+
+#include "common/checks.h"
+#include "common/logging.h"
+#include "engine/background_loop.h"
+
+namespace nvgroup {
+
+Finalizer::~Finalizer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  thread_.join();
+}
+
+void Finalizer::Add(Job job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+}
+
+void Finalizer::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // stop_ and drained
+    Job job = std::move(jobs_.front());
+    jobs_.pop_front();
+    lock.unlock();
+    job();
+    lock.lock();
+  }
+}
+
+void Engine::CallDone(TensorEntry* e, const Status& status) {
+  DoneCallback done = std::move(e->request.done);
+  e->request.done = nullptr;  // a moved-from std::function is unspecified; this marks "completed"
+  try {
+    done(status);
+  } catch (...) {  // a callback must not take the loop down
+    NVG_LOG(kError) << "the done callback of '" << e->request.name << "' threw; ignored";
+  }
+}
+
+void Engine::Complete(TensorEntry* e, const Status& status) {
+  queue_.Finish(e->request.name);
+  CallDone(e, status);
+}
+
+void Engine::CompleteAfterStream(Communicator* comm, const std::vector<TensorEntry*>& done) {
+  if (comm->device().kind == DeviceKind::kCpu) {
+    const double start = MonotonicSeconds();
+    queue_.Finish(done.data(), done.size());  // one lock for the bucket
+    for (TensorEntry* e : done) CallDone(e, Status::Ok());
+    AddSeconds(counters_.complete_ns, MonotonicSeconds() - start);
+    return;
+  }
+  // One event per bucket, recorded after its copy out: the finalizer waits for
+  // this bucket's work only, not for the buckets enqueued after it. Without an
+  // event (creation failed) it falls back to draining the whole stream.
+  void* event = nullptr;
+#ifdef NVGROUP_WITH_CUDA
+  if (completion_events_ != nullptr) {
+    StatusOr<void*> e = completion_events_->Acquire();
+    if (e.ok() && comm->RecordEvent(e.value(), nullptr).ok()) {
+      event = e.value();
+    } else if (e.ok()) {
+      completion_events_->Release(e.value());
+    }
+  }
+#endif
+  // The Pending objects are owned by the Work list, which dies at the end of
+  // the cycle: move the callbacks into the job. A request with
+  // completion_event_ready hears of the event now; its name leaves the
+  // in-flight set first, so the adapter may resubmit it at once (its `done`
+  // below then must not Finish the name again).
+  struct Callback {
+    std::string name;
+    DoneCallback done;
+    bool finished_early = false;
+  };
+  // The entries die with the cycle and nothing reads their names after this
+  // (the timeline's events are written): the names move, not copy.
+  std::vector<Callback> callbacks;
+  callbacks.reserve(done.size());
+  bool any_early = false;
+  for (TensorEntry* e : done) {
+    CollectiveRequest& q = e->request;
+    Callback c{std::move(q.name), std::move(q.done), false};
+    q.done = nullptr;
+    if (event != nullptr && q.completion_event_ready) {
+      queue_.Finish(c.name);
+      c.finished_early = any_early = true;
+      try {
+        q.completion_event_ready(event);
+      } catch (...) {
+        NVG_LOG(kError) << "the completion_event_ready callback of '" << c.name << "' threw; ignored";
+      }
+    }
+    callbacks.push_back(std::move(c));
+  }
+  finalizer_->Add([this, comm, event, any_early, callbacks = std::move(callbacks)]() mutable {
+    // Orders `done` after the device finished the bucket's copy out.
+    Status s = event != nullptr ? comm->WaitRecordedEvent(event) : comm->Synchronize(nullptr);
+#ifdef NVGROUP_WITH_CUDA
+    if (event != nullptr) completion_events_->Release(event);
+#endif
+    // An adapter may already have let its stream run on the event: a
+    // device-side failure must then stop every later collective.
+    if (!s.ok() && any_early) Abort(s);
+    for (Callback& c : callbacks) {
+      if (!c.finished_early) queue_.Finish(c.name);
+      try {
+        c.done(s);
+      } catch (...) {
+        NVG_LOG(kError) << "the done callback of '" << c.name << "' threw; ignored";
+      }
+    }
+  });
+}
+
+}  // namespace nvgroup

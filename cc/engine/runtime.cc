@@ -1,0 +1,212 @@
+// The process's one nvgroup runtime (runtime.h): set 0's engine and the
+// process sets behind the public API, submission of validated requests to
+// their engine, shutdown and abort. Init is in init.cc.
+#include "engine/runtime.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "common/checks.h"
+#include "engine/mpi_wait.h"
+#include "engine/request_validation.h"
+
+namespace nvgroup {
+namespace {
+
+uint64_t GroupId(const std::vector<CollectiveRequest>& requests) {
+  // The same on every rank that submits the same set of names, whatever their
+  // order: the sum of a mixed FNV-1a 64 hash of each name (Fowler/Noll/Vo
+  // offset basis and prime; the splitmix64 finalizer spreads each name's hash
+  // over all bits so that the sum does not cancel). No copies, no sort.
+  uint64_t sum = 0;
+  for (const CollectiveRequest& r : requests) {
+    uint64_t h = 1469598103934665603ull;
+    for (unsigned char c : r.name) h = (h ^ c) * 1099511628211ull;
+    h ^= h >> 30;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 27;
+    h *= 0x94d049bb133111ebull;
+    h ^= h >> 31;
+    sum += h;
+  }
+  return sum == 0 ? 1 : sum;  // 0 means "not grouped"
+}
+
+}  // namespace
+
+Status NotInitialized() {
+  return Status::FailedPrecondition("nvgroup_tf has not been initialized; call hvd.init() first");
+}
+
+Runtime& Runtime::Get() {
+  static Runtime runtime;
+  return runtime;
+}
+
+std::shared_ptr<Engine> Runtime::Global() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_;
+}
+
+StatusOr<std::shared_ptr<Engine>> Runtime::Current() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (engine_ == nullptr) return NotInitialized();
+  return engine_;
+}
+
+bool Runtime::IsInitialized() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_ != nullptr;
+}
+
+StatusOr<bool> Runtime::ThreadMultiple() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (engine_ == nullptr) return NotInitialized();
+  return thread_multiple_;
+}
+
+StatusOr<bool> Runtime::Homogeneous() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (engine_ == nullptr) return NotInitialized();
+  return homogeneous_;
+}
+
+StatusOr<std::shared_ptr<Engine>> Runtime::EngineFor(std::vector<CollectiveRequest>* requests) {
+  const int32_t id = (*requests)[0].process_set_id;
+  for (const CollectiveRequest& q : *requests)
+    if (q.process_set_id != id)
+      return Status::InvalidArgument("the members of a grouped collective name different process sets (" +
+                                     std::to_string(id) + " and " + std::to_string(q.process_set_id) + ")");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (engine_ == nullptr) return NotInitialized();
+  if (id == 0) return engine_;
+  return sets_.EngineFor(id, engine_->topology().rank, requests);
+}
+
+Status Runtime::Submit(std::vector<CollectiveRequest> requests, bool grouped) {
+  if (requests.empty()) return Status::InvalidArgument("EnqueueGroup needs at least one request");
+  for (CollectiveRequest& q : requests)
+    if (q.type == CollectiveType::kJoin && q.name.empty()) q.name = "nvgroup.join";
+  StatusOr<std::shared_ptr<Engine>> engine = EngineFor(&requests);
+  if (!engine.ok()) return engine.status();
+  const int size = engine.value()->size();
+  const uint64_t group_id = grouped && requests.size() > 1 ? GroupId(requests) : 0;
+  const double now = MonotonicSeconds();
+  Submission submission;
+  submission.group_id = group_id;
+  std::vector<TensorEntry>& entries = submission.entries;
+  entries.reserve(requests.size());
+  for (CollectiveRequest& q : requests) {
+    NVG_RETURN_IF_ERROR(ValidateRequest(q, size));
+    if (q.type == CollectiveType::kJoin && group_id != 0)
+      return Status::InvalidArgument("join cannot be part of a grouped collective");
+    TensorEntry& e = entries.emplace_back();  // built in place: the request moves once
+    e.group_index = static_cast<uint32_t>(entries.size() - 1);
+    RequestMessage& m = e.message;  // name and shape stay in e.request (TensorEntry::Report)
+    m.type = q.type;
+    m.dtype = q.dtype;
+    m.device_kind = q.device.kind;
+    m.op = q.op;
+    m.prescale_factor = q.prescale_factor;
+    m.postscale_factor = q.postscale_factor;
+    m.root_rank = q.root_rank;
+    m.group_id = group_id;
+    m.group_size = group_id != 0 ? static_cast<uint32_t>(requests.size()) : 0;
+    if (q.type == CollectiveType::kAlltoall)
+      m.splits = q.splits.empty() ? std::vector<int64_t>(size, q.shape[0] / size) : q.splits;
+    e.request = std::move(q);
+    e.enqueue_time = now;
+  }
+  return engine.value()->Submit(std::move(submission));
+}
+
+Status Runtime::Shutdown() {
+  std::lock_guard<std::mutex> registration(registration_mu_);
+  std::shared_ptr<Engine> engine;
+  std::map<int32_t, ProcessSetRegistry::Set> sets;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (engine_ != nullptr && engine_->OnEngineThread())
+      return Status::FailedPrecondition("nvgroup_tf.shutdown() was called from a collective's done "
+                                        "callback; call it from another thread");
+    engine.swap(engine_);
+    sets = sets_.TakeAll();
+  }
+  if (engine == nullptr) return Status::Ok();
+  // Sets first (each agrees on its own shutdown among its members), then set 0.
+  for (auto& [id, set] : sets)
+    if (set.engine != nullptr) (void)set.engine->Stop();
+  sets.clear();
+  Status stopped = engine->Stop();
+  NVG_RETURN_IF_ERROR(sets_.CloseControl());
+  return stopped;
+}
+
+Status Runtime::FinalizeMpi() {
+  NVG_RETURN_IF_ERROR(Shutdown());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!initialized_mpi_) return Status::Ok();
+  initialized_mpi_ = false;
+  int finalized = 0;
+  NVG_MPI_CHECK(MPI_Finalized(&finalized));
+  if (!finalized) NVG_MPI_CHECK(MPI_Finalize());
+  return Status::Ok();
+}
+
+void Runtime::Abort(const Status& reason) {
+  std::vector<std::shared_ptr<Engine>> engines;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (engine_ != nullptr) engines.push_back(engine_);
+    for (std::shared_ptr<Engine>& e : sets_.Engines()) engines.push_back(std::move(e));
+  }
+  for (auto& engine : engines) engine->Abort(reason);
+}
+
+void Runtime::PerturbStateDigest() {
+  std::shared_ptr<Engine> engine = Global();
+  if (engine != nullptr) engine->PerturbStateDigest();
+}
+
+// ---- Process sets (process_set_registry.h) -------------------------------------
+
+StatusOr<int32_t> Runtime::AddProcessSet(const std::vector<int>& ranks) {
+  std::lock_guard<std::mutex> registration(registration_mu_);
+  std::shared_ptr<Engine> global = Global();
+  if (global == nullptr) return NotInitialized();
+  const double timeout_s = std::max(kMinInitTimeoutS, knobs_.peer_timeout_s);
+  return sets_.Add(ranks, global->topology().rank, global->size(), knobs_, timeout_s);
+}
+
+Status Runtime::RemoveProcessSet(int32_t process_set_id) {
+  std::lock_guard<std::mutex> registration(registration_mu_);
+  std::shared_ptr<Engine> global = Global();
+  if (global == nullptr) return NotInitialized();
+  if (process_set_id == 0) return Status::InvalidArgument("remove_process_set: the global process set (0) cannot be removed");
+  const double timeout_s = std::max(kMinInitTimeoutS, knobs_.peer_timeout_s);
+  return sets_.Remove(process_set_id, global->size(), timeout_s);
+}
+
+StatusOr<std::vector<int>> Runtime::ProcessSetRanks(int32_t process_set_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (engine_ == nullptr) return NotInitialized();
+  if (process_set_id == 0) {
+    std::vector<int> all(engine_->size());
+    std::iota(all.begin(), all.end(), 0);
+    return all;
+  }
+  return sets_.Ranks(process_set_id);
+}
+
+std::vector<int32_t> Runtime::ProcessSetIds() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int32_t> ids;
+  if (engine_ == nullptr) return ids;
+  ids.push_back(0);
+  for (int32_t id : sets_.Ids()) ids.push_back(id);
+  return ids;
+}
+
+}  // namespace nvgroup

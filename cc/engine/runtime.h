@@ -1,0 +1,80 @@
+// The process's one nvgroup runtime (Runtime::Get): set 0's engine, the knobs
+// agreed at Init, what Init learned about MPI and the nodes, and the process
+// sets (process_set_registry.h). The public API (nvgroup/engine.h,
+// engine.cc) is a thin front over it; Runtime::Init is in init.cc.
+//
+// Locking: mu_ guards engine_ and the flags; a caller that needs set 0's
+// engine and a process set in one consistent view takes mu_ and then the
+// registry's own lock (never the other way round). registration_mu_
+// serializes the collective calls that change the sets (AddProcessSet,
+// RemoveProcessSet, Shutdown), which run their MPI outside mu_.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "common/env.h"
+#include "engine/background_loop.h"
+#include "engine/process_set_registry.h"
+#include "nvgroup/engine.h"
+
+namespace nvgroup {
+
+// Init's own collectives (and process-set registration's) wait at least this
+// long: ranks reach hvd.init() after importing TensorFlow, which takes tens of
+// seconds on a loaded host, so the peer timeout (meant for a running job)
+// would be too eager here.
+constexpr double kMinInitTimeoutS = 120.0;
+
+class Runtime {
+ public:
+  // The process's one runtime.
+  static Runtime& Get();
+
+  // nvgroup/engine.h's Init (init.cc): MPI, the engine's duplicate of the
+  // user's communicator, the knob agreement, the communicators and set 0's
+  // engine. OK at once when already initialized.
+  Status Init(const EngineOptions& options);
+  Status Shutdown();
+  Status FinalizeMpi();
+  bool IsInitialized();
+  // Set 0's engine, or kFailedPrecondition before Init.
+  StatusOr<std::shared_ptr<Engine>> Current();
+  StatusOr<bool> ThreadMultiple();
+  StatusOr<bool> Homogeneous();
+  // Validates `requests` (request_validation.h) and hands them to their
+  // process set's engine as one submission; `grouped`: EnqueueGroup.
+  Status Submit(std::vector<CollectiveRequest> requests, bool grouped);
+  // Aborts every engine of the process (engine_control.h).
+  void Abort(const Status& reason);
+  void PerturbStateDigest();
+
+  StatusOr<int32_t> AddProcessSet(const std::vector<int>& ranks);
+  Status RemoveProcessSet(int32_t process_set_id);
+  StatusOr<std::vector<int>> ProcessSetRanks(int32_t process_set_id);
+  std::vector<int32_t> ProcessSetIds();
+
+ private:
+  Runtime() = default;
+  // The engine of the requests' process set; broadcast roots (ranks of set 0,
+  // as in Horovod) are translated into ranks of the set.
+  StatusOr<std::shared_ptr<Engine>> EngineFor(std::vector<CollectiveRequest>* requests);
+  // Set 0's engine (null before Init), read under mu_.
+  std::shared_ptr<Engine> Global();
+
+  std::mutex mu_;
+  std::shared_ptr<Engine> engine_;  // set 0's
+  bool initialized_mpi_ = false;    // Init called MPI_Init_thread
+  bool thread_multiple_ = false;    // MPI_Query_thread == MPI_THREAD_MULTIPLE
+  bool homogeneous_ = false;        // every node has the same local size
+  Knobs knobs_;                     // agreed at Init; process sets' engines use the same
+  std::mutex registration_mu_;
+  ProcessSetRegistry sets_;
+};
+
+// "nvgroup_tf has not been initialized; call hvd.init() first".
+Status NotInitialized();
+
+}  // namespace nvgroup
