@@ -412,10 +412,9 @@ StatusOr<bool> AllRanksAsk(MPI_Comm comm, int size, bool wish, double timeout_s)
 // count, then one agreement so that a rank that could not create it (most
 // often: its GPU memory is taken) fails Init on every rank, named, instead of
 // leaving the others to time out in their first collective.
-StatusOr<std::unique_ptr<Communicator>> CreateCudaAtInit(MPI_Comm comm, int size,
-                                                         const CommunicatorOptions& copts,
+StatusOr<std::unique_ptr<Communicator>> CreateCudaAtInit(MPI_Comm comm, int size, const Knobs& knobs,
                                                          double timeout_s) {
-  StatusOr<std::unique_ptr<Communicator>> c = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cuda(-1), copts);
+  StatusOr<std::unique_ptr<Communicator>> c = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cuda(-1), knobs);
   std::atomic<bool> never{false};
   auto x = std::make_unique<FlagExchange>();
   x->mine = c.ok() ? 0 : 1;
@@ -487,12 +486,7 @@ Status Init(const EngineOptions& options) {
   }
   SetLogLevel(static_cast<LogLevel>(knobs.value().log_level));
 
-  CommunicatorOptions copts;
-  copts.group_size = knobs.value().group_size;
-  copts.pipeline_chunk_bytes = knobs.value().pipeline_chunk;
-  copts.timeout_seconds = knobs.value().peer_timeout_s;
-  copts.knobs = &knobs.value();  // parsed and agreed above: not read from the environment again
-  StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cpu(), copts);
+  StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cpu(), knobs.value());
   if (!cpu.ok()) {
     MPI_Comm_free(&comm);
     return cpu.status().WithContext("nvgroup_tf.init: creating the CPU communicator");
@@ -504,7 +498,7 @@ Status Init(const EngineOptions& options) {
     return everyone_cuda.status().WithContext("nvgroup_tf.init");
   }
   if (everyone_cuda.value()) {
-    StatusOr<std::unique_ptr<Communicator>> c = CreateCudaAtInit(comm, size, copts, timeout_s);
+    StatusOr<std::unique_ptr<Communicator>> c = CreateCudaAtInit(comm, size, knobs.value(), timeout_s);
     if (!c.ok()) {
       MPI_Comm_free(&comm);
       return c.status().WithContext("nvgroup_tf.init");
@@ -724,13 +718,9 @@ StatusOr<int32_t> AddProcessSet(const std::vector<int>& ranks) {
   MPI_Comm sub = MPI_COMM_NULL;
   NVG_MPI_CHECK(MPI_Comm_split(g_control, entry.my_rank >= 0 ? 0 : MPI_UNDEFINED, rank, &sub));
   if (entry.my_rank >= 0) {
-    CommunicatorOptions copts;
-    copts.group_size = g_knobs.group_size;
-    copts.pipeline_chunk_bytes = g_knobs.pipeline_chunk;
-    copts.timeout_seconds = g_knobs.peer_timeout_s;
     // NV-groups form inside the set (NVGROUP_GROUP_SIZE, when set, must divide
     // the set's ranks per node, else this fails naming it).
-    StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(sub), Device::Cpu(), copts);
+    StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(sub), Device::Cpu(), g_knobs);
     if (!cpu.ok()) {
       MPI_Comm_free(&sub);
       return cpu.status().WithContext("add_process_set " + RanksText(ranks) + ": creating the CPU communicator");

@@ -53,7 +53,7 @@ struct CollectiveRequest {
   int root_rank = 0;                // broadcast only (a rank of the process set)
   void* ready_event = nullptr;      // CUDA only: cudaEvent_t, may be nullptr
   DoneCallback done;
-  // CUDA only, optional (issue 11): called on an engine thread as soon as the
+  // CUDA only, optional: called on an engine thread as soon as the
   // request's work is enqueued on the engine's stream, before `done`, with a
   // cudaEvent_t recorded after the request's output is written (one event per
   // bucket). It is valid only during the call: make the consumer's stream wait

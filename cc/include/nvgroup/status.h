@@ -2,7 +2,7 @@
 // call up to the one conversion point in each front end (ops/ ToTfStatus, the
 // pybind11 module's exception translation, the benchmark's exit code).
 //
-// Rules (see ../../../../shared/STYLE.md §C):
+// Rules:
 //  * No exit/abort/throw inside the engine. Functions return Status or StatusOr.
 //  * Messages carry the failing library's own text and file:line (NVG_*_CHECK in
 //    cc/common/checks.h) and one line of context per level (NVG_RETURN_IF_ERROR).
