@@ -1,5 +1,5 @@
-// CreateCommunicator (nvgroup/communicator.h): picks the implementation for the
-// device. CPU: cc/cpu/cpu_communicator.h. CUDA: CreateCudaCommunicator
+// CreateCommunicator (nvgroup/communicator.h): checks the caller's settings and
+// picks the implementation for the device. CPU: cc/cpu/cpu_communicator.h. CUDA: CreateCudaCommunicator
 // (cc/device/cuda_communicator.h), given the host node split computed here,
 // when the build has NVGROUP_WITH_CUDA; otherwise kUnimplemented.
 #include <mpi.h>
@@ -18,6 +18,7 @@
 namespace nvgroup {
 
 StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(int64_t mpi_comm_fortran, Device device,
+                                                           const Knobs& knobs,
                                                            const CommunicatorOptions& options) {
   int initialized = 0, finalized = 0;
   NVG_MPI_CHECK(MPI_Initialized(&initialized));
@@ -31,23 +32,21 @@ StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(int64_t mpi_comm_fort
   if (comm == MPI_COMM_NULL)
     return Status::InvalidArgument("MPI communicator handle " + std::to_string(mpi_comm_fortran) +
                                    " is MPI_COMM_NULL");
-  if (options.group_size < 0)
-    return Status::InvalidArgument("CommunicatorOptions.group_size must be >= 0 (0 = detect), got " +
-                                   std::to_string(options.group_size));
-  if (options.timeout_seconds <= 0)
-    return Status::InvalidArgument("CommunicatorOptions.timeout_seconds must be positive, got " +
-                                   std::to_string(options.timeout_seconds));
-  StatusOr<Knobs> parsed = options.knobs != nullptr ? StatusOr<Knobs>(*options.knobs) : ParseKnobsFromEnvironment();
-  if (!parsed.ok()) return parsed.status();
-  CommunicatorOptions with_knobs = options;
-  with_knobs.knobs = &parsed.value();
+  // The parser validates the environment; these are the fields a caller may
+  // have overridden with values it could not hold.
+  if (knobs.group_size < 0)
+    return Status::InvalidArgument("Knobs.group_size must be >= 0 (0 = detect), got " +
+                                   std::to_string(knobs.group_size));
+  if (knobs.peer_timeout_s <= 0)
+    return Status::InvalidArgument("Knobs.peer_timeout_s must be positive, got " +
+                                   std::to_string(knobs.peer_timeout_s));
 
-  if (device.kind == DeviceKind::kCpu) return CreateCpuCommunicator(comm, with_knobs, parsed.value());
+  if (device.kind == DeviceKind::kCpu) return CreateCpuCommunicator(comm, knobs, options);
 #ifdef NVGROUP_WITH_CUDA
   Topology host_topology;
   TopologyComms comms;
   NVG_RETURN_IF_ERROR_CTX(SplitNodes(comm, &host_topology, &comms), "splitting ranks into nodes");
-  return CreateCudaCommunicator(comm, device.ordinal, with_knobs, host_topology);
+  return CreateCudaCommunicator(comm, device.ordinal, knobs, options, host_topology);
 #else
   return Status::Unimplemented("device " + device.ToString() +
                                " needs a CUDA build: rebuild with NVGROUP_WITH_CUDA=1");

@@ -291,4 +291,33 @@ void CrossExchange::ProgressLoop() {
   }
 }
 
+Status CrossJobs::CheckFree(size_t chunk_index) const {
+  const int k = static_cast<int>(chunk_index % 2);
+  if (in_flight_[k])
+    return Status::Internal("cross-group buffers of parity " + std::to_string(k) + " still in use");
+  return Status::Ok();
+}
+
+Status CrossJobs::Start(size_t chunk_index, CrossExchange::Job job) {
+  const int k = static_cast<int>(chunk_index % 2);
+  NVG_RETURN_IF_ERROR(cross_->Start(std::move(job), &ticket_[k]));
+  in_flight_[k] = true;
+  return Status::Ok();
+}
+
+Status CrossJobs::StartReduceScatter(size_t chunk_index, CrossExchange::ScatterJob job) {
+  const int k = static_cast<int>(chunk_index % 2);
+  NVG_RETURN_IF_ERROR(cross_->StartReduceScatter(std::move(job), &ticket_[k]));
+  in_flight_[k] = true;
+  return Status::Ok();
+}
+
+Status CrossJobs::Finish(size_t chunk_index, bool* waited) {
+  const int k = static_cast<int>(chunk_index % 2);
+  if (waited != nullptr) *waited = in_flight_[k];
+  if (!in_flight_[k]) return Status::Ok();
+  in_flight_[k] = false;
+  return cross_->Wait(ticket_[k]);
+}
+
 }  // namespace nvgroup

@@ -147,4 +147,31 @@ class CrossExchange {
   uint64_t next_ag_post_ = 0;
 };
 
+// The cross-step jobs of one skeleton call, by chunk parity, written once for
+// every primitives type (HostPrimitives, HostScatterPrimitives,
+// DevicePrimitives, DeviceScatterPrimitives). The skeletons
+// (cc/algorithms/hierarchical_allreduce.h, hierarchical_reduce_scatter.h) keep
+// two chunks in the cross step: chunk c reuses the buffers of chunk c - 2,
+// which CrossFinish(c - 2) released. A chunk with nothing for this rank's
+// group rank starts no job (the same on every peer); its Finish waits for
+// nothing.
+class CrossJobs {
+ public:
+  explicit CrossJobs(CrossExchange* cross) : cross_(cross) {}
+
+  // kInternal when the buffers of the chunk's parity still belong to a job.
+  Status CheckFree(size_t chunk_index) const;
+  // Queue the chunk's job (CrossExchange::Start / StartReduceScatter).
+  Status Start(size_t chunk_index, CrossExchange::Job job);
+  Status StartReduceScatter(size_t chunk_index, CrossExchange::ScatterJob job);
+  // The primitives' CrossFinish: waits for the chunk's job if one was started
+  // (*waited, when given, says whether) and releases its buffers.
+  Status Finish(size_t chunk_index, bool* waited = nullptr);
+
+ private:
+  CrossExchange* cross_;
+  bool in_flight_[2] = {false, false};  // a job of that parity was started
+  uint64_t ticket_[2] = {0, 0};
+};
+
 }  // namespace nvgroup

@@ -205,6 +205,14 @@ class RowScatterPlan {
     for (int j = 0; j < peers_; ++j) s += PartCount(ch, j);
     return s;
   }
+  // PartCount(ch, j) for every peer j (the cross step's part counts).
+  void PartCounts(const RowChunk& ch, std::vector<size_t>* parts) const {
+    parts->resize(peers_);
+    for (int j = 0; j < peers_; ++j) (*parts)[j] = PartCount(ch, j);
+  }
+  // Where our own part of `ch` (PartCount(ch, me())) lands in this rank's
+  // output, elements.
+  size_t MyPartOffset(const RowChunk& ch) const { return PartBegin(ch, me_) - my_offset(); }
 
  private:
   int RankOf(int j, int l) const { return owners_->rank_of[static_cast<size_t>(j) * owners_->group_size + l]; }

@@ -1,11 +1,19 @@
 #include "common/collective_args.h"
 
+#include <algorithm>
 #include <climits>
 #include <string>
 
 #include "common/checks.h"
+#include "common/env.h"
 
 namespace nvgroup {
+
+size_t RegisteredBytes(const CommunicatorOptions& options, const Knobs& knobs) {
+  constexpr size_t kMinDefault = size_t{64} << 20;
+  return options.registered_bytes > 0 ? options.registered_bytes
+                                      : std::max(knobs.fusion_threshold, kMinDefault);
+}
 
 bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);

@@ -1,7 +1,7 @@
 // Argument checks of the collectives, written once for the CPU and the CUDA
-// communicator (cc/cpu/cpu_communicator.cc, cc/device/cuda_communicator_cuda.cc)
+// communicator (cc/cpu/cpu_communicator.cc, cc/device/cuda_communicator_*_cuda.cc)
 // so both reject the same misuse with the same words (communicator.h states
-// the rules).
+// the rules), and the registered buffer's size both create.
 #pragma once
 
 #include <mpi.h>
@@ -10,9 +10,16 @@
 #include <cstdint>
 #include <vector>
 
+#include "nvgroup/communicator.h"
 #include "nvgroup/status.h"
 
 namespace nvgroup {
+
+struct Knobs;  // cc/common/env.h
+
+// Bytes of the registered buffer per rank: options.registered_bytes, or by
+// default knobs.fusion_threshold or 64 MiB, whichever is larger.
+size_t RegisteredBytes(const CommunicatorOptions& options, const Knobs& knobs);
 
 // Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte.
 bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes);

@@ -38,7 +38,7 @@ class CpuCommunicator final : public Communicator {
     if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
 
-  Status Init(MPI_Comm comm, const CommunicatorOptions& options, const Knobs& knobs);
+  Status Init(MPI_Comm comm, const Knobs& knobs, const CommunicatorOptions& options);
 
   const Topology& topology() const override { return topo_; }
   Device device() const override { return Device::Cpu(); }
@@ -106,21 +106,16 @@ class CpuCommunicator final : public Communicator {
   std::unique_ptr<CrossExchange> cross_;
 };
 
-Status CpuCommunicator::Init(MPI_Comm comm, const CommunicatorOptions& options, const Knobs& knobs) {
+Status CpuCommunicator::Init(MPI_Comm comm, const Knobs& knobs, const CommunicatorOptions& options) {
   NVG_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
   // Errors come back as return codes (NVG_MPI_CHECK) instead of aborting the job;
   // the sub-communicators split from comm_ inherit this.
   NVG_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
   NVG_RETURN_IF_ERROR_CTX(SplitNodes(comm_, &topo_, &comms_), "splitting ranks into nodes");
-  const bool from_options = options.group_size > 0;
-  NVG_RETURN_IF_ERROR(SplitGroups(comm_, from_options ? options.group_size : knobs.group_size,
-                                  from_options ? "group_size" : "NVGROUP_GROUP_SIZE", &topo_,
-                                  &comms_));
+  NVG_RETURN_IF_ERROR(SplitGroups(comm_, knobs.group_size, "NVGROUP_GROUP_SIZE", &topo_, &comms_));
   algorithm_ = knobs.algorithm;
-  chunk_bytes_ = options.pipeline_chunk_bytes > 0 ? options.pipeline_chunk_bytes : knobs.pipeline_chunk;
-  const size_t registered_bytes = options.registered_bytes > 0
-                                      ? options.registered_bytes
-                                      : std::max<size_t>(knobs.fusion_threshold, size_t{64} << 20);
+  chunk_bytes_ = knobs.pipeline_chunk;
+  const size_t registered_bytes = RegisteredBytes(options, knobs);
   // One float64 element at least, so every dtype can move through it in pieces.
   if (registered_bytes < sizeof(double))
     return Status::InvalidArgument("registered_bytes=" + std::to_string(registered_bytes) +
@@ -128,7 +123,7 @@ Status CpuCommunicator::Init(MPI_Comm comm, const CommunicatorOptions& options, 
   std::vector<int> global_ranks(topo_.group_size);
   NVG_MPI_CHECK(MPI_Allgather(&topo_.rank, 1, MPI_INT, global_ranks.data(), 1, MPI_INT, comms_.group));
   StatusOr<std::unique_ptr<ShmGroup>> shm =
-      ShmGroup::Create(comms_.group, global_ranks, registered_bytes, options.timeout_seconds, &aborted_);
+      ShmGroup::Create(comms_.group, global_ranks, registered_bytes, knobs.peer_timeout_s, &aborted_);
   if (!shm.ok()) return shm.status().WithContext("setting up the group's shared memory");
   shm_ = shm.consume();
   if (topo_.group_count > 1) {
@@ -511,11 +506,10 @@ Status CpuCommunicator::BatchedScaledCopy(const CopySpec* copies, size_t num_cop
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(MPI_Comm comm,
-                                                              const CommunicatorOptions& options,
-                                                              const Knobs& knobs) {
+StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(MPI_Comm comm, const Knobs& knobs,
+                                                              const CommunicatorOptions& options) {
   auto c = std::make_unique<CpuCommunicator>();
-  NVG_RETURN_IF_ERROR_CTX(c->Init(comm, options, knobs), "creating the CPU communicator");
+  NVG_RETURN_IF_ERROR_CTX(c->Init(comm, knobs, options), "creating the CPU communicator");
   return std::unique_ptr<Communicator>(std::move(c));
 }
 

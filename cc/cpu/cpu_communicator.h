@@ -21,15 +21,16 @@
 // hierarchical_reduce_scatter.h) over HostScatterPrimitives; the flat
 // algorithm: OrderedAllreduce, then this rank's rows.
 // Allgatherv and Broadcast are plain MPI (after a cross-rank argument check).
-// Knobs read at creation (cc/common/env.h): NVGROUP_GROUP_SIZE,
-// NVGROUP_ALLREDUCE_ALGORITHM, NVGROUP_PIPELINE_CHUNK (chunk of the skeleton and
-// piece of the flat path), NVGROUP_FUSION_THRESHOLD (default registered size);
-// CommunicatorOptions fields, where set, take precedence.
+// Settings, from the Knobs it is created with (cc/common/env.h; nothing else
+// is read): group_size, algorithm, pipeline_chunk (chunk of the skeleton and
+// piece of the flat path), peer_timeout_s (the shared-memory waits) and
+// fusion_threshold (the default registered size; CommunicatorOptions::
+// registered_bytes sets it instead).
 // Threads: one thread at a time calls the collectives (the engine's background
 // thread); Abort may be called from any thread.
 //
 // Note [Blocking MPI steps]
-// Abort() and timeout_seconds bound the shared-memory waits (ShmGroup). The MPI
+// Abort() and the peer timeout bound the shared-memory waits (ShmGroup). The MPI
 // steps (flat path, allgatherv, broadcast) are blocking MPI calls; the
 // cross-group step's nonblocking collectives (CrossExchange) are always
 // completed, never abandoned. Completing them with a timeout was tried and rejected,
@@ -69,8 +70,7 @@ namespace nvgroup {
 
 // Creates the CPU communicator over `comm` (duplicated; the caller keeps its
 // own). Collective over `comm`.
-StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(MPI_Comm comm,
-                                                              const CommunicatorOptions& options,
-                                                              const Knobs& knobs);
+StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(MPI_Comm comm, const Knobs& knobs,
+                                                              const CommunicatorOptions& options);
 
 }  // namespace nvgroup

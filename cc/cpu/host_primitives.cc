@@ -18,7 +18,8 @@ HostPrimitives::HostPrimitives(const Topology& topo, ShmGroup* shm, CrossExchang
       op_(op),
       esize_(DataTypeSize(dtype)),
       cross_scratch_(cross_scratch),
-      final_divisor_(op == ReduceOp::kAverage ? topo.size : 1) {}
+      final_divisor_(op == ReduceOp::kAverage ? topo.size : 1),
+      jobs_(cross) {}
 
 Status HostPrimitives::ReduceOwnSlice(const ChunkSlices& chunk, int average_divisor) {
   const int me = topo_.group_rank;
@@ -62,10 +63,8 @@ Status HostPrimitives::CrossStart(const ChunkSlices& chunk) {
   const size_t n = chunk.SliceCount(me);
   if (n == 0) return Status::Ok();  // the same on every peer (same slice geometry)
   if (cross_ == nullptr) return Status::Internal("cross-group step without a CrossExchange");
-  const int k = static_cast<int>(chunk.index % 2);
-  if (in_flight_[k]) return Status::Internal("cross-group buffers of parity " + std::to_string(k) +
-                                             " still in use");
-  std::vector<char>& scratch = cross_scratch_[k];
+  NVG_RETURN_IF_ERROR(jobs_.CheckFree(chunk.index));
+  std::vector<char>& scratch = cross_scratch_[chunk.index % 2];
   scratch.resize(std::max(scratch.size(), cross_->RecvBytes(n, esize_)));
   char* slice = shm_->buffer(me) + chunk.SliceOffset(me) * esize_;
   CrossExchange::Job job;
@@ -75,17 +74,10 @@ Status HostPrimitives::CrossStart(const ChunkSlices& chunk) {
   job.count = n;
   job.element_size = esize_;
   job.fold = ContiguousHostFold(dtype_, op_, final_divisor_);
-  NVG_RETURN_IF_ERROR(cross_->Start(std::move(job), &ticket_[k]));
-  in_flight_[k] = true;
-  return Status::Ok();
+  return jobs_.Start(chunk.index, std::move(job));
 }
 
-Status HostPrimitives::CrossFinish(const ChunkSlices& chunk) {
-  const int k = static_cast<int>(chunk.index % 2);
-  if (!in_flight_[k]) return Status::Ok();
-  in_flight_[k] = false;
-  return cross_->Wait(ticket_[k]);
-}
+Status HostPrimitives::CrossFinish(const ChunkSlices& chunk) { return jobs_.Finish(chunk.index); }
 
 Status HostPrimitives::GroupAllgather(const ChunkSlices& chunk, void* out) {
   NVG_RETURN_IF_ERROR(
@@ -107,7 +99,8 @@ HostScatterPrimitives::HostScatterPrimitives(const Topology& topo, ShmGroup* shm
       dtype_(dtype),
       op_(op),
       esize_(DataTypeSize(dtype)),
-      buf_(buffers) {
+      buf_(buffers),
+      jobs_(cross) {
   buf_->sources.resize(topo.group_size);
 }
 
@@ -139,36 +132,26 @@ Status HostScatterPrimitives::GroupFold(const RowChunk& chunk) {
 }
 
 Status HostScatterPrimitives::CrossStart(const RowChunk& chunk) {
-  const int k = static_cast<int>(chunk.index % 2);
-  if (in_flight_[k])
-    return Status::Internal("cross-group buffers of parity " + std::to_string(k) + " still in use");
+  NVG_RETURN_IF_ERROR(jobs_.CheckFree(chunk.index));
   if (plan_.SendCount(chunk) == 0) return Status::Ok();  // nothing for our group rank: every peer skips
   if (cross_ == nullptr) return Status::Internal("cross-group step without a CrossExchange");
-  const int P = plan_.peers();
+  const int k = static_cast<int>(chunk.index % 2);
   std::vector<size_t>& parts = buf_->parts[k];
-  parts.resize(P);
-  for (int j = 0; j < P; ++j) parts[j] = plan_.PartCount(chunk, j);
+  plan_.PartCounts(chunk, &parts);
   const size_t mine = parts[plan_.me()];
   std::vector<char>& recv = buf_->recv[k];
-  recv.resize(std::max(recv.size(), std::max<size_t>(1, mine * P * esize_)));
+  recv.resize(std::max(recv.size(), std::max<size_t>(1, mine * plan_.peers() * esize_)));
   CrossExchange::ScatterJob job;
   job.send = buf_->send[k].data();
   job.part_counts = parts.data();
   job.recv = recv.data();
-  job.result = mine > 0 ? out_ + (plan_.PartBegin(chunk, plan_.me()) - plan_.my_offset()) * esize_ : nullptr;
+  job.result = mine > 0 ? out_ + plan_.MyPartOffset(chunk) * esize_ : nullptr;
   job.element_size = esize_;
   job.fold = ContiguousHostFold(dtype_, op_, op_ == ReduceOp::kAverage ? topo_.size : 1);
-  NVG_RETURN_IF_ERROR(cross_->StartReduceScatter(std::move(job), &ticket_[k]));
-  in_flight_[k] = true;
-  return Status::Ok();
+  return jobs_.StartReduceScatter(chunk.index, std::move(job));
 }
 
-Status HostScatterPrimitives::CrossFinish(const RowChunk& chunk) {
-  const int k = static_cast<int>(chunk.index % 2);
-  if (!in_flight_[k]) return Status::Ok();
-  in_flight_[k] = false;
-  return cross_->Wait(ticket_[k]);
-}
+Status HostScatterPrimitives::CrossFinish(const RowChunk& chunk) { return jobs_.Finish(chunk.index); }
 
 Status HostScatterPrimitives::Finish() {
   if (topo_.group_size > 1) NVG_RETURN_IF_ERROR(shm_->Barrier("reducescatter: reads done"));

@@ -74,8 +74,7 @@ class HostPrimitives {
   size_t esize_;
   std::vector<char>* cross_scratch_;  // [2], by chunk parity
   int final_divisor_;  // divisor of the fold that produces the final value
-  bool in_flight_[2] = {false, false};  // a cross job of that parity was started
-  uint64_t ticket_[2] = {0, 0};
+  CrossJobs jobs_;
 };
 
 // The CPU primitives of the hierarchical reduce-scatter
@@ -128,8 +127,7 @@ class HostScatterPrimitives {
   ReduceOp op_;
   size_t esize_;
   HostScatterBuffers* buf_;
-  bool in_flight_[2] = {false, false};
-  uint64_t ticket_[2] = {0, 0};
+  CrossJobs jobs_;
 };
 
 }  // namespace nvgroup

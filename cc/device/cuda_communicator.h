@@ -9,7 +9,7 @@
 //      (cc/device/ipc_cuda.cc);
 //   3. the communicator owns one stream: every collective runs there, joined
 //      to the caller's stream with events (Note [Internal stream] in
-//      cuda_communicator_cuda.cc; communicator.h has the stream contract).
+//      cuda_communicator_setup_cuda.cc; communicator.h has the stream contract).
 // Allreduce runs the one skeleton (cc/algorithms/hierarchical_allreduce.h) with
 // DevicePrimitives (cc/device/device_primitives.h): one group -> the one-shot
 // or two-shot NVLink kernel (cc/kernels/p2p_allreduce.cuh); several groups ->
@@ -34,6 +34,7 @@
 
 #include <memory>
 
+#include "common/env.h"
 #include "nvgroup/communicator.h"
 #include "nvgroup/status.h"
 
@@ -42,7 +43,11 @@ namespace nvgroup {
 // `host_topology` carries the node split computed by the caller (rank, size,
 // local_rank/local_size, node_index/node_count); the group fields are filled in
 // here from peer access. `device_ordinal` < 0 means local_rank % device count.
+// Every setting comes from `knobs` (group_size, one_gpu_group, pipeline_chunk,
+// algorithm, oneshot_max_bytes, peer_timeout_s, fusion_threshold; see
+// communicator.h "Settings"), the registered size from `options`.
 StatusOr<std::unique_ptr<Communicator>> CreateCudaCommunicator(MPI_Comm comm, int device_ordinal,
+                                                               const Knobs& knobs,
                                                                const CommunicatorOptions& options,
                                                                const Topology& host_topology);
 

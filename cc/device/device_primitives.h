@@ -23,13 +23,16 @@
 //     returned[k], so the AG kernel of c (whose start barrier is what lets the
 //     peers read our slice) runs after the copy landed.
 // So D2H(c+1), MPI(c) and H2D(c-1) are in flight together on two copy streams
-// and the progress thread, while the caller's thread only issues work.
+// and the progress thread, while the caller's thread only issues work. The
+// device side of that job (staging, readiness, fold, copy back) is written
+// once for both primitives types (StageCrossJob in device_primitives_cuda.cc);
+// the jobs in flight are kept by CrossJobs (cc/algorithms/cross_exchange.h).
 // CUDA-aware MPI (MPIX_Query_cuda_support): the same job on device memory:
 // send = result = the slice, recv = device_recv[k]; ready = reduce_scattered[k]
 // completed; the fold is the device fold kernel on fold_stream, synchronized
 // before the allgatherv; nothing to copy back.
 // The kernels run on the communicator's own stream (Note [Internal stream] in
-// cuda_communicator_cuda.cc).
+// cuda_communicator_setup_cuda.cc).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,6 +48,7 @@
 #include "algorithms/hierarchical_reduce_scatter.h"
 #include "device/ipc.h"
 #include "kernels/kernels.h"
+#include "kernels/reduce_scatter.h"
 #include "nvgroup/communicator.h"
 #include "nvgroup/status.h"
 #include "nvgroup/types.h"
@@ -103,6 +107,15 @@ struct DeviceGroup {
   std::vector<size_t> row_parts[2];
 };
 
+// The row reduce-scatter kernel's launch (cc/kernels/reduce_scatter.cu) over
+// the group's registered buffers for one piece of `count` elements, written
+// once for the communicator's one-group ReduceScatter and the hierarchical
+// reduce-scatter's group fold: one thread per 16-byte unit of the piece,
+// capped at min(twoshot_blocks, row_block_cap) blocks (the same on every
+// member). The caller sets in, starts_call and the ranges.
+RowScatterLaunch RowScatterLaunchFor(const DeviceGroup& group, DataType dtype, ReduceOp op, int divisor,
+                                     size_t count, int row_block_cap);
+
 class DevicePrimitives {
  public:
   // `in` is the call's input: in the registered buffer at `registered_offset`
@@ -131,8 +144,7 @@ class DevicePrimitives {
   ReduceOp op_;
   size_t esize_;
   cudaStream_t stream_;
-  bool in_flight_[2] = {false, false};  // a cross job of that parity was started
-  uint64_t ticket_[2] = {0, 0};
+  CrossJobs jobs_;
 };
 
 // The CUDA primitives of the hierarchical reduce-scatter
@@ -178,8 +190,7 @@ class DeviceScatterPrimitives {
   size_t esize_;
   int row_block_cap_;
   cudaStream_t stream_;
-  bool in_flight_[2] = {false, false};
-  uint64_t ticket_[2] = {0, 0};
+  CrossJobs jobs_;
 };
 
 }  // namespace nvgroup

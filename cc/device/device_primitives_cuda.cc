@@ -20,7 +20,8 @@ DevicePrimitives::DevicePrimitives(DeviceGroup* group, const void* in, bool in_r
       dtype_(dtype),
       op_(op),
       esize_(DataTypeSize(dtype)),
-      stream_(stream) {}
+      stream_(stream),
+      jobs_(group->cross.get()) {}
 
 char* DevicePrimitives::Registered(int member) const {
   return group_->region->data(member) + registered_offset_;
@@ -102,6 +103,77 @@ Status EventDone(cudaEvent_t e, bool* done) {
   return Status::Ok();
 }
 
+// The device side of the cross-step job of chunk c (k = c % 2), written once
+// for the allreduce (CrossExchange::Job: `device_send` and `device_result` are
+// both the chunk's slice) and the reduce-scatter (ScatterJob: `device_send` is
+// row_send[k], `device_result` our part of `out`, nullptr when it is empty).
+// The job sends `send_bytes` bytes from `device_send`; `result_bytes` bytes of
+// its result belong at `device_result`. The caller fills in the counts.
+//  * CUDA-aware MPI: the job works on device memory: send = device_send,
+//    recv = device_recv[k], result = device_result; ready once
+//    reduce_scattered[k] (the kernel that wrote device_send) completed; the
+//    fold is the device fold kernel on fold_stream, synchronized before the
+//    job goes on (allreduce: the allgatherv reads the fold's result;
+//    reduce-scatter: `out` is final when the job finished).
+//  * Host-staged: cross_stream waits for reduce_scattered[k], copies
+//    device_send into pinned host_send[k] and records staged[k]; the job
+//    runs on host_send[k] / host_recv[k] / host_result[k], ready once
+//    staged[k] and returned[k] (the copy of chunk c - 2 out of
+//    host_result[k]) completed, with the host fold (ReduceFold, the CPU
+//    path's contract); when it is done, h2d_stream copies host_result[k]
+//    into device_result and records returned[k].
+template <class CrossJob>
+Status StageCrossJob(DeviceGroup* g, int k, const char* device_send, size_t send_bytes, char* device_result,
+                     size_t result_bytes, DataType dtype, ReduceOp op, int divisor, CrossJob* job) {
+  const int device = g->device;
+  if (g->cuda_aware_mpi) {
+    job->send = device_send;
+    job->recv = g->device_recv[k];
+    job->result = device_result;
+    cudaEvent_t rs = g->reduce_scattered[k];
+    job->ready = [device, rs](bool* ready) {
+      NVG_CUDA_CHECK(cudaSetDevice(device));
+      return EventDone(rs, ready);  // what the job sends is final (the kernel that wrote it finished)
+    };
+    cudaStream_t fs = g->fold_stream;
+    job->fold = [device, fs, dtype, op, divisor](const void* src, int num, void* dst, size_t count) {
+      NVG_CUDA_CHECK(cudaSetDevice(device));
+      NVG_RETURN_IF_ERROR(LaunchFoldSources(src, num, dst, count, dtype, op, divisor, fs));
+      NVG_CUDA_CHECK(cudaStreamSynchronize(fs));  // orders: the fold's result is final before the job goes on
+      return Status::Ok();
+    };
+    return Status::Ok();
+  }
+  // orders: device_send is read only after the kernel of this chunk that wrote it
+  NVG_CUDA_CHECK(cudaStreamWaitEvent(g->cross_stream, g->reduce_scattered[k], 0));
+  NVG_CUDA_CHECK(cudaMemcpyAsync(g->host_send[k], device_send, send_bytes, cudaMemcpyDeviceToHost,
+                                 g->cross_stream));
+  NVG_CUDA_CHECK(cudaEventRecord(g->staged[k], g->cross_stream));
+  job->send = g->host_send[k];
+  job->recv = g->host_recv[k];
+  job->result = g->host_result[k];
+  cudaEvent_t staged = g->staged[k], returned = g->returned[k];
+  job->ready = [device, staged, returned](bool* ready) {
+    NVG_CUDA_CHECK(cudaSetDevice(device));
+    // orders: host_send[k] holds what the job sends, and host_result[k]
+    // (which this job writes) was copied out for chunk index-2
+    NVG_RETURN_IF_ERROR(EventDone(staged, ready));
+    if (*ready) NVG_RETURN_IF_ERROR(EventDone(returned, ready));
+    return Status::Ok();
+  };
+  job->fold = ContiguousHostFold(dtype, op, divisor);
+  char* host_result = g->host_result[k];
+  cudaStream_t h2d = g->h2d_stream;
+  job->done = [device, device_result, host_result, result_bytes, h2d, returned]() {
+    NVG_CUDA_CHECK(cudaSetDevice(device));
+    if (result_bytes > 0)
+      NVG_CUDA_CHECK(cudaMemcpyAsync(device_result, host_result, result_bytes, cudaMemcpyHostToDevice, h2d));
+    NVG_CUDA_CHECK(cudaEventRecord(returned, h2d));
+    return Status::Ok();
+  };
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status DevicePrimitives::CrossStart(const ChunkSlices& chunk) {
@@ -121,75 +193,23 @@ Status DevicePrimitives::CrossStart(const ChunkSlices& chunk) {
     return Status::Internal("cross-group slice of " + std::to_string(bytes) +
                             " bytes exceeds the exchange buffer of " +
                             std::to_string(group_->slice_capacity));
-  const int k = static_cast<int>(chunk.index % 2);
-  if (in_flight_[k])
-    return Status::Internal("cross-group buffers of parity " + std::to_string(k) + " still in use");
-  DeviceGroup* g = group_;
-  const int device = g->device;
-  const DataType dtype = dtype_;
-  const ReduceOp op = op_;
+  NVG_RETURN_IF_ERROR(jobs_.CheckFree(chunk.index));
   CrossExchange::Job job;
   job.count = n;
   job.element_size = esize_;
-  if (g->cuda_aware_mpi) {
-    job.send = slice;
-    job.recv = g->device_recv[k];
-    job.result = slice;
-    cudaEvent_t rs = g->reduce_scattered[k];
-    job.ready = [device, rs](bool* ready) {
-      NVG_CUDA_CHECK(cudaSetDevice(device));
-      return EventDone(rs, ready);  // the slice is final (its RS kernel finished)
-    };
-    cudaStream_t fs = g->fold_stream;
-    job.fold = [device, fs, dtype, op, divisor](const void* src, int num, void* dst, size_t count) {
-      NVG_CUDA_CHECK(cudaSetDevice(device));
-      NVG_RETURN_IF_ERROR(LaunchFoldSources(src, num, dst, count, dtype, op, divisor, fs));
-      NVG_CUDA_CHECK(cudaStreamSynchronize(fs));  // orders: the allgatherv reads the fold's result
-      return Status::Ok();
-    };
-  } else {
-    // orders: the slice is read only after this chunk's reduce-scatter kernel
-    NVG_CUDA_CHECK(cudaStreamWaitEvent(g->cross_stream, g->reduce_scattered[k], 0));
-    NVG_CUDA_CHECK(cudaMemcpyAsync(g->host_send[k], slice, bytes, cudaMemcpyDeviceToHost,
-                                   g->cross_stream));
-    NVG_CUDA_CHECK(cudaEventRecord(g->staged[k], g->cross_stream));
-    job.send = g->host_send[k];
-    job.recv = g->host_recv[k];
-    job.result = g->host_result[k];
-    cudaEvent_t staged = g->staged[k], returned = g->returned[k];
-    job.ready = [device, staged, returned](bool* ready) {
-      NVG_CUDA_CHECK(cudaSetDevice(device));
-      // orders: send[k] holds the slice, and result[k] (written by this job's
-      // fold and allgatherv) was copied back for chunk index-2
-      NVG_RETURN_IF_ERROR(EventDone(staged, ready));
-      if (*ready) NVG_RETURN_IF_ERROR(EventDone(returned, ready));
-      return Status::Ok();
-    };
-    job.fold = ContiguousHostFold(dtype, op, divisor);
-    char* result = g->host_result[k];
-    cudaStream_t h2d = g->h2d_stream;
-    job.done = [device, slice, result, bytes, h2d, returned]() {
-      NVG_CUDA_CHECK(cudaSetDevice(device));
-      NVG_CUDA_CHECK(cudaMemcpyAsync(slice, result, bytes, cudaMemcpyHostToDevice, h2d));
-      NVG_CUDA_CHECK(cudaEventRecord(returned, h2d));
-      return Status::Ok();
-    };
-  }
-  NVG_RETURN_IF_ERROR(g->cross->Start(std::move(job), &ticket_[k]));
-  in_flight_[k] = true;
-  return Status::Ok();
+  NVG_RETURN_IF_ERROR(StageCrossJob(group_, static_cast<int>(chunk.index % 2), slice, bytes, slice, bytes,
+                                    dtype_, op_, divisor, &job));
+  return jobs_.Start(chunk.index, std::move(job));
 }
 
 Status DevicePrimitives::CrossFinish(const ChunkSlices& chunk) {
-  const int k = static_cast<int>(chunk.index % 2);
-  if (!in_flight_[k]) return Status::Ok();
-  in_flight_[k] = false;
-  NVG_RETURN_IF_ERROR(group_->cross->Wait(ticket_[k]));
+  bool waited = false;
+  NVG_RETURN_IF_ERROR(jobs_.Finish(chunk.index, &waited));
   // orders: the allgather kernel reads the slice after the copy back landed
   // (returned[k] was recorded before the job finished; CUDA-aware: the slice
   // was written host-synchronously, nothing to wait for)
-  if (!group_->cuda_aware_mpi)
-    NVG_CUDA_CHECK(cudaStreamWaitEvent(stream_, group_->returned[k], 0));
+  if (waited && !group_->cuda_aware_mpi)
+    NVG_CUDA_CHECK(cudaStreamWaitEvent(stream_, group_->returned[chunk.index % 2], 0));
   return Status::Ok();
 }
 
@@ -209,6 +229,31 @@ Status DevicePrimitives::GroupAllgather(const ChunkSlices& chunk, void* out) {
   return LaunchTwoShotAllreduce(a, stream_);
 }
 
+RowScatterLaunch RowScatterLaunchFor(const DeviceGroup& g, DataType dtype, ReduceOp op, int divisor,
+                                     size_t count, int row_block_cap) {
+  RowScatterLaunch l;
+  P2pLaunch& a = l.base;
+  const int G = g.topo.group_size;
+  for (int p = 0; p < G; ++p) {
+    a.peers.flags[p] = g.region->flags(p);
+    a.peers.data[p] = g.region->data(p);
+  }
+  a.group_size = G;
+  a.group_rank = g.topo.group_rank;
+  a.dtype = dtype;
+  a.op = op;
+  a.divisor = divisor;
+  a.count = count;
+  // One thread per 16-byte unit of the piece, capped (the same on every member).
+  const size_t units = (count * DataTypeSize(dtype) + 15) / 16;
+  const size_t want = (units + kThreadsPerBlock - 1) / kThreadsPerBlock;
+  const int cap = std::max(1, std::min(g.tuning.twoshot_blocks, row_block_cap));
+  a.blocks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(want, cap)));
+  a.control = g.control_device;
+  a.timeout_ns = g.timeout_ns;
+  return l;
+}
+
 DeviceScatterPrimitives::DeviceScatterPrimitives(DeviceGroup* group, const void* in, bool in_registered,
                                                  void* out, DataType dtype, ReduceOp op, int row_block_cap,
                                                  cudaStream_t stream)
@@ -221,7 +266,8 @@ DeviceScatterPrimitives::DeviceScatterPrimitives(DeviceGroup* group, const void*
       op_(op),
       esize_(DataTypeSize(dtype)),
       row_block_cap_(row_block_cap),
-      stream_(stream) {}
+      stream_(stream),
+      jobs_(group->cross.get()) {}
 
 Status DeviceScatterPrimitives::GroupFold(const RowChunk& chunk) {
   DeviceGroup* g = group_;
@@ -243,26 +289,9 @@ Status DeviceScatterPrimitives::GroupFold(const RowChunk& chunk) {
       send += n * esize_;
     }
   } else {
-    const int G = topo.group_size;
-    RowScatterLaunch l;
+    // divisor 1: the fold over groups divides
+    RowScatterLaunch l = RowScatterLaunchFor(*g, dtype_, op_, 1, chunk.piece_count, row_block_cap_);
     P2pLaunch& a = l.base;
-    for (int p = 0; p < G; ++p) {
-      a.peers.flags[p] = g->region->flags(p);
-      a.peers.data[p] = g->region->data(p);
-    }
-    a.group_size = G;
-    a.group_rank = topo.group_rank;
-    a.dtype = dtype_;
-    a.op = op_;
-    a.divisor = 1;  // the fold over groups divides
-    a.count = chunk.piece_count;
-    // One thread per 16-byte unit of the piece, capped (the same on every member).
-    const size_t units = (chunk.piece_count * esize_ + 15) / 16;
-    const size_t want = (units + kThreadsPerBlock - 1) / kThreadsPerBlock;
-    const int cap = std::max(1, std::min(g->tuning.twoshot_blocks, row_block_cap_));
-    a.blocks = static_cast<int>(std::max<size_t>(1, std::min<size_t>(want, cap)));
-    a.control = g->control_device;
-    a.timeout_ns = g->timeout_ns;
     for (int j0 = 0; j0 < P; j0 += kMaxRowRanges) {
       const bool copy_in = chunk.first_of_piece() && j0 == 0 && !in_registered_;
       a.in = copy_in ? in_ + chunk.piece_begin * esize_ : nullptr;
@@ -287,82 +316,25 @@ Status DeviceScatterPrimitives::GroupFold(const RowChunk& chunk) {
 
 Status DeviceScatterPrimitives::CrossStart(const RowChunk& chunk) {
   DeviceGroup* g = group_;
-  const int k = static_cast<int>(chunk.index % 2);
-  if (in_flight_[k])
-    return Status::Internal("cross-group buffers of parity " + std::to_string(k) + " still in use");
+  NVG_RETURN_IF_ERROR(jobs_.CheckFree(chunk.index));
   const size_t send_bytes = plan_.SendCount(chunk) * esize_;
   if (send_bytes == 0) return Status::Ok();  // nothing for our group rank: every peer skips
   if (g->cross == nullptr) return Status::Internal("cross-group step without a CrossExchange");
-  const int P = plan_.peers();
+  const int k = static_cast<int>(chunk.index % 2);
   std::vector<size_t>& parts = g->row_parts[k];
-  parts.resize(P);
-  for (int j = 0; j < P; ++j) parts[j] = plan_.PartCount(chunk, j);
+  plan_.PartCounts(chunk, &parts);
   const size_t mine = parts[plan_.me()];
-  const size_t mine_bytes = mine * esize_;
-  char* result = mine > 0 ? out_ + (plan_.PartBegin(chunk, plan_.me()) - plan_.my_offset()) * esize_ : nullptr;
-  const int device = g->device;
-  const DataType dtype = dtype_;
-  const ReduceOp op = op_;
+  char* result = mine > 0 ? out_ + plan_.MyPartOffset(chunk) * esize_ : nullptr;
   const int divisor = op_ == ReduceOp::kAverage ? g->topo.size : 1;
   CrossExchange::ScatterJob job;
   job.part_counts = parts.data();
   job.element_size = esize_;
-  if (g->cuda_aware_mpi) {
-    job.send = g->row_send[k];
-    job.recv = g->device_recv[k];
-    job.result = result;
-    cudaEvent_t rs = g->reduce_scattered[k];
-    job.ready = [device, rs](bool* ready) {
-      NVG_CUDA_CHECK(cudaSetDevice(device));
-      return EventDone(rs, ready);  // the parts are final (their fold finished)
-    };
-    cudaStream_t fs = g->fold_stream;
-    job.fold = [device, fs, dtype, op, divisor](const void* src, int num, void* dst, size_t count) {
-      NVG_CUDA_CHECK(cudaSetDevice(device));
-      NVG_RETURN_IF_ERROR(LaunchFoldSources(src, num, dst, count, dtype, op, divisor, fs));
-      NVG_CUDA_CHECK(cudaStreamSynchronize(fs));  // orders: `out` is final when the job finished
-      return Status::Ok();
-    };
-  } else {
-    // orders: the parts are read only after their fold kernel
-    NVG_CUDA_CHECK(cudaStreamWaitEvent(g->cross_stream, g->reduce_scattered[k], 0));
-    NVG_CUDA_CHECK(cudaMemcpyAsync(g->host_send[k], g->row_send[k], send_bytes, cudaMemcpyDeviceToHost,
-                                   g->cross_stream));
-    NVG_CUDA_CHECK(cudaEventRecord(g->staged[k], g->cross_stream));
-    job.send = g->host_send[k];
-    job.recv = g->host_recv[k];
-    job.result = g->host_result[k];
-    cudaEvent_t staged = g->staged[k], returned = g->returned[k];
-    job.ready = [device, staged, returned](bool* ready) {
-      NVG_CUDA_CHECK(cudaSetDevice(device));
-      // orders: host_send[k] holds the parts, and host_result[k] (written by
-      // this job's fold) was copied out for chunk index-2
-      NVG_RETURN_IF_ERROR(EventDone(staged, ready));
-      if (*ready) NVG_RETURN_IF_ERROR(EventDone(returned, ready));
-      return Status::Ok();
-    };
-    job.fold = ContiguousHostFold(dtype, op, divisor);
-    char* host_result = g->host_result[k];
-    cudaStream_t h2d = g->h2d_stream;
-    job.done = [device, result, host_result, mine_bytes, h2d, returned]() {
-      NVG_CUDA_CHECK(cudaSetDevice(device));
-      if (mine_bytes > 0)
-        NVG_CUDA_CHECK(cudaMemcpyAsync(result, host_result, mine_bytes, cudaMemcpyHostToDevice, h2d));
-      NVG_CUDA_CHECK(cudaEventRecord(returned, h2d));
-      return Status::Ok();
-    };
-  }
-  NVG_RETURN_IF_ERROR(g->cross->StartReduceScatter(std::move(job), &ticket_[k]));
-  in_flight_[k] = true;
-  return Status::Ok();
+  NVG_RETURN_IF_ERROR(
+      StageCrossJob(g, k, g->row_send[k], send_bytes, result, mine * esize_, dtype_, op_, divisor, &job));
+  return jobs_.StartReduceScatter(chunk.index, std::move(job));
 }
 
-Status DeviceScatterPrimitives::CrossFinish(const RowChunk& chunk) {
-  const int k = static_cast<int>(chunk.index % 2);
-  if (!in_flight_[k]) return Status::Ok();
-  in_flight_[k] = false;
-  return group_->cross->Wait(ticket_[k]);
-}
+Status DeviceScatterPrimitives::CrossFinish(const RowChunk& chunk) { return jobs_.Finish(chunk.index); }
 
 Status DeviceScatterPrimitives::Finish() {
   // orders: the caller's later work sees every part copied into `out`

@@ -13,8 +13,8 @@
 //     run the real IPC path; the communicator then caps every grid so that the
 //     kernels of all members fit on the GPU together (a member spinning on a
 //     block that cannot be scheduled would deadlock).
-//  4. Group size G: NVGROUP_GROUP_SIZE / CommunicatorOptions::group_size when
-//     given, else the node's rank count (at most kMaxGroupSize; else the
+//  4. Group size G: Knobs::group_size (NVGROUP_GROUP_SIZE, or the caller's
+//     override) when given, else the node's rank count (at most kMaxGroupSize; else the
 //     largest divisor of it that is). Groups are blocks of G consecutive local
 //     ranks; every pair in a block must have mutual peer access. When detection
 //     finds a block without it, G falls back to 1 (host-staged MPI between

@@ -53,12 +53,8 @@ StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
   if (device.kind == DeviceKind::kCpu) return cpu_comm_.get();
   if (cuda_comm_ == nullptr) {
     // Collective: every rank reaches this through the same response.
-    CommunicatorOptions options;
-    options.group_size = knobs_.group_size;
-    options.timeout_seconds = knobs_.peer_timeout_s;
-    options.knobs = &knobs_;  // agreed across ranks at Init
     StatusOr<std::unique_ptr<Communicator>> c =
-        CreateCommunicator(MPI_Comm_c2f(comm_), device, options);
+        CreateCommunicator(MPI_Comm_c2f(comm_), device, knobs_);  // agreed across ranks at Init
     if (!c.ok()) return c.status().WithContext("creating the communicator for " + device.ToString());
     cuda_comm_ = c.consume();
     cuda_comm_for_abort_ = cuda_comm_.get();

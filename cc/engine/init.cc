@@ -143,10 +143,9 @@ StatusOr<bool> AllRanksAsk(MPI_Comm comm, int size, bool wish, double timeout_s)
 // count, then one agreement so that a rank that could not create it (most
 // often: its GPU memory is taken) fails Init on every rank, named, instead of
 // leaving the others to time out in their first collective.
-StatusOr<std::unique_ptr<Communicator>> CreateCudaAtInit(MPI_Comm comm, int size,
-                                                         const CommunicatorOptions& copts,
+StatusOr<std::unique_ptr<Communicator>> CreateCudaAtInit(MPI_Comm comm, int size, const Knobs& knobs,
                                                          double timeout_s) {
-  StatusOr<std::unique_ptr<Communicator>> c = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cuda(-1), copts);
+  StatusOr<std::unique_ptr<Communicator>> c = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cuda(-1), knobs);
   std::atomic<bool> never{false};
   auto x = std::make_unique<FlagExchange>();
   x->mine = c.ok() ? 0 : 1;
@@ -219,11 +218,8 @@ Status Runtime::Init(const EngineOptions& options) {
   const Knobs& agreed_knobs = knobs.value();
   SetLogLevel(static_cast<LogLevel>(agreed_knobs.log_level));
 
-  CommunicatorOptions copts;
-  copts.group_size = agreed_knobs.group_size;
-  copts.timeout_seconds = agreed_knobs.peer_timeout_s;
-  copts.knobs = &agreed_knobs;  // parsed and agreed above: not read from the environment again
-  StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cpu(), copts);
+  // Parsed and agreed above: the communicators do not read the environment.
+  StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cpu(), agreed_knobs);
   if (!cpu.ok()) {
     MPI_Comm_free(&comm);
     return cpu.status().WithContext("nvgroup_tf.init: creating the CPU communicator");
@@ -235,7 +231,7 @@ Status Runtime::Init(const EngineOptions& options) {
     return everyone_cuda.status().WithContext("nvgroup_tf.init");
   }
   if (everyone_cuda.value()) {
-    StatusOr<std::unique_ptr<Communicator>> c = CreateCudaAtInit(comm, size, copts, timeout_s);
+    StatusOr<std::unique_ptr<Communicator>> c = CreateCudaAtInit(comm, size, agreed_knobs, timeout_s);
     if (!c.ok()) {
       MPI_Comm_free(&comm);
       return c.status().WithContext("nvgroup_tf.init");

@@ -106,13 +106,9 @@ StatusOr<int32_t> ProcessSetRegistry::Add(const std::vector<int>& ranks, int ran
   MPI_Comm sub = MPI_COMM_NULL;
   NVG_MPI_CHECK(MPI_Comm_split(control_, entry.my_rank >= 0 ? 0 : MPI_UNDEFINED, rank, &sub));
   if (entry.my_rank >= 0) {
-    CommunicatorOptions copts;
-    copts.group_size = knobs.group_size;
-    copts.timeout_seconds = knobs.peer_timeout_s;
-    copts.knobs = &knobs;  // agreed at Init: not read from the environment again
     // NV-groups form inside the set (NVGROUP_GROUP_SIZE, when set, must divide
     // the set's ranks per node, else this fails naming it).
-    StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(sub), Device::Cpu(), copts);
+    StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(sub), Device::Cpu(), knobs);  // agreed at Init
     if (!cpu.ok()) {
       MPI_Comm_free(&sub);
       return cpu.status().WithContext("add_process_set " + RanksText(ranks) + ": creating the CPU communicator");

@@ -26,8 +26,8 @@ constexpr int kMaxGroupSize = 8;
 // grid larger than the kernel's occupancy x multiprocessors
 // (ResidentP2pBlocks), and the communicator caps its grids below that.
 constexpr int kMaxBlocks = 256;
-// Threads per block: 512 as in vLLM's and TensorRT-LLM's NVLink allreduces (see
-// /work/shared/ANCHORS.md §2); the flag exchange needs threadIdx < group size.
+// Threads per block: 512 as in vLLM's and TensorRT-LLM's NVLink allreduces
+// (their custom allreduce kernels); the flag exchange needs threadIdx < group size.
 constexpr int kThreadsPerBlock = 512;
 
 // Barrier flags, one per rank, at the start of the rank's IPC allocation.

@@ -18,6 +18,7 @@
 
 #include "algorithms/cross_exchange.h"
 #include "algorithms/hierarchical_reduce_scatter.h"
+#include "common/env.h"
 #include "device/peer_access_advice.h"
 #include "transport/liveness_address.h"
 #include "nvgroup/communicator.h"
@@ -74,15 +75,20 @@ void RegisterCommunicatorBindings(py::module_& m) {
   py::class_<Communicator, std::unique_ptr<Communicator>>(m, "Communicator")
       .def(py::init([](int64_t comm_f, const std::string& device, int group_size,
                        size_t registered_bytes, size_t pipeline_chunk, double timeout) {
+             // The environment's settings, with the arguments given (0: as
+             // there) over them; the timeout argument always applies.
+             StatusOr<Knobs> parsed = ParseKnobsFromEnvironment();
+             ThrowIfError(parsed.status());
+             Knobs knobs = parsed.value();
+             if (group_size != 0) knobs.group_size = group_size;
+             if (pipeline_chunk > 0) knobs.pipeline_chunk = pipeline_chunk;
+             knobs.peer_timeout_s = timeout;
              CommunicatorOptions options;
-             options.group_size = group_size;
              options.registered_bytes = registered_bytes;
-             options.pipeline_chunk_bytes = pipeline_chunk;
-             options.timeout_seconds = timeout;
              Device dev = ParseDevice(device);
              StatusOr<std::unique_ptr<Communicator>> c = [&] {
                py::gil_scoped_release release;
-               return CreateCommunicator(comm_f, dev, options);
+               return CreateCommunicator(comm_f, dev, knobs, options);
              }();
              ThrowIfError(c.status());
              return c.consume();

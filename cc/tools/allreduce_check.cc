@@ -376,11 +376,12 @@ void RunBadInput(Suite& s) {
 // report kUnavailable naming the missing peer; the others then Abort() their
 // communicator (so destruction skips the closing barrier).
 void RunTimeout(Suite& s, const Topology& host) {
+  Knobs knobs = EnvironmentKnobs();
+  knobs.peer_timeout_s = 2.0;
+  knobs.one_gpu_group = knobs.one_gpu_group || s.one_gpu_group;
   CommunicatorOptions opt;
-  opt.timeout_seconds = 2.0;
   opt.registered_bytes = 1 << 20;
-  opt.one_gpu_group = s.one_gpu_group;
-  auto c = CreateCudaCommunicator(MPI_COMM_WORLD, -1, opt, host);
+  auto c = CreateCudaCommunicator(MPI_COMM_WORLD, -1, knobs, opt, host);
   Check(c.status(), "second communicator");
   std::unique_ptr<Communicator> comm = c.consume();
   long long bad = 0;
@@ -396,8 +397,8 @@ void RunTimeout(Suite& s, const Topology& host) {
     if (st.ok()) st = comm->Synchronize(nullptr);
     const double waited = MPI_Wtime() - t0;
     std::printf("#   dead peer -> after %.1f s (4 kernels, timeout %.0f s for the call): %s\n",
-                waited, opt.timeout_seconds, st.ToString().c_str());
-    verdict = st.code() == StatusCode::kUnavailable && waited < 1.5 * opt.timeout_seconds ? 1 : 0;
+                waited, knobs.peer_timeout_s, st.ToString().c_str());
+    verdict = st.code() == StatusCode::kUnavailable && waited < 1.5 * knobs.peer_timeout_s ? 1 : 0;
     if (!verdict) ++bad;
     Status again = comm->Allreduce(d, d, 1024, DataType::kFloat32, ReduceOp::kSum, nullptr);
     if (again.code() != StatusCode::kUnavailable) ++bad;  // poisoned for good
@@ -464,11 +465,12 @@ bool Soft(Suite& s, const Status& st, const std::string& what, long long* bad) {
 
 std::unique_ptr<Communicator> SideCommunicator(const Suite& s, const Topology& host,
                                                double timeout_s, size_t registered) {
+  Knobs knobs = EnvironmentKnobs();
+  knobs.peer_timeout_s = timeout_s;
+  knobs.one_gpu_group = knobs.one_gpu_group || s.one_gpu_group;
   CommunicatorOptions opt;
-  opt.timeout_seconds = timeout_s;
   opt.registered_bytes = registered;
-  opt.one_gpu_group = s.one_gpu_group;
-  auto c = CreateCudaCommunicator(MPI_COMM_WORLD, -1, opt, host);
+  auto c = CreateCudaCommunicator(MPI_COMM_WORLD, -1, knobs, opt, host);
   Check(c.status(), "side communicator");
   return c.consume();
 }
@@ -694,11 +696,12 @@ int main(int argc, char** argv) {
   Topology host;
   TopologyComms comms;
   Check(SplitNodes(MPI_COMM_WORLD, &host, &comms), "SplitNodes");
+  Knobs knobs = EnvironmentKnobs();
+  knobs.peer_timeout_s = 30;
+  knobs.one_gpu_group = knobs.one_gpu_group || args.one_gpu_group;
   CommunicatorOptions opt;
   opt.registered_bytes = 256u << 20;  // the 1 GiB case runs in 4 pieces
-  opt.timeout_seconds = 30;
-  opt.one_gpu_group = args.one_gpu_group;
-  auto created = CreateCudaCommunicator(MPI_COMM_WORLD, -1, opt, host);
+  auto created = CreateCudaCommunicator(MPI_COMM_WORLD, -1, knobs, opt, host);
   Check(created.status(), "CreateCudaCommunicator");
   std::unique_ptr<Communicator> comm = created.consume();
   if (args.mode == "oneshot") Check(SetCudaKernelTuning(comm.get(), 16u << 20, 32, 64), "tuning");
@@ -710,8 +713,7 @@ int main(int argc, char** argv) {
 
   Suite s{comm.get(), GatherLayout(comm->topology()), false, host.rank};
   s.one_gpu_group = args.one_gpu_group;
-  const char* algo = std::getenv("NVGROUP_ALLREDUCE_ALGORITHM");
-  s.hierarchical = s.layout.group_count > 1 || (algo != nullptr && std::string(algo) == "hierarchical");
+  s.hierarchical = s.layout.group_count > 1 || knobs.algorithm == AllreduceAlgorithm::kHierarchical;
   const Topology& t = comm->topology();
   int dev = comm->device().ordinal;
   char bus[32] = {};

@@ -81,16 +81,17 @@ int main(int argc, char** argv) {
   Topology host;
   TopologyComms comms;
   Check(SplitNodes(MPI_COMM_WORLD, &host, &comms), "SplitNodes");
+  Knobs knobs = EnvironmentKnobs();
+  knobs.peer_timeout_s = 60;
   CommunicatorOptions opt;
   opt.registered_bytes = 64u << 20;
-  opt.timeout_seconds = 60;
-  auto created = CreateCudaCommunicator(MPI_COMM_WORLD, -1, opt, host);
+  auto created = CreateCudaCommunicator(MPI_COMM_WORLD, -1, knobs, opt, host);
   Check(created.status(), "CreateCudaCommunicator");
   std::unique_ptr<Communicator> comm = created.consume();
   const Topology& t = comm->topology();
   const Layout layout = GatherLayout(t);
   const bool hierarchical = t.group_count > 1;
-  int cuda_aware = 0;  // the communicator's own test (cuda_communicator_cuda.cc MpiIsCudaAware)
+  int cuda_aware = 0;  // the communicator's own test (MpiIsCudaAware in cuda_communicator_setup_cuda.cc)
 #if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
   cuda_aware = MPIX_Query_cuda_support();
 #endif
@@ -104,9 +105,7 @@ int main(int argc, char** argv) {
   CheckCuda(cudaMalloc(&d_in, max_bytes), "cudaMalloc");
   CheckCuda(cudaMalloc(&d_out, max_bytes), "cudaMalloc");
   CheckCuda(cudaMallocHost(&pinned, max_bytes), "cudaMallocHost");
-  const size_t chunk = 4u << 20;  // NVGROUP_PIPELINE_CHUNK default; only for the ideal count
-  const char* chunk_env = std::getenv("NVGROUP_PIPELINE_CHUNK");
-  const size_t chunk_bytes = chunk_env != nullptr ? std::stoull(chunk_env) : chunk;
+  const size_t chunk_bytes = knobs.pipeline_chunk;  // the communicator's chunk; only for the ideal count
 
   std::vector<Row> rows;
   bool ok = true;

@@ -10,7 +10,7 @@
 // float64 reference, every element. Compare with allreduce_perf's NCCL time
 // for the same bytes from the same run (docs/PERFORMANCE.md).
 //
-// Per-phase breakdown (issue 11), means per step over the timed steps:
+// Per-phase breakdown, means per step over the timed steps:
 //   enqueue   host time of the step's Enqueue calls (building the requests,
 //             validation, queueing)
 //   drain     last Enqueue -> last done callback

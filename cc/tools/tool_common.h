@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/env.h"
 #include "cpu/half.h"
 #include "cpu/host_reduce.h"
 #include "nvgroup/communicator.h"
@@ -34,6 +35,14 @@ inline void Die(const std::string& what) {
 }
 inline void Check(const Status& s, const std::string& what) {
   if (!s.ok()) Die(what + ": " + s.ToString());
+}
+// The NVGROUP_* settings of the environment (cc/common/env.h), where the
+// tools start from before overriding what a run needs; a malformed value
+// stops the tool naming it.
+inline Knobs EnvironmentKnobs() {
+  StatusOr<Knobs> knobs = ParseKnobsFromEnvironment();
+  Check(knobs.status(), "NVGROUP_* settings");
+  return knobs.value();
 }
 // Every MPI call of the tools goes through this, with the call's text: a
 // failure stops the tool on every rank with MPI's own error string.

@@ -5,9 +5,9 @@
 //  1. Nodes. MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) gives the *local*
 //     communicator (ranks that share memory). Its local_rank-0 ranks, ordered by
 //     rank, number the nodes (node_index); the index is broadcast in the node.
-//  2. Groups. G ranks per group: the requested size (CommunicatorOptions or
-//     NVGROUP_GROUP_SIZE), else the node's rank count. Group = local_rank / G on
-//     its node, group_rank = local_rank % G. Group leaders (group_rank 0),
+//  2. Groups. G ranks per group: the requested size (Knobs::group_size:
+//     NVGROUP_GROUP_SIZE, or the caller's override), else the node's rank
+//     count. Group = local_rank / G on its node, group_rank = local_rank % G. Group leaders (group_rank 0),
 //     ordered by rank, number the groups (group_index), so every member of a
 //     group agrees on its index however ranks are mapped to nodes.
 //  3. Sub-communicators: group comm (one group, ordered by group_rank) and cross

@@ -53,28 +53,24 @@ struct Topology {
   int group_size = 1;
 };
 
-struct Knobs;  // cc/common/env.h
+// Settings. A communicator reads every NVGROUP_* setting from one place, the
+// Knobs (cc/common/env.h) it is created with: the group size (group_size,
+// 0 = detect), the pipeline chunk (pipeline_chunk), the algorithm, the
+// one-shot limit, the one-GPU group mode (one_gpu_group, CUDA tests only; see
+// cc/device/device_topology.h), the fusion threshold (which sizes the default
+// registered buffer) and the peer timeout (peer_timeout_s: a call whose
+// kernels or barriers cannot finish because a peer does not arrive gives up
+// after this long, from the call's start, with kUnavailable naming the peer).
+// Callers start from ParseKnobsFromEnvironment() (the engine: its knobs,
+// agreed across ranks at Init) and override fields there before creating it.
+struct Knobs;
 
+// What a communicator needs besides the settings.
 struct CommunicatorOptions {
-  // Group size override; 0 = detect (NVGROUP_GROUP_SIZE when set).
-  int group_size = 0;
-  // Bytes of the registered buffer per rank; 0 = default (NVGROUP_FUSION_THRESHOLD
-  // or 64 MiB, whichever is larger).
+  // Bytes of the registered buffer per rank; 0 = Knobs::fusion_threshold or
+  // 64 MiB, whichever is larger. Not an NVGROUP_* setting: tests and
+  // benchmarks size it per communicator.
   size_t registered_bytes = 0;
-  // Pipeline chunk for the hierarchical path; 0 = default (NVGROUP_PIPELINE_CHUNK).
-  size_t pipeline_chunk_bytes = 0;
-  // A call whose kernels cannot finish because a peer does not arrive gives up
-  // after this long (from the kernel's start, over all its barriers) with
-  // kUnavailable naming the peer.
-  double timeout_seconds = 30.0;
-  // CUDA, tests only: ranks on one GPU may form an NV-group (also
-  // NVGROUP_ONE_GPU_GROUP=1); see cc/device/device_topology.h.
-  bool one_gpu_group = false;
-  // Settings already parsed (and agreed across ranks) by the engine's Init,
-  // used instead of reading the NVGROUP_* environment again; must outlive
-  // creation. nullptr: parse the environment here (tools, benchmarks and the
-  // pybind Communicator create communicators directly).
-  const Knobs* knobs = nullptr;
 };
 
 // The collectives: every rank calls them in the same order. Per-call state
@@ -281,10 +277,11 @@ class Communicator : public Collectives, public StreamHelpers {
 };
 
 // Creates the communicator over the MPI communicator given by its Fortran handle
-// (MPI_Comm_c2f; -1 = MPI_COMM_WORLD) for `device`. Collective over that
+// (MPI_Comm_c2f; -1 = MPI_COMM_WORLD) for `device`, with the settings `knobs`
+// (see Settings above; read during the call only). Collective over that
 // communicator: every rank must call it. MPI must already be initialized.
-StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(int64_t mpi_comm_fortran,
-                                                           Device device,
-                                                           const CommunicatorOptions& options);
+StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(
+    int64_t mpi_comm_fortran, Device device, const Knobs& knobs,
+    const CommunicatorOptions& options = CommunicatorOptions());
 
 }  // namespace nvgroup
