@@ -17,7 +17,9 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
                const std::atomic<bool>& abort, int64_t cycle) {
   constexpr double kBusyPollSeconds = 50e-6;
   constexpr double kYieldPollSeconds = 250e-6;
-  constexpr int kMaxSleepUs = 200;
+  constexpr int kMinMaxSleepUs = 200;    // the longest sleep early in a wait
+  constexpr int kMaxSleepUs = 2000;      // the longest sleep of a long wait
+  constexpr double kLateFraction = 0.05; // a sleep adds at most this much to the time waited
   int done = 0;
   NVG_MPI_CHECK(MPI_Test(request, &done, MPI_STATUS_IGNORE));
   if (done) return Status::Ok();
@@ -43,7 +45,8 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
       continue;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-    sleep_us = std::min(kMaxSleepUs, sleep_us * 2);
+    const int cap = std::max(kMinMaxSleepUs, std::min(kMaxSleepUs, static_cast<int>((now - start) * kLateFraction * 1e6)));
+    sleep_us = std::min(cap, sleep_us * 2);
   }
 }
 
