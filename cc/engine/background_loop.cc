@@ -961,7 +961,9 @@ void Engine::Loop() {
         break;
       }
       Add(counters_.agreement_allreduces);
-      exit_status = Wait(&req, "the agreement allreduce");
+      // Note [An idle rank sleeps]: an idle rank's agreement waits for its peers' cycle.
+      exit_status = WaitMpi(&req, "the agreement allreduce", knobs_.peer_timeout_s, abort_, static_cast<int64_t>(cycle_),
+                            /*sleep_at_once=*/nothing_in_flight && fresh.empty() && !shutdown_requested);
     }
     const double agreed = MonotonicSeconds();
     AddSeconds(counters_.agree_ns, agreed - now);

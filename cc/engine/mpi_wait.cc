@@ -14,7 +14,7 @@ double MonotonicSeconds() {
 
 // See Note [Busy-poll, then sleep] in mpi_wait.h.
 Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
-               const std::atomic<bool>& abort, int64_t cycle) {
+               const std::atomic<bool>& abort, int64_t cycle, bool sleep_at_once) {
   constexpr double kBusyPollSeconds = 50e-6;
   constexpr double kYieldPollSeconds = 250e-6;
   constexpr int kMinMaxSleepUs = 200;    // the longest sleep early in a wait
@@ -25,7 +25,9 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
   if (done) return Status::Ok();
   const double start = MonotonicSeconds();
   const double deadline = start + timeout_s;
-  int sleep_us = 1;
+  const double busy_s = sleep_at_once ? 0 : kBusyPollSeconds;
+  const double yield_s = sleep_at_once ? 0 : kYieldPollSeconds;
+  int sleep_us = sleep_at_once ? 20 : 1;
   for (;;) {
     NVG_MPI_CHECK(MPI_Test(request, &done, MPI_STATUS_IGNORE));
     if (done) return Status::Ok();
@@ -39,8 +41,8 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
           " s in " + where() +
           " (NVGROUP_TIMEOUT): a rank is hung, has exited, or stopped calling "
           "nvgroup_tf; the engine has stopped");
-    if (now - start < kBusyPollSeconds) continue;
-    if (now - start < kYieldPollSeconds) {
+    if (now - start < busy_s) continue;
+    if (now - start < yield_s) {
       std::this_thread::yield();
       continue;
     }

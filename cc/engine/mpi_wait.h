@@ -38,8 +38,14 @@ double MonotonicSeconds();
 // behaviour: the kernel's timer slack (50 us by default) turned each 1-2-4 us
 // sleep into ~55 us, which a step of 214 small collectives paid many times. The engine's background
 // thread also lowers its own timer slack (background_loop.cc).
+//
+// `sleep_at_once`: skip the busy and yield phases. For a wait that is known to
+// be long, such as an idle rank's agreement allreduce (Note [An idle rank
+// sleeps] in idle_wait.h): it waits for a peer's idle timer or submission,
+// and polling the core for the first 250 us of every such wait only took it
+// from the application.
 Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
-               const std::atomic<bool>& abort, int64_t cycle = -1);
+               const std::atomic<bool>& abort, int64_t cycle = -1, bool sleep_at_once = false);
 
 // Note [Liveness probe]
 // After a wait timed out, the waiting ranks learn who is silent: each sends a
