@@ -55,6 +55,9 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ["none", "engine", "idle", "mpi_alive", "small"]
+# Background-loop counters (_engine.stats()) reported per step of each engine block.
+STAT_KEYS = ["cycles", "agreement_allreduces", "negotiation_rounds", "buckets", "idle_s", "agree_s",
+             "negotiate_s", "execute_s", "admit_s", "lookup_s", "complete_s"]
 
 
 def default_so():
@@ -165,8 +168,8 @@ def worker(args):
         comm.Allreduce(flat_in, flat_out, op=MPI.SUM)
 
     exchanges = {"none": mpi, "engine": grouped, "idle": None, "mpi_alive": mpi, "small": small}
-    results = {k: {"exchange_s": [], "compute_s": [], "cpu_exchange_ns": {}, "cpu_compute_ns": {}}
-               for k in KINDS}
+    results = {k: {"exchange_s": [], "compute_s": [], "cpu_exchange_ns": {}, "cpu_compute_ns": {},
+                   "engine_stats": {}} for k in KINDS}
 
     def block(kind):
         ex = exchanges[kind]
@@ -177,6 +180,7 @@ def worker(args):
             compute(iters)
         mine_ex, mine_co = [], []
         cpu_ex, cpu_co = {}, {}
+        stats0 = engine.stats() if kind != "none" else None
         for _ in range(args.steps):
             comm.Barrier()
             c0 = thread_cpu()
@@ -194,6 +198,12 @@ def worker(args):
             for acc, d in ((cpu_ex, cpu_by_class(c0, c1)), (cpu_co, cpu_by_class(c1, c2))):
                 for k, v in d.items():
                     acc[k] = acc.get(k, 0) + v
+        if stats0 is not None:  # the background loop's own counters, per step (worst rank)
+            stats1 = engine.stats()
+            mine = {k: (stats1[k] - stats0[k]) / args.steps for k in STAT_KEYS if k in stats1}
+            for k, v in mine.items():
+                r_stats = results[kind]["engine_stats"].setdefault(k, [])
+                r_stats.append(max(a[k] for a in comm.allgather(mine)))
         # Worst rank per step.
         ex_all, co_all = np.zeros(args.steps), np.zeros(args.steps)
         comm.Allreduce(np.array(mine_ex), ex_all, op=MPI.MAX)
@@ -287,7 +297,8 @@ def summarize(merged):
                     "compute_median_us": med(r["compute_s"]),
                     "steps": len(r["compute_s"]),
                     "cpu_exchange_us_per_step": {c: float(np.median(v)) / 1e3 for c, v in r["cpu_exchange_ns"].items()},
-                    "cpu_compute_us_per_step": {c: float(np.median(v)) / 1e3 for c, v in r["cpu_compute_ns"].items()}}
+                    "cpu_compute_us_per_step": {c: float(np.median(v)) / 1e3 for c, v in r["cpu_compute_ns"].items()},
+                    "engine_stats_per_step": {c: float(np.median(v)) for c, v in r["engine_stats"].items()}}
         if "none" in b:
             base_c, base_x = b["none"]["compute_median_us"], b["none"]["exchange_median_us"]
             for k in b:
@@ -307,8 +318,8 @@ def driver(args):
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    merged = {label: {k: {"exchange_s": [], "compute_s": [], "cpu_exchange_ns": {}, "cpu_compute_ns": {}}
-                      for k in KINDS} for label, _ in builds}
+    merged = {label: {k: {"exchange_s": [], "compute_s": [], "cpu_exchange_ns": {}, "cpu_compute_ns": {},
+                          "engine_stats": {}} for k in KINDS} for label, _ in builds}
     iters = {}
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     info = machine()
@@ -333,7 +344,7 @@ def driver(args):
                 m = merged[label][k]
                 m["exchange_s"] += r["exchange_s"]
                 m["compute_s"] += r["compute_s"]
-                for key in ("cpu_exchange_ns", "cpu_compute_ns"):
+                for key in ("cpu_exchange_ns", "cpu_compute_ns", "engine_stats"):
                     for c, v in r[key].items():
                         m[key].setdefault(c, []).extend(v)
             print("round %d %s done" % (rnd, label), flush=True)
@@ -358,6 +369,13 @@ def driver(args):
             print("%-8s %-10s %11.1f %11.1f %9.3f %9s  %s" % (
                 label, k, r["exchange_median_us"], r["compute_median_us"], r.get("compute_vs_none", float("nan")),
                 "%.2f" % r["exchange_vs_none_mpi"] if "exchange_vs_none_mpi" in r else "-", cpu))
+    print("engine counters per step (median over blocks, worst rank; *_s in us):")
+    for label, b in summary.items():
+        for k in KINDS:
+            st = b.get(k, {}).get("engine_stats_per_step")
+            if st:
+                print("%-8s %-10s %s" % (label, k, ", ".join(
+                    "%s=%.3g" % (c, v * 1e6 if c.endswith("_s") else v) for c, v in sorted(st.items()))))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
