@@ -20,6 +20,7 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
   constexpr int kMinMaxSleepUs = 200;    // the longest sleep early in a wait
   constexpr int kMaxSleepUs = 2000;      // the longest sleep of a long wait
   constexpr double kLateFraction = 0.05; // a sleep adds at most this much to the time waited
+  constexpr int kIdleMaxSleepUs = 1000;  // sleep_at_once: the longest sleep early in a wait
   int done = 0;
   NVG_MPI_CHECK(MPI_Test(request, &done, MPI_STATUS_IGNORE));
   if (done) return Status::Ok();
@@ -47,7 +48,8 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
       continue;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-    const int cap = std::max(kMinMaxSleepUs, std::min(kMaxSleepUs, static_cast<int>((now - start) * kLateFraction * 1e6)));
+    const int cap = std::max(sleep_at_once ? kIdleMaxSleepUs : kMinMaxSleepUs,
+                             std::min(kMaxSleepUs, static_cast<int>((now - start) * kLateFraction * 1e6)));
     sleep_us = std::min(cap, sleep_us * 2);
   }
 }
