@@ -13,7 +13,8 @@ namespace nvgroup {
 // the 1 ms cycle anyway cost each rank an agreement allreduce and the polls
 // of its wait every millisecond, taken from the application's own compute
 // (the next forward pass follows a step's allreduce: with the ranks filling
-// the cores that was a 20% tax measured by benchmarks/engine_cpu_cost_bench.py).
+// the cores of a 2-core host that compute ran ~20% slower with the engine
+// alive; benchmarks/engine_cpu_cost_bench.py measures it).
 // So an idle rank waits for its queue for IdleCycleWaitSeconds. The cycle is
 // still a collective: a busy peer's agreement waits for the idle rank (sleeping
 // in WaitMpi, see Note [Busy-poll, then sleep]) until the idle rank's own
