@@ -16,6 +16,7 @@
 #include "common/checks.h"
 #include "common/logging.h"
 #include "engine/engine_control.h"
+#include "engine/idle_wait.h"
 #include "engine/rank_lists.h"
 #include "engine/wire_format.h"
 
@@ -329,6 +330,7 @@ void Engine::Loop() {
   // backoff) end when asked, not up to 50 us later (the default timer slack).
   (void)prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
 #endif
+  NameThisThread("nvg-loop");
   Status exit_status;
   bool shut_down = false;
   const double cycle_s = knobs_.cycle_time_ms / 1000.0;
@@ -339,7 +341,10 @@ void Engine::Loop() {
     fresh.clear();
     bool shutdown_requested = false;
     const bool leftovers = !pending_.empty() && quick_cycles > 0;
-    AddSeconds(counters_.idle_ns, queue_.WaitAndPop(leftovers ? std::min(kLeftoverWaitS, cycle_s) : cycle_s,
+    // Note [An idle rank sleeps] (idle_wait.h).
+    const bool nothing_in_flight = pending_.empty() && cached_groups_.empty() && !joined_;
+    const double wait_s = leftovers ? std::min(kLeftoverWaitS, cycle_s) : IdleCycleWaitSeconds(cycle_s, nothing_in_flight);
+    AddSeconds(counters_.idle_ns, queue_.WaitAndPop(wait_s,
                                                     std::min(kAdmissionGapS, cycle_s), cycle_s, &fresh,
                                                     &shutdown_requested));
     if (leftovers) Add(counters_.quick_cycles);
@@ -379,7 +384,9 @@ void Engine::Loop() {
         break;
       }
       Add(counters_.agreement_allreduces);
-      exit_status = Wait(&req, "the agreement allreduce");
+      // Note [An idle rank sleeps]: an idle rank's agreement waits for its peers' cycle.
+      exit_status = WaitMpi(&req, "the agreement allreduce", knobs_.peer_timeout_s, abort_, static_cast<int64_t>(cycle_),
+                            /*sleep_at_once=*/nothing_in_flight && fresh.empty() && !shutdown_requested);
     }
     const double agreed = MonotonicSeconds();
     AddSeconds(counters_.agree_ns, agreed - now);

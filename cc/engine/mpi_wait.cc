@@ -14,16 +14,21 @@ double MonotonicSeconds() {
 
 // See Note [Busy-poll, then sleep] in mpi_wait.h.
 Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
-               const std::atomic<bool>& abort, int64_t cycle) {
+               const std::atomic<bool>& abort, int64_t cycle, bool sleep_at_once) {
   constexpr double kBusyPollSeconds = 50e-6;
   constexpr double kYieldPollSeconds = 250e-6;
-  constexpr int kMaxSleepUs = 200;
+  constexpr int kMinMaxSleepUs = 200;    // the longest sleep early in a wait
+  constexpr int kMaxSleepUs = 2000;      // the longest sleep of a long wait
+  constexpr double kLateFraction = 0.05; // a sleep adds at most this much to the time waited
+  constexpr int kIdleMaxSleepUs = 1000;  // sleep_at_once: the longest sleep early in a wait
   int done = 0;
   NVG_MPI_CHECK(MPI_Test(request, &done, MPI_STATUS_IGNORE));
   if (done) return Status::Ok();
   const double start = MonotonicSeconds();
   const double deadline = start + timeout_s;
-  int sleep_us = 1;
+  const double busy_s = sleep_at_once ? 0 : kBusyPollSeconds;
+  const double yield_s = sleep_at_once ? 0 : kYieldPollSeconds;
+  int sleep_us = sleep_at_once ? 20 : 1;
   for (;;) {
     NVG_MPI_CHECK(MPI_Test(request, &done, MPI_STATUS_IGNORE));
     if (done) return Status::Ok();
@@ -37,13 +42,15 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
           " s in " + where() +
           " (NVGROUP_TIMEOUT): a rank is hung, has exited, or stopped calling "
           "nvgroup_tf; the engine has stopped");
-    if (now - start < kBusyPollSeconds) continue;
-    if (now - start < kYieldPollSeconds) {
+    if (now - start < busy_s) continue;
+    if (now - start < yield_s) {
       std::this_thread::yield();
       continue;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-    sleep_us = std::min(kMaxSleepUs, sleep_us * 2);
+    const int cap = std::max(sleep_at_once ? kIdleMaxSleepUs : kMinMaxSleepUs,
+                             std::min(kMaxSleepUs, static_cast<int>((now - start) * kLateFraction * 1e6)));
+    sleep_us = std::min(cap, sleep_us * 2);
   }
 }
 

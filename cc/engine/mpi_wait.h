@@ -29,14 +29,25 @@ double MonotonicSeconds();
 // common case never leaves this phase), then yields the core between polls up
 // to kYieldPollSeconds (250 us: a peer slightly behind, on a host with fewer
 // cores than runnable threads; longer yield-polling took CPU from the peers
-// on an oversubscribed host),
-// and only then sleeps in growing steps up to 200 us, so a long wait for a
-// slow peer costs no CPU. Sleeping early was the old behaviour: the kernel's
-// timer slack (50 us by default) turned each 1-2-4 us sleep into ~55 us, which
-// a step of 214 small collectives paid many times. The engine's background
+// on an oversubscribed host), and only then sleeps in growing steps, so a
+// long wait for a slow peer costs no CPU: steps up to 200 us, and in a long
+// wait up to 5% of the time waited so far (at most 2 ms), so a wait for a
+// peer that is computing or idle (Note [An idle rank sleeps] in idle_wait.h)
+// polls a few hundred times a second rather than 5000 and ends at most
+// max(200 us, 5%) after its request completed. Sleeping early was the old
+// behaviour: the kernel's timer slack (50 us by default) turned each 1-2-4 us
+// sleep into ~55 us, which a step of 214 small collectives paid many times. The engine's background
 // thread also lowers its own timer slack (background_loop.cc).
+//
+// `sleep_at_once`: skip the busy and yield phases. For a wait that is known to
+// be long, such as an idle rank's agreement allreduce (Note [An idle rank
+// sleeps] in idle_wait.h): it waits for a peer's idle timer or submission,
+// and polling the core for the first 250 us of every such wait only took it
+// from the application. Its sleeps grow from 20 us to 1 ms (then 5% of the
+// time waited, as above): under load each poll cost 10-15 us of CPU, and the
+// only thing such a wait can delay is this rank's own next cycle.
 Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
-               const std::atomic<bool>& abort, int64_t cycle = -1);
+               const std::atomic<bool>& abort, int64_t cycle = -1, bool sleep_at_once = false);
 
 // Note [Liveness probe]
 // After a wait timed out, the waiting ranks learn who is silent: each sends a

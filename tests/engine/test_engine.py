@@ -120,3 +120,11 @@ def test_abort_hook_fails_everything_with_the_given_reason(tmp_path, np):
     result = run_mpi(worker("engine_abort.py"), np, args=[str(tmp_path)], timeout=90, check=False)
     assert not result.timed_out, result.output[-20000:]
     assert_all_ranks_ok(result, np)
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_idle_engine_sleeps(np):
+    """An idle engine runs a few background cycles a second, not one per
+    NVGROUP_CYCLE_TIME; late submitters, a small allreduce after a quiet spell
+    and a shutdown while peers sleep still work (engine_idle.py)."""
+    assert_all_ranks_ok(run_mpi(worker("engine_idle.py"), np, timeout=120), np)
