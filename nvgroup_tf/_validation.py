@@ -1,7 +1,7 @@
 """Argument checks of the public collectives, before anything reaches TensorFlow
 or the engine.
 
-The engine re-checks everything it receives (cc/engine/engine.cc,
+The engine re-checks everything it receives (cc/engine/request_validation.cc,
 ValidateRequest), but some mistakes never reach it intact: TensorFlow turns
 root_rank=True into 1 and an int64 attribute into a truncated C int, Python
 treats op=1.0 or op=True as Sum, and an unhashable op raises "unhashable

@@ -6,7 +6,7 @@
     hvd.allreduce(x, process_set=even)     # ranks 0 and 2 only
     hvd.remove_process_set(odd)
 
-Every added set gets its own engine inside the library (cc/engine/engine.cc:
+Every added set gets its own engine inside the library (cc/engine/process_set_registry.cc:
 its own MPI sub-communicator, negotiation, response cache, communicators and
 NV-groups formed among its members). Registration and removal are collective
 over all ranks, members and non-members alike, with the same ranks everywhere

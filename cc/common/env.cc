@@ -209,7 +209,7 @@ std::vector<Setting> MakeSettings() {
        "1 adds the GPU tests that need cuDNN (Keras fit, examples/resnet50 on the GPU).", nullptr, nullptr},
       {"NVGROUP_TEST_CPU_DRY_RUN", S::kTests, "0 or 1", "0", "tests/gpu/workers/gpu_common.py", "",
        "1 lets the GPU test workers run on a machine without a GPU (to check the workers themselves).", nullptr, nullptr},
-      {"NVGROUP_TEST_XLA_FOUR_RANKS", S::kTests, "0 or 1", "0", "tests/tf/test_xla_extra.py", "",
+      {"NVGROUP_TEST_XLA_FOUR_RANKS", S::kTests, "0 or 1", "0", "tests/tf/test_xla_scatter_alltoall.py", "",
        "1 adds the 4-rank runs of the XLA collective checks.", nullptr, nullptr},
       {"NVGROUP_TEST_DUMP_AFTER", S::kTests, "seconds", "200", "tests/tf/workers/common.py", "",
        "A TF test worker still running after this long prints every thread's stack.", nullptr, nullptr},

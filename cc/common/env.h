@@ -54,7 +54,7 @@ struct Knobs {
   // group kernels can be checked on a one-GPU machine (cc/device/device_topology.h).
   bool one_gpu_group = false;
   // Cap of one gradient fusion bucket of the Python front end
-  // (nvgroup_tf/_keras_impl/reduce.py: which gradients form one grouped
+  // (nvgroup_tf/gradient_reducer.py: which gradients form one grouped
   // allreduce), MiB; 0 = every gradient alone. The engine only makes the
   // ranks agree on it (AgreedKnobs). Default 25 MiB: measured with
   // examples/resnet50 (2 ranks, CPU, 64x64 images, batch 8 per rank), see the

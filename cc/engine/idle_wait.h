@@ -21,7 +21,7 @@ namespace nvgroup {
 // submission or its idle timer brings it into the same cycle. What needs an idle
 // rank without a submission of its own waits at most one idle cycle more:
 // a peer's shutdown agreement, a peer's report to an idle rank 0 (stall
-// warnings, NVGROUP_STALL_* are seconds), rank 0's timeline control, an abort
+// warnings, NVGROUP_STALL_WARNING_TIME and NVGROUP_STALL_SHUTDOWN_TIME are seconds), rank 0's timeline control, an abort
 // raised while the loop sleeps (abort flags are read at the top of a cycle).
 // Every one of these is bounded by NVGROUP_TIMEOUT + 1 s already, far above it.
 constexpr double kIdleCycleWaitS = 0.05;

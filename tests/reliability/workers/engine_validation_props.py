@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis) of the engine's request validation
-(Enqueue, cc/engine/engine.cc) through the pybind module, on one rank.
+(Enqueue, cc/engine/request_validation.cc) through the pybind module, on one rank.
 
 Hypothesis draws collective requests mixing valid and invalid fields (names,
 shapes with negative dimensions, null pointers, unknown dtypes/ops/devices,
