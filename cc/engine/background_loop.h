@@ -98,6 +98,10 @@ class Engine {
   // True on the engine's own threads (where done callbacks run): Stop() must
   // not be called there, it would join itself.
   bool OnEngineThread() const;
+  // After Stop(): whether MPI can no longer be trusted to finish, because a
+  // peer was lost (Abort, e.g. from the liveness monitor) or a negotiation
+  // request never completed. MPI_Finalize would then wait for the lost rank.
+  bool LostPeers() const { return abort_.load() || mpi_broken_; }
   // start_timeline/stop_timeline (engine.h). Rank 0 hands the change to the
   // background thread, which alone touches timeline_, and waits (bounded by
   // NVGROUP_TIMEOUT) until the loop applied it; other ranks return OK.

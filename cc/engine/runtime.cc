@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "common/checks.h"
+#include "common/logging.h"
 #include "engine/mpi_wait.h"
 #include "engine/request_validation.h"
 
@@ -133,13 +134,26 @@ Status Runtime::Shutdown() {
                                         "callback; call it from another thread");
     engine.swap(engine_);
     sets = sets_.TakeAll();
+    if (engine != nullptr) stopping_.push_back(engine);
+    for (auto& [id, set] : sets)
+      if (set.engine != nullptr) stopping_.push_back(set.engine);
   }
   if (engine == nullptr) return Status::Ok();
   // Sets first (each agrees on its own shutdown among its members), then set 0.
-  for (auto& [id, set] : sets)
-    if (set.engine != nullptr) (void)set.engine->Stop();
+  bool lost = false;
+  for (auto& [id, set] : sets) {
+    if (set.engine == nullptr) continue;
+    (void)set.engine->Stop();
+    lost = lost || set.engine->LostPeers();
+  }
   sets.clear();
   Status stopped = engine->Stop();
+  lost = lost || engine->LostPeers();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_.clear();
+    lost_peers_ = lost_peers_ || lost;
+  }
   NVG_RETURN_IF_ERROR(sets_.CloseControl());
   return stopped;
 }
@@ -149,6 +163,13 @@ Status Runtime::FinalizeMpi() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!initialized_mpi_) return Status::Ok();
   initialized_mpi_ = false;
+  if (lost_peers_) {
+    // MPI_Finalize synchronizes with every rank and would wait forever for a
+    // stopped one; the process exits without it (the launcher then reports
+    // that this rank exited without finalizing, after the error it printed).
+    NVG_LOG(kWarning) << "MPI_Finalize skipped: a peer was lost, and finalizing would wait for it";
+    return Status::Ok();
+  }
   int finalized = 0;
   NVG_MPI_CHECK(MPI_Finalized(&finalized));
   if (!finalized) NVG_MPI_CHECK(MPI_Finalize());
@@ -161,6 +182,7 @@ void Runtime::Abort(const Status& reason) {
     std::lock_guard<std::mutex> lock(mu_);
     if (engine_ != nullptr) engines.push_back(engine_);
     for (std::shared_ptr<Engine>& e : sets_.Engines()) engines.push_back(std::move(e));
+    for (const std::shared_ptr<Engine>& e : stopping_) engines.push_back(e);
   }
   for (auto& engine : engines) engine->Abort(reason);
 }

@@ -66,6 +66,13 @@ class Runtime {
 
   std::mutex mu_;
   std::shared_ptr<Engine> engine_;  // set 0's
+  // Engines Shutdown() took out of engine_ / sets_ and is stopping: Abort()
+  // reaches them too, so a peer lost during shutdown() ends its agreement at
+  // once instead of after NVGROUP_TIMEOUT.
+  std::vector<std::shared_ptr<Engine>> stopping_;
+  // A stopped engine had lost peers (Engine::LostPeers): FinalizeMpi skips
+  // MPI_Finalize, which would wait for them forever.
+  bool lost_peers_ = false;
   bool initialized_mpi_ = false;    // Init called MPI_Init_thread
   bool thread_multiple_ = false;    // MPI_Query_thread == MPI_THREAD_MULTIPLE
   bool homogeneous_ = false;        // every node has the same local size
