@@ -8,7 +8,7 @@ MPI_Allreduce through mpi4py, float32 sum, 4 B .. 64 MiB.
         [--min-bytes 4] [--max-bytes 64M] [--iters 20] [--warmup 5]
         [--json out.json] [--png out.png]
 
-Columns as nccl-tests (shared/STYLE.md §C): time is the mean over iterations
+Columns as nccl-tests' (src/common.h): time is the mean over iterations
 after warmup, averaged across ranks; algbw = bytes / time (GB = 1e9 B);
 busbw = algbw * 2 (n-1) / n. Out-of-place: separate numpy input and output.
 In-place: input == output; for the communicator paths that buffer is the

@@ -48,7 +48,7 @@ AutomaticControlDependencies.run_independently replaced by a no-op in the
 worker, so the (stateful) collectives get chained in program order.
 
     python benchmarks/resnet50_overlap_bench.py \
-        --variant current=. --variant old=/work/wt/fe-old --variant chained=.:chained \
+        --variant current=. --variant old=../old-checkout --variant chained=.:chained \
         --repeats 3 --out benchmarks/results/resnet50_overlap_cpu_2rank
 
 Writes OUT.json (every step of every run, per-variant summaries, machine, date,

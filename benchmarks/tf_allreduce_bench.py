@@ -12,7 +12,7 @@ Part 1, size sweep (float32 sum, sizes doubling from --min-bytes to
     way a training step calls it (Python -> TF executor -> AsyncOpKernel ->
     engine negotiation -> communicator -> done);
   * "mpi4py": MPI_Allreduce through mpi4py on numpy arrays of the same bytes.
-Columns as nccl-tests (shared/STYLE.md §C): time = mean per call after one
+Columns as nccl-tests' (src/common.h): time = mean per call after one
 warmup call, averaged across ranks; algbw = bytes / time (GB = 1e9 B); busbw =
 algbw * 2(n-1)/n. Out-of-place: a persistent input, a new output. In-place:
 mpi4py with MPI_IN_PLACE; TF has no user-visible in-place allreduce (the

@@ -16,7 +16,7 @@ in rounds so load drifts hit all three:
 Each round times --calls / 10 calls of each; the table reports the median over
 rounds of the mean per call (slowest rank), and engine share =
 allreduce - no_collective. Results are checked (every element, every call of
-the last round) against the exact sum (small integers). Not a test.
+the last repetition) against the exact sum (small integers). Not a test.
 """
 import argparse
 import datetime

@@ -9,8 +9,8 @@ grouped_allreduce, so the first buckets can be reduced while backprop is still
 producing the later gradients, and there are few enough collectives that their
 per-call latency does not dominate.
 
-Rules (after PyTorch DDP's compute_bucket_assignment_by_size, see
-shared/ANCHORS.md section 6):
+Rules (after PyTorch DDP's compute_bucket_assignment_by_size in
+torch/csrc/distributed/c10d/reducer.cpp):
   * Gradients of different dtypes never share a bucket (a fused buffer has one
     dtype); each dtype fills its own open bucket.
   * A gradient that would push its open bucket over the cap closes that bucket

@@ -18,13 +18,12 @@
 // The default NVGROUP_FUSION_THRESHOLD is 64 MiB. A bucket costs one batched
 // copy in, one allreduce and one batched copy out, so fusion pays off where a
 // collective has a fixed cost and bandwidth grows with message size. Our NCCL
-// figures on 2xH200 (ANCHORS.md §3) show exactly that: busbw 76 GB/s at 2 MiB,
+// figures on 2xH200 (benchmarks/results/allreduce_perf_h200x2.json) show exactly that: busbw 76 GB/s at 2 MiB,
 // 183 at 8 MiB, 247 at 32 MiB, 287 at 128 MiB, 317 at 512 MiB. A 64 MiB bucket
 // sits within ~10% of the 128 MiB figure while halving both the wait before
 // the first bucket of a step is full and the registered buffer every NV-group
 // peer maps (sized max(threshold, 64 MiB) per rank and device, communicator.h).
-// 64 MB is also what MLPerf-era Horovod configurations settled on (ANCHORS.md
-// §6), against Horovod's 128 MiB default and PyTorch DDP's 25 MiB buckets.
+// 64 MB is also what MLPerf-era Horovod configurations settled on, against Horovod's 128 MiB default and PyTorch DDP's 25 MiB buckets.
 //
 // Measured with this engine on 2 CPU ranks of our 2-core build box
 // (tests/engine/workers/engine_fusion_sweep.py: 161 float32 tensors with
@@ -52,7 +51,7 @@
 namespace nvgroup {
 
 // Each tensor starts on a 16-byte boundary of the fused buffer: the widest
-// vector load of the copy and reduction kernels (STYLE.md, vLLM packed_t).
+// vector load of the copy and reduction kernels (vLLM's packed_t in csrc/custom_all_reduce.cuh).
 constexpr size_t kFusionAlignBytes = 16;
 
 struct FusionBucket {

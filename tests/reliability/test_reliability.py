@@ -315,7 +315,7 @@ def test_timeline_is_a_chrome_trace_with_every_phase(tmp_path):
             phases.setdefault(rows[e["tid"]], []).append((e["name"], e["ph"], e["ts"]))
     expected = {"layer%d/grad" % k: ["QUEUE", "NEGOTIATE", "FUSION_COPY_IN", "ALLREDUCE", "FUSION_COPY_OUT"]
                 for k in range(4)}
-    # A lone tensor runs on the fused path too (issue 11): same phases.
+    # A lone tensor runs on the fused path too: same phases.
     expected["lone"] = ["QUEUE", "NEGOTIATE", "FUSION_COPY_IN", "ALLREDUCE", "FUSION_COPY_OUT"]
     expected["gathered"] = ["QUEUE", "NEGOTIATE", "ALLGATHER"]
     expected["bcast"] = ["QUEUE", "NEGOTIATE", "BROADCAST"]
