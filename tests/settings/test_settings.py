@@ -32,11 +32,9 @@ NAMES = [r["name"] for r in ROWS]
 # to an environment access.
 TABLE_FILES = {"cc/common/env.cc"}
 LAUNCHER_FILES = {"nvgroup_tf/runner/launch.py"}
-# Check and benchmark tools of cc/tools that read one engine variable
-# themselves to size what they build; each (file, variable) pair is listed, so
-# a new read still fails.
-TOOL_READS = {("cc/tools/allreduce_check.cc", "NVGROUP_ALLREDUCE_ALGORITHM"),
-              ("cc/tools/cross_step_bench.cc", "NVGROUP_PIPELINE_CHUNK")}
+# (file, variable) pairs allowed to call getenv themselves: none, the tools of
+# cc/tools too start from ParseKnobsFromEnvironment().
+TOOL_READS = set()
 # NVGROUP_* tokens that are not environment variables: a compile-time macro of
 # the CUDA kernels, a placeholder name in a launcher test, and one in a comment.
 NOT_VARIABLES = {"NVGROUP_TWOSHOT_MIN_BLOCKS_PER_SM", "NVGROUP_TEST_KNOB", "NVGROUP_X"}
