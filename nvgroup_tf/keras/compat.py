@@ -17,6 +17,9 @@ migration section lists them), each described where it is defined:
 * `opt.variables()` and `opt.lr` (keras2_optimizer_attributes), and tf.keras
   2's `lr=` constructor argument (keras2_lr_argument).
 * `v.ref()` on Keras 3 variables (variable_ref).
+* Whole-file saves (atomic_model_saves): Keras 3 writes a `.keras` or `.h5`
+  model file in place, so a process killed during `model.save` (or
+  `ModelCheckpoint`) leaves a torn file and the last good checkpoint is gone.
 
 install() puts in every other shim that applies, once per process; it runs when
 nvgroup_tf.keras is imported and when a DistributedOptimizer or
@@ -271,9 +274,72 @@ def variable_ref():
     cls.ref = ref
 
 
+_atomic_saves_installed = False
+
+
+def _saved_then_renamed(save):
+    """`save(model, filepath, *args)` written to a temporary file beside
+    filepath, then renamed over it (os.replace is atomic on POSIX within one
+    file system): a reader, or a resume after a crash, sees the old file or the
+    new one, never a part of one. Paths Keras handles otherwise (file objects,
+    remote or hub paths, directories) are left to it."""
+    import os
+
+    @functools.wraps(save)
+    def wrapper(model, filepath, *args, **kwargs):
+        if not isinstance(filepath, (str, os.PathLike)) or "://" in str(filepath):
+            return save(model, filepath, *args, **kwargs)
+        path = os.fspath(filepath)
+        head, tail = os.path.split(path)
+        stem, ext = os.path.splitext(tail)
+        temp = os.path.join(head, ".%s.%d.partial%s" % (stem, os.getpid(), ext))
+        try:
+            result = save(model, temp, *args, **kwargs)
+            os.replace(temp, path)
+        except BaseException:
+            if os.path.exists(temp):
+                os.remove(temp)
+            raise
+        return result
+
+    wrapper._nvgroup_atomic = True
+    return wrapper
+
+
+def atomic_model_saves():
+    """`.keras` (saving_lib.save_model, zipped) and `.h5`
+    (legacy_h5_format.save_model_to_hdf5) model files are written under a
+    temporary name and renamed into place (_saved_then_renamed)."""
+    global _atomic_saves_installed
+    if _atomic_saves_installed:
+        return
+    _atomic_saves_installed = True
+    try:
+        from keras.src.legacy.saving import legacy_h5_format
+        from keras.src.saving import saving_lib
+    except ImportError:  # not Keras 3
+        return
+    original = saving_lib.save_model
+
+    @functools.wraps(original)
+    def save_model(model, filepath, weights_format="h5", zipped=True):
+        if not zipped:  # a directory: left to Keras
+            return original(model, filepath, weights_format, zipped)
+        return atomic(model, filepath, weights_format, zipped)
+
+    atomic = _saved_then_renamed(original)
+    if not getattr(saving_lib.save_model, "_nvgroup_atomic", False):
+        save_model._nvgroup_atomic = True
+        saving_lib.save_model = save_model
+    h5 = legacy_h5_format.save_model_to_hdf5
+    if not getattr(h5, "_nvgroup_atomic", False):
+        legacy_h5_format.save_model_to_hdf5 = _saved_then_renamed(h5)
+
+
 def install():
     """Every shim of this module that applies to the Keras in use (once each)."""
     accept_obsolete_compile_arguments()
+    atomic_model_saves()
     keras2_optimizer_attributes()
     keras2_lr_argument()
     variable_ref()
