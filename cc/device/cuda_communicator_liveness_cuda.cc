@@ -15,6 +15,7 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -109,11 +110,25 @@ Status CudaCommunicator::Synchronize(void* stream) {
 
 Status CudaCommunicator::WaitForEvent(cudaEvent_t event) {
   // Polls instead of blocking, so that a member's exit is noticed while the
-  // kernels wait for it (Note [Peer processes]).
+  // kernels wait for it (Note [Peer processes]). The schedule follows what is
+  // waited for: a bucket's copies and kernels take tens of microseconds to
+  // milliseconds. Spin for kSpin (a short bucket ends within it), then sleep
+  // kShortSleep between polls until kShortPhase (the end of a step's last
+  // bucket is seen within a few microseconds: these waits are on the step's
+  // critical path), then back off, doubling up to kLongSleep (a long wait is
+  // seen at most kLongSleep late, a small share of it, without waking the
+  // core every few microseconds). The callers' threads sleep on time
+  // (WakeOnTime, cc/engine/idle_wait.h).
   using Clock = std::chrono::steady_clock;
-  auto next_look = Clock::now() + kLivenessCheck;
+  constexpr auto kSpin = std::chrono::microseconds(20);
+  constexpr auto kShortPhase = std::chrono::microseconds(300);
+  constexpr auto kShortSleep = std::chrono::microseconds(5);
+  constexpr auto kLongSleep = std::chrono::microseconds(200);
+  const auto start = Clock::now();
+  auto next_look = start + kLivenessCheck;
+  auto sleep = kShortSleep;
   Clock::time_point drain_until{};
-  for (long polls = 0;; ++polls) {
+  for (;;) {
     const cudaError_t q = cudaEventQuery(event);
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) {
@@ -121,9 +136,10 @@ Status CudaCommunicator::WaitForEvent(cudaEvent_t event) {
       return Diagnose(Status::Internal(std::string("waiting for the stream failed: ") +
                                        cudaGetErrorName(q) + ": " + cudaGetErrorString(q)));
     }
-    if (polls < 64) continue;  // short waits: spin
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
     const auto now = Clock::now();
+    if (now - start < kSpin) continue;
+    if (now - start >= kShortPhase) sleep = std::min<std::chrono::microseconds>(sleep * 2, kLongSleep);
+    std::this_thread::sleep_for(sleep);
     if (now < next_look) continue;
     next_look = now + kLivenessCheck;
     if (dead_member_ < 0 && DeadMember() >= 0) drain_until = now + kAbortDrain;

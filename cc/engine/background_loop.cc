@@ -9,10 +9,6 @@
 #include <algorithm>
 #include <chrono>
 
-#ifdef __linux__
-#include <sys/prctl.h>
-#endif
-
 #include "common/checks.h"
 #include "common/logging.h"
 #include "engine/engine_control.h"
@@ -325,11 +321,9 @@ constexpr double kLeftoverWaitS = 20e-6;
 constexpr int kQuickCycles = 8;
 
 void Engine::Loop() {
-#ifdef __linux__
   // Sleeps of this thread (the admission gap, the cycle wait, WaitMpi's
-  // backoff) end when asked, not up to 50 us later (the default timer slack).
-  (void)prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
-#endif
+  // backoff) end when asked.
+  WakeOnTime();
   NameThisThread("nvg-loop");
   Status exit_status;
   bool shut_down = false;

@@ -6,6 +6,7 @@
 #include "common/checks.h"
 #include "common/logging.h"
 #include "engine/background_loop.h"
+#include "engine/idle_wait.h"
 
 namespace nvgroup {
 
@@ -27,6 +28,8 @@ void Finalizer::Add(Job job) {
 }
 
 void Finalizer::Run() {
+  NameThisThread("nvg-finalizer");
+  WakeOnTime();  // its jobs poll completion events between short sleeps
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });

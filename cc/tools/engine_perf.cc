@@ -11,8 +11,9 @@
 // for the same bytes from the same run (docs/PERFORMANCE.md).
 //
 // Per-phase breakdown, means per step over the timed steps:
-//   enqueue   host time of the step's Enqueue calls (building the requests,
-//             validation, queueing)
+//   enqueue   host time of the step's Enqueue calls, split into building
+//             the requests (this program's share, as an adapter's) and the
+//             Enqueue/EnqueueGroup calls (validation, queueing: the engine's)
 //   drain     last Enqueue -> last done callback
 //   and the engine's own counters (nvgroup::GetEngineStats): cycles and
 //   buckets per step, background-thread seconds idle / in the agreement
@@ -23,7 +24,10 @@
 //   groups admitted and run whole, groups turned back into entries; Note
 //   [Cached groups] in cc/engine/plan_cache.h).
 // With `grouped` the step is one EnqueueGroup of every gradient (the
-// DistributedOptimizer's bucket), else one Enqueue per gradient. After the
+// DistributedOptimizer's bucket), else one Enqueue per gradient. With
+// `inplace` every request's output is its input, as the TF adapter submits
+// them whenever TF lets it forward the input buffer (ops/adapter.cc): on one
+// rank with unit scales the engine then launches nothing at all. After the
 // timed steps two more grouped calls check the fused bucket's other shapes
 // (scaled, in place) every element against float64; `wrong` counts all.
 //
@@ -31,7 +35,7 @@
 // engine's own cost on a machine without a GPU; `scale=N` divides every
 // gradient's size by N (at least one element), as the CPU benchmark does.
 //
-// Usage: mpirun -np 2 engine_perf benchmarks/resnet50_gradients.txt [steps] [grouped] [cpu] [scale=N]
+// Usage: mpirun -np 2 engine_perf benchmarks/resnet50_gradients.txt [steps] [grouped] [inplace] [cpu] [scale=N]
 #include <cuda_runtime.h>
 #include <mpi.h>
 
@@ -56,12 +60,13 @@ int main(int argc, char** argv) {
   NVG_TOOL_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided));
   if (argc < 2) Die("usage: engine_perf GRADIENT_TABLE [steps]");
   const int steps = argc > 2 ? std::stoi(argv[2]) : 20;
-  bool grouped = false, cpu = false;
+  bool grouped = false, cpu = false, inplace = false;
   size_t scale = 1;
   for (int a = 3; a < argc; ++a) {
     const std::string arg = argv[a];
     if (arg == "grouped") grouped = true;
     else if (arg == "cpu") cpu = true;
+    else if (arg == "inplace") inplace = true;
     else if (arg.rfind("scale=", 0) == 0) scale = std::max<size_t>(1, std::stoul(arg.substr(6)));
     else if (arg != "per_tensor") Die("unknown argument " + arg);
   }
@@ -123,7 +128,7 @@ int main(int argc, char** argv) {
   std::condition_variable cv;
   int pending = 0;
   Status first_error;
-  double enqueue_s = 0, drain_s = 0;  // summed over steps
+  double enqueue_s = 0, build_s = 0, drain_s = 0;  // summed over steps
   auto step = [&] {
     if (!cpu) CheckCuda(cudaEventRecord(ready, stream), "record");  // "the gradients are produced"
     {
@@ -131,7 +136,9 @@ int main(int argc, char** argv) {
       pending = n;
     }
     const double t0 = MPI_Wtime();
+    double submit = 0;  // seconds inside Enqueue
     std::vector<CollectiveRequest> group;
+    if (grouped) group.reserve(n);
     for (int t = n - 1; t >= 0; --t) {
       CollectiveRequest q;
       q.name = "grad_" + std::to_string(t);
@@ -140,7 +147,7 @@ int main(int argc, char** argv) {
       q.device = device;
       q.shape = {static_cast<int64_t>(counts[t])};
       q.input = d_in[t];
-      q.output = d_out[t];
+      q.output = inplace ? d_in[t] : d_out[t];
       q.op = ReduceOp::kAverage;
       q.ready_event = ready;
       q.done = [&](const Status& s) {
@@ -148,20 +155,30 @@ int main(int argc, char** argv) {
         if (!s.ok() && first_error.ok()) first_error = s;
         if (--pending == 0) cv.notify_all();
       };
-      if (grouped) group.push_back(std::move(q));
-      else Check(Enqueue(std::move(q)), "Enqueue");
+      if (grouped) {
+        group.push_back(std::move(q));
+      } else {
+        const double s0 = MPI_Wtime();
+        Check(Enqueue(std::move(q)), "Enqueue");
+        submit += MPI_Wtime() - s0;
+      }
     }
-    if (grouped) Check(EnqueueGroup(std::move(group)), "EnqueueGroup");
+    if (grouped) {
+      const double s0 = MPI_Wtime();
+      Check(EnqueueGroup(std::move(group)), "EnqueueGroup");
+      submit += MPI_Wtime() - s0;
+    }
     const double t1 = MPI_Wtime();
     std::unique_lock<std::mutex> l(mu);
     cv.wait(l, [&] { return pending == 0; });
     enqueue_s += t1 - t0;
+    build_s += t1 - t0 - submit;
     drain_s += MPI_Wtime() - t1;
     Check(first_error, "allreduce");
   };
   for (int i = 0; i < 3; ++i) step();
   NVG_TOOL_MPI(MPI_Barrier(MPI_COMM_WORLD));
-  enqueue_s = drain_s = 0;
+  enqueue_s = build_s = drain_s = 0;
   StatusOr<EngineStats> before = GetEngineStats();
   Check(before.status(), "GetEngineStats");
   const double t0 = MPI_Wtime();
@@ -175,11 +192,13 @@ int main(int argc, char** argv) {
   const EngineStats& b = after.value();
   auto per_step = [&](double v) { return v / steps; };
   if (rank == 0)
-    std::printf("# engine_perf phases (rank 0, per step, %s): enqueue %.1f us, enqueue->last done %.1f us | "
+    std::printf("# engine_perf phases (rank 0, per step, %s%s): enqueue %.1f us (building the requests %.1f us, "
+                "Enqueue calls %.1f us), enqueue->last done %.1f us | "
                 "engine thread: idle %.1f us, agreement %.1f us, negotiation %.1f us, execution %.1f us | "
                 "%.2f cycles, %.2f agreement allreduces, %.2f buckets, %.2f ready-event waits, %.2f plan launches, "
                 "%.2f negotiation rounds\n",
-                grouped ? "one EnqueueGroup" : "one Enqueue per tensor", per_step(enqueue_s) * 1e6,
+                grouped ? "one EnqueueGroup" : "one Enqueue per tensor", inplace ? ", in place" : "",
+                per_step(enqueue_s) * 1e6, per_step(build_s) * 1e6, per_step(enqueue_s - build_s) * 1e6,
                 per_step(drain_s) * 1e6, per_step(b.idle_s - a.idle_s) * 1e6, per_step(b.agree_s - a.agree_s) * 1e6,
                 per_step(b.negotiate_s - a.negotiate_s) * 1e6, per_step(b.execute_s - a.execute_s) * 1e6,
                 per_step(static_cast<double>(b.cycles - a.cycles)),
@@ -200,18 +219,28 @@ int main(int argc, char** argv) {
                 count(a.cached_group_runs, b.cached_group_runs),
                 count(a.cached_group_demotions, b.cached_group_demotions));
 
+  // In place, the timed steps averaged the inputs over and over: put them back
+  // and run the step once more, so the check below sees one step's result.
+  auto restore_inputs = [&] {
+    for (int t = 0; t < n; ++t) copy(d_in[t], host[t].data(), counts[t] * 4, cudaMemcpyHostToDevice);
+  };
+  if (inplace) {
+    restore_inputs();
+    step();
+  }
   // Verify the last step: every element of every gradient vs float64 / size.
   long long wrong = 0;
   const double bound = (size + 2.0) * std::ldexp(1.0, -24);
   for (int t = 0; t < n; ++t) {
     std::vector<float> got(counts[t]);
-    copy(got.data(), d_out[t], counts[t] * 4, cudaMemcpyDeviceToHost);
+    copy(got.data(), inplace ? d_in[t] : d_out[t], counts[t] * 4, cudaMemcpyDeviceToHost);
     for (size_t i = 0; i < counts[t]; ++i) {
       double ref = 0;
       for (int r = 0; r < size; ++r) ref += static_cast<float>(2.0 * Uniform(t + 1, r, i) - 1.0);
       if (!(std::fabs(got[i] - ref / size) <= bound)) ++wrong;
     }
   }
+  if (inplace) restore_inputs();  // the checks below read the original inputs
   // The fused bucket's other shapes (Communicator::FusedAllreduce; on one rank
   // the direct copies of cc/kernels/batched_copy.cu "Fused buckets"), one
   // EnqueueGroup each, every element checked against float64:

@@ -3,9 +3,13 @@
 # (build_tools.sh) in this tree and in BASELINE (the root of another checkout of
 # the project, e.g. `git archive <commit> | tar -x -C .baseline`), then runs
 # engine_perf on ResNet-50's gradient set alternately, baseline first, REPS
-# times: 1 rank per tensor, 1 rank grouped, and NP ranks sharing the one GPU
-# as one NV-group under MPS (grouped and per tensor). Every run checks its
-# outputs against float64 (engine_perf's `wrong`).
+# times: 1 rank per tensor, 1 rank grouped out of place and in place (the
+# outputs forwarded, as the TF adapter submits them when TF lets it), and NP
+# ranks sharing the one GPU as one NV-group under MPS (grouped, grouped in
+# place, per tensor). Every run checks its outputs against float64
+# (engine_perf's `wrong`). Both trees are built with this tree's
+# cc/tools/engine_perf.cc (the harness: the same requests and timers on
+# both sides; the engine is what is compared).
 # Writes $OUT/engine_perf_ab.tsv (tree, rep, ranks, style, us per step, wrong)
 # and $OUT/engine_perf_ab.log; scripts/device/engine_perf_ab_table.py turns the
 # TSV into the JSON + PNG table.
@@ -27,6 +31,7 @@ STATUS=0
 
 echo "=== build: this tree and $BASE ($(date -u +%H:%M:%S))"
 bash scripts/device/build_tools.sh build/tools "$(nproc)" > "$LOG" 2>&1 || { echo "!!! build failed (this tree)"; tail -20 "$LOG"; exit 1; }
+cp cc/tools/engine_perf.cc "$BASE/cc/tools/engine_perf.cc"
 (cd "$BASE" && bash scripts/device/build_tools.sh build/tools "$(nproc)") >> "$LOG" 2>&1 || { echo "!!! build failed ($BASE)"; tail -20 "$LOG"; exit 1; }
 
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvgroup_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nvgroup_mps/log
@@ -36,9 +41,10 @@ trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
 sleep 1
 
 printf 'tree\trep\tranks\tstyle\tus_per_step\twrong\n' > "$TSV"
-one() {  # tree-label tools-dir ranks style(grouped|per_tensor)
+one() {  # tree-label tools-dir ranks style(grouped|per_tensor, optionally _inplace)
   local label=$1 tools=$2 np=$3 style=$4 extra=() line us wrong
-  [[ $style == grouped ]] && extra=(grouped)
+  [[ $style == grouped* ]] && extra+=(grouped)
+  [[ $style == *_inplace ]] && extra+=(inplace)
   local group=0; (( np > 1 )) && group=1
   line=$(timeout 200 env NVGROUP_ONE_GPU_GROUP=$group mpirun -np "$np" --bind-to none -x NVGROUP_ONE_GPU_GROUP \
          "$tools/engine_perf" benchmarks/resnet50_gradients.txt "$STEPS" "${extra[@]}" 2>&1 | tee -a "$LOG" |
@@ -50,7 +56,7 @@ one() {  # tree-label tools-dir ranks style(grouped|per_tensor)
 }
 for rep in $(seq 1 "$REPS"); do
   echo "=== rep $rep ($(date -u +%H:%M:%S))"
-  for cfg in "1 per_tensor" "1 grouped" "$NP grouped" "$NP per_tensor"; do
+  for cfg in "1 per_tensor" "1 grouped" "1 grouped_inplace" "$NP grouped" "$NP grouped_inplace" "$NP per_tensor"; do
     read -r np style <<< "$cfg"
     one baseline "$BASE/build/tools" "$np" "$style"
     one this build/tools "$np" "$style"
