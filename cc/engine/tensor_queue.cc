@@ -4,6 +4,21 @@
 
 namespace nvgroup {
 
+bool InFlightNames::Insert(const std::string& name) {
+  if (spare_.empty()) return names_.insert(name).second;
+  Set::node_type node = std::move(spare_.back());
+  spare_.pop_back();
+  node.value() = name;  // reuses the node's characters where they fit
+  Set::insert_return_type r = names_.insert(std::move(node));
+  if (!r.inserted) spare_.push_back(std::move(r.node));
+  return r.inserted;
+}
+
+void InFlightNames::Erase(const std::string& name) {
+  Set::node_type node = names_.extract(name);
+  if (!node.empty() && spare_.size() < kSpareNodes) spare_.push_back(std::move(node));
+}
+
 Status TensorQueue::Push(Submission submission) {
   std::vector<TensorEntry>& entries = submission.entries;
   bool wake = false;
@@ -13,8 +28,8 @@ Status TensorQueue::Push(Submission submission) {
     // Names go into in_flight_ as they are checked; a duplicate (in flight, or
     // twice in this batch) takes the batch's names out again.
     for (size_t i = 0; i < entries.size(); ++i) {
-      if (!in_flight_.insert(entries[i].request.name).second) {
-        for (size_t j = 0; j < i; ++j) in_flight_.erase(entries[j].request.name);
+      if (!in_flight_.Insert(entries[i].request.name)) {
+        for (size_t j = 0; j < i; ++j) in_flight_.Erase(entries[j].request.name);
         return Status::InvalidArgument("duplicate name: a collective named '" + entries[i].request.name +
                                        "' is already in flight on this rank; names must be unique "
                                        "until the previous request completes");
@@ -77,12 +92,12 @@ void TensorQueue::RequestShutdown() {
 
 void TensorQueue::Finish(const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
-  in_flight_.erase(name);
+  in_flight_.Erase(name);
 }
 
 void TensorQueue::Finish(TensorEntry* const* entries, size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (size_t i = 0; i < n; ++i) in_flight_.erase(entries[i]->request.name);
+  for (size_t i = 0; i < n; ++i) in_flight_.Erase(entries[i]->request.name);
 }
 
 std::vector<Submission> TensorQueue::Close(const Status& status) {

@@ -54,6 +54,25 @@ struct Submission {
   uint64_t group_id = 0;  // the entries' message.group_id (0: not grouped)
 };
 
+// The names in flight on this rank (a name is unique until its request
+// completes). A step inserts and erases every gradient's name once; the set
+// keeps the nodes of erased names (at most kSpareNodes) and refills them on
+// the next insert, so a steady state of steps allocates nothing here (a
+// node holds the name's characters: a string assignment into it reuses
+// them). Not thread-safe: TensorQueue's lock guards it.
+class InFlightNames {
+ public:
+  // False (and nothing changes) when `name` is in flight already.
+  bool Insert(const std::string& name);
+  void Erase(const std::string& name);
+
+ private:
+  static constexpr size_t kSpareNodes = 4096;
+  using Set = std::unordered_set<std::string>;
+  Set names_;
+  std::vector<Set::node_type> spare_;
+};
+
 class TensorQueue {
  public:
   // All or none of the entries are queued (a group is never split).
@@ -92,7 +111,7 @@ class TensorQueue {
   std::condition_variable cv_;
   std::vector<Submission> queued_;
   std::chrono::steady_clock::time_point last_push_;
-  std::unordered_set<std::string> in_flight_;
+  InFlightNames in_flight_;
   bool shutdown_requested_ = false;
   bool waiting_for_first_ = false;  // WaitAndPop waits for a first entry (Push wakes it)
   bool last_was_group_ = false;     // the latest push was a grouped collective of several
