@@ -118,8 +118,14 @@ void Engine::CompleteAfterStream(Communicator* comm, const std::vector<TensorEnt
     // An adapter may already have let its stream run on the event: a
     // device-side failure must then stop every later collective.
     if (!s.ok() && any_early) Abort(s);
+    // The names leave the in-flight set under one lock, before any `done`
+    // runs (a callback may resubmit its name at once).
+    std::vector<const std::string*> names;
+    names.reserve(callbacks.size());
+    for (const Callback& c : callbacks)
+      if (!c.finished_early) names.push_back(&c.name);
+    queue_.Finish(names.data(), names.size());
     for (Callback& c : callbacks) {
-      if (!c.finished_early) queue_.Finish(c.name);
       try {
         c.done(s);
       } catch (...) {

@@ -100,6 +100,11 @@ void TensorQueue::Finish(TensorEntry* const* entries, size_t n) {
   for (size_t i = 0; i < n; ++i) in_flight_.Erase(entries[i]->request.name);
 }
 
+void TensorQueue::Finish(const std::string* const* names, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) in_flight_.Erase(*names[i]);
+}
+
 std::vector<Submission> TensorQueue::Close(const Status& status) {
   std::lock_guard<std::mutex> lock(mu_);
   closed_ = status;

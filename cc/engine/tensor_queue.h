@@ -101,6 +101,8 @@ class TensorQueue {
   void Finish(const std::string& name);
   // Finish for `n` entries under one lock (a bucket's members).
   void Finish(TensorEntry* const* entries, size_t n);
+  // Finish for `n` names under one lock (a bucket's members once their entries are gone).
+  void Finish(const std::string* const* names, size_t n);
   // Pushes of grouped collectives that ended admission batching at once.
   uint64_t groups_not_batched() const { return groups_not_batched_.load(std::memory_order_relaxed); }
   // Later pushes fail with `status`; returns the submissions still queued.

@@ -19,7 +19,7 @@
 #           mixed with eager calls) and two caller streams (REPEAT times)
 #   peerexit  a rank exits with its memory mapped by the others: kUnavailable
 #           naming it on every survivor
-#   engine1 the engine's full path on 1 rank (per tensor and grouped)
+#   engine1 the engine's full path on 1 rank (per tensor, grouped, grouped in place)
 #   cross   the cross-group step (cross_step_bench) on 2-4 ranks as groups of 1
 #   groups  (one GPU) quick check as groups of 3, 4 and 8 ranks on the one GPU
 #   newcoll the collectives added for Horovod parity through the pybind module
@@ -172,9 +172,10 @@ for stage in "$@"; do
       step "engine path: ResNet-50 gradient set through Enqueue (fusion -> kernel -> callback)"
       run timeout 200 mpirun -np $NP --bind-to none build/tools/engine_perf benchmarks/resnet50_gradients.txt 30 ;;
     engine1)
-      step "engine path, 1 rank (nothing to communicate): per tensor and grouped, per-phase breakdown"
+      step "engine path, 1 rank (nothing to communicate): per tensor, grouped, grouped in place, per-phase breakdown"
       run timeout 120 env NVGROUP_ONE_GPU_GROUP=0 mpirun -np 1 --bind-to none build/tools/engine_perf benchmarks/resnet50_gradients.txt 50
-      run timeout 120 env NVGROUP_ONE_GPU_GROUP=0 mpirun -np 1 --bind-to none build/tools/engine_perf benchmarks/resnet50_gradients.txt 50 grouped ;;
+      run timeout 120 env NVGROUP_ONE_GPU_GROUP=0 mpirun -np 1 --bind-to none build/tools/engine_perf benchmarks/resnet50_gradients.txt 50 grouped
+      run timeout 120 env NVGROUP_ONE_GPU_GROUP=0 mpirun -np 1 --bind-to none build/tools/engine_perf benchmarks/resnet50_gradients.txt 50 grouped inplace ;;
     cross)
       step "cross-group step: 2, 3, 4 ranks on the GPU as groups of 1 (host-staged) vs D2H + MPI_Allreduce + H2D"
       for np in 2 3 4; do
