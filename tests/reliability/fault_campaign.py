@@ -20,7 +20,8 @@ is a pure function of the seed. Verdict of a trial whose fault was delivered:
                 the processes' exit; for a fault of phase init,
                 NVGROUP_INIT_TIMEOUT (INIT_TIMEOUT_S) plus the watchdog's
                 grace (INIT_GRACE_S) plus EXIT_SLACK_S. Processes still there
-                are killed and reported as left behind;
+                (a rank gets EXIT_GRACE_S after mpirun returned, to finish its
+                own exit) are killed and reported as left behind;
   * no leaks -- no /dev/shm segment created by a rank's pid
                 (cc/transport/shm_group.h: /nvgroup.<pid>.*) left once the
                 campaign's last job swept them (a killed creator's segment
@@ -62,6 +63,7 @@ TIMEOUT_S = 5.0     # NVGROUP_TIMEOUT of the campaign's jobs
 INIT_TIMEOUT_S = 20.0  # their NVGROUP_INIT_TIMEOUT: above the ranks' skew in reaching init() (TF import)
 INIT_GRACE_S = 5.0   # kInitWatchdogGraceS (cc/engine/init_watchdog.h)
 EXIT_SLACK_S = 10.0  # detection (<= 1.2 s) plus the processes' exit under load
+EXIT_GRACE_S = 2.0   # a rank's own exit after mpirun returned
 START_LIMIT_S = 400  # a job that never reaches its fault (imports under load) is cut here
 PATHS = ["keras_fit", "tape", "xla", "collectives", "process_sets", "elastic", "engine"]
 PHASES = ["init", "train", "checkpoint", "shutdown"]
@@ -199,6 +201,12 @@ def run_trial(spec, workdir):
         for line in lines:
             if line.startswith("START "):
                 pids[int(line.split()[1])] = pid
+    # A rank mpirun ended may still be on its way out when mpirun returns:
+    # it has EXIT_GRACE_S to be gone (within the bound: mpirun returned).
+    if not hung:
+        deadline = time.time() + EXIT_GRACE_S
+        while time.time() < deadline and any(_alive(pid) for pid in pids.values()):
+            time.sleep(0.1)
     listening = _listening_inodes()
     left = []
     for rank, pid in sorted(pids.items()):
