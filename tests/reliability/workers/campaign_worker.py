@@ -218,19 +218,25 @@ def run_engine(np):
             enter("train")
 
 
-def main_engine():
-    import numpy as np
-    import nvgroup_tf._engine as engine
+def run_phases(init, train, shutdown):
+    """init(), train(), shutdown() as a user's script does, with the phases
+    recorded and the first error noted; DONE when all returned."""
     enter("init")
     try:
-        engine.init()
-        run_engine(np)
+        init()
+        train()
         enter("shutdown")
-        engine.shutdown()
+        shutdown()
     except BaseException as e:
         note_error(e)
         raise
     record("DONE %.6f" % time.time())
+
+
+def main_engine():
+    import numpy as np
+    import nvgroup_tf._engine as engine
+    run_phases(engine.init, lambda: run_engine(np), engine.shutdown)
     engine.finalize_mpi()
 
 
@@ -249,26 +255,23 @@ def main():
     import tensorflow as tf
     import keras
     import nvgroup_tf as hvd
-    enter("init")
-    try:
-        subset = None
-        if PATH == "process_sets":
-            subset = hvd.ProcessSet(list(range(max(1, SIZE - 1))))
+    subset = hvd.ProcessSet(list(range(max(1, SIZE - 1)))) if PATH == "process_sets" else None
+    run = {"keras_fit": run_keras_fit, "tape": run_tape, "xla": run_xla, "collectives": run_collectives,
+           "elastic": run_elastic}
+
+    def init():
+        if subset is not None:
             hvd.init(process_sets=[subset])
         else:
             hvd.init()
-        run = {"keras_fit": run_keras_fit, "tape": run_tape, "xla": run_xla, "collectives": run_collectives,
-               "elastic": run_elastic}
-        if PATH == "process_sets":
+
+    def train():
+        if subset is not None:
             run_process_sets(hvd, tf, keras, np, subset)
         else:
             run[PATH](hvd, tf, keras, np)
-        enter("shutdown")
-        hvd.shutdown()
-    except BaseException as e:
-        note_error(e)
-        raise
-    record("DONE %.6f" % time.time())
+
+    run_phases(init, train, hvd.shutdown)
 
 
 if __name__ == "__main__":
