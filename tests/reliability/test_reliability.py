@@ -387,10 +387,12 @@ def test_rank_frozen_in_a_blocking_init_phase_ends_every_rank(tmp_path, phase):
     assert lines(r, r"^\[nvgroup rank \d\] ERROR: .*every rank reached init\(\)"), r.output[-5000:]
 
 
-def test_rank_frozen_in_mpi_init_ends_every_rank(tmp_path):
-    """Rank 1 stops before MPI_Init_thread: Open MPI's MPI_Init of the others
-    waits for it forever; the watchdog ends them."""
-    r = init_fault(tmp_path, 2, 1, "mpi_init", "stop")
+@pytest.mark.parametrize("phase", ["before_init", "mpi_init"])
+def test_rank_frozen_in_mpi_init_ends_every_rank(tmp_path, phase):
+    """Rank 1 stops before init() (from Python, no hook) or just before
+    MPI_Init_thread: Open MPI's MPI_Init of the others waits for it forever
+    (it did on the old code); the watchdog ends them."""
+    r = init_fault(tmp_path, 2, 1, phase, "stop")
     watchdog, term = ended_in_phase(r, None, "mpi_init")
     assert watchdog or term, r.output[-5000:]
 

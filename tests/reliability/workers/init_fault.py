@@ -1,6 +1,7 @@
 """Worker: rank VICTIM freezes (SIGSTOP) or dies (SIGKILL) in phase PHASE of
 init() (the engine's test hook _engine.testing.fault_in_init; the phases are
-listed in cc/engine/init_watchdog.h).
+listed in cc/engine/init_watchdog.h). PHASE before_init: the victim stops or
+kills itself from Python right before calling init(), without the hook.
 
     init_fault.py VICTIM PHASE stop|kill
 
@@ -12,6 +13,7 @@ finalizes MPI.
 Engine only (no TensorFlow), so a trial costs the MPI start and the bound.
 """
 import os
+import signal
 import sys
 import time
 
@@ -25,7 +27,9 @@ def main():
     record = os.environ["REL_RECORD_DIR"]
     fd = os.open(os.path.join(record, "%d.log" % os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
-    if rank == victim:
+    if rank == victim and phase == "before_init":
+        os.kill(os.getpid(), signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
+    elif rank == victim:
         engine.testing.fault_in_init(phase, kind)
     start = time.monotonic()
     try:
