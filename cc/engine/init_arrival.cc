@@ -83,26 +83,29 @@ Status RankZero(MPI_Comm comm, int size, double timeout_s, std::string* ranks_te
   }
   x->verdict[0] = static_cast<int>(missing.size());
   for (int i = 0; i < std::min(x->verdict[0], kNamed); ++i) x->verdict[1 + i] = missing[i];
+  const std::string missing_text = MissingText(x->verdict.data());
+  // Freed below only once every request completed: a cancelled receive may
+  // complete after its request was freed, a send to a rank that went away
+  // stays pending.
+  ArrivalExchange* const kept = x.release();
   std::vector<MPI_Request> sends;
   for (int r = 1; r < size; ++r) {
     if (!arrived[r - 1]) continue;
     sends.push_back(MPI_REQUEST_NULL);
-    NVG_MPI_CHECK(MPI_Isend(x->verdict.data(), kVerdictInts, MPI_INT, r, kArrivalVerdictTag, comm, &sends.back()));
+    NVG_MPI_CHECK(MPI_Isend(kept->verdict.data(), kVerdictInts, MPI_INT, r, kArrivalVerdictTag, comm,
+                            &sends.back()));
   }
   std::vector<bool> sent(sends.size(), false);
   StatusOr<bool> delivered = PollAll(&sends, &sent, MonotonicSeconds() + kArrivalGraceS);
-  if (!delivered.ok() || !delivered.value()) {
-    (void)x.release();  // a rank that arrived and then went away: its send stays pending
-    if (!delivered.ok()) return delivered.status();
-  }
+  if (!delivered.ok()) return delivered.status();
   if (missing.empty()) {
+    if (delivered.value()) delete kept;
     *ranks_text = "every rank reached init()";
-    return Status::Ok();
+    return Status::Ok();  // a rank that went away since arriving is the next phases' to find
   }
-  *ranks_text = MissingText(x->verdict.data()) + " did not reach init()";
-  return Status::Unavailable(MissingText(x->verdict.data()) + " of " + std::to_string(size) +
-                             " did not reach init() within " + SecondsText(timeout_s) +
-                             " s (NVGROUP_INIT_TIMEOUT): died, stopped, or not started yet");
+  *ranks_text = missing_text + " did not reach init()";
+  return Status::Unavailable(missing_text + " of " + std::to_string(size) + " did not reach init() within " +
+                             SecondsText(timeout_s) + " s (NVGROUP_INIT_TIMEOUT): died, stopped, or not started yet");
 }
 
 Status OtherRank(MPI_Comm comm, double timeout_s, std::string* ranks_text) {
