@@ -45,6 +45,15 @@ Status SecondsInto(const char* name, const std::string& value, double* out) {
   return Status::Ok();
 }
 
+Status PositiveSecondsInto(const char* name, const std::string& value, double* out) {
+  double t = 0;
+  Status s = SecondsInto(name, value, &t);
+  if (!s.ok()) return s;
+  if (t <= 0) return Malformed(name, value, "a positive number of seconds");
+  *out = t;
+  return Status::Ok();
+}
+
 Status BoolInto(const char* name, const std::string& value, bool* out) {
   if (value != "0" && value != "1") return Malformed(name, value, "0 or 1");
   *out = value == "1";
@@ -127,15 +136,15 @@ std::vector<Setting> MakeSettings() {
       {"NVGROUP_TIMEOUT", S::kPerProcess, "seconds (> 0)", "30", "engine", "",
        "A collective or barrier that cannot progress for this long because a peer is gone fails with "
        "UnavailableError naming it; bounds every wait of the engine.",
-       +[](const char* n, const std::string& v, K* k) -> Status {
-         double t = 0;
-         Status s = SecondsInto(n, v, &t);
-         if (!s.ok()) return s;
-         if (t <= 0) return Malformed(n, v, "a positive number of seconds");
-         k->peer_timeout_s = t;
-         return Status::Ok();
-       },
+       +[](const char* n, const std::string& v, K* k) { return PositiveSecondsInto(n, v, &k->peer_timeout_s); },
        +[](const K& k) { return ShortestDouble(k.peer_timeout_s); }},
+      {"NVGROUP_INIT_TIMEOUT", S::kPerProcess, "seconds (> 0)", "120", "engine", "",
+       "How long init() and process-set registration wait for every rank (the larger of this and "
+       "NVGROUP_TIMEOUT): a rank that has not reached init() by then is named in the error of every rank "
+       "that did; a phase of init() stuck this long plus 5 s in MPI (a peer stopped or died inside a "
+       "blocking MPI call) logs the phase at error level and ends the process with exit code 70.",
+       +[](const char* n, const std::string& v, K* k) { return PositiveSecondsInto(n, v, &k->init_timeout_s); },
+       +[](const K& k) { return ShortestDouble(k.init_timeout_s); }},
       {"NVGROUP_STALL_WARNING_TIME", S::kPerProcess, "seconds", "60", "engine", "",
        "Rank 0 warns about ranks missing tensors after this long. 0 turns the warning off.",
        +[](const char* n, const std::string& v, K* k) { return SecondsInto(n, v, &k->stall_warning_s); },

@@ -40,6 +40,11 @@ struct Knobs {
   // A collective or barrier that cannot progress for this long because a peer
   // is gone fails with kUnavailable naming the peer, seconds.
   double peer_timeout_s = 30.0;
+  // init() and process-set registration wait the larger of this and
+  // peer_timeout_s for every rank (ranks reach init() after importing
+  // TensorFlow, which takes tens of seconds on a loaded host), seconds;
+  // engine/init_watchdog.h bounds each of init()'s phases by it.
+  double init_timeout_s = 120.0;
   // Rank 0 warns about ranks missing tensors after this long, seconds (0 = off).
   double stall_warning_s = 60.0;
   // Stalled requests fail with kDeadlineExceeded after this long (0 = never).

@@ -24,6 +24,7 @@ const char* LevelName(LogLevel level) {
 
 void SetLogLevel(LogLevel level) { g_level.store(static_cast<int>(level)); }
 void SetLogRank(int rank) { g_rank.store(rank); }
+int LogRank() { return g_rank.load(); }
 bool LogEnabled(LogLevel level) { return static_cast<int>(level) >= g_level.load(); }
 
 void LogMessage(LogLevel level, const std::string& text) {

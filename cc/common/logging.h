@@ -17,6 +17,7 @@ enum class LogLevel : int { kTrace = 0, kDebug = 1, kInfo = 2, kWarning = 3, kEr
 
 void SetLogLevel(LogLevel level);
 void SetLogRank(int rank);  // -1: unknown
+int LogRank();              // the rank SetLogRank set, -1 before
 bool LogEnabled(LogLevel level);
 void LogMessage(LogLevel level, const std::string& text);
 

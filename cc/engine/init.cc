@@ -4,8 +4,11 @@
 // compared, so a malformed or differing setting fails Init on every rank,
 // named), the CPU communicator, the CUDA communicator when every rank asks for
 // it at init (EngineOptions::cuda_at_init), the node-homogeneity check, the
-// process-set control communicator and set 0's engine. Every wait is bounded
-// (kMinInitTimeoutS or NVGROUP_TIMEOUT, whichever is longer).
+// process-set control communicator and set 0's engine. It begins with the
+// arrival check (init_arrival.h), which names the ranks that did not reach
+// init(). Every non-blocking wait is bounded by InitWaitSeconds (runtime.h);
+// the blocking MPI calls (MPI_Init_thread, the communicators' setup) by the
+// init watchdog, phase by phase (Note [Init watchdog] in init_watchdog.h).
 #include <mpi.h>
 
 #include <algorithm>
@@ -16,6 +19,8 @@
 #include "common/checks.h"
 #include "common/env.h"
 #include "common/logging.h"
+#include "engine/init_arrival.h"
+#include "engine/init_watchdog.h"
 #include "engine/mpi_wait.h"
 #include "engine/rank_lists.h"
 #include "engine/runtime.h"
@@ -165,16 +170,31 @@ StatusOr<std::unique_ptr<Communicator>> CreateCudaAtInit(MPI_Comm comm, int size
   return c;
 }
 
+// The knobs Init's bounds come from when the environment is malformed (Init
+// then fails after the knob agreement, naming it): each timeout on its own.
+Knobs TimeoutKnobs() {
+  Knobs k;
+  for (const char* name : {"NVGROUP_TIMEOUT", "NVGROUP_INIT_TIMEOUT"}) {
+    Knobs one = k;
+    if (ParseSettingFromEnvironment(name, &one).ok()) k = one;
+  }
+  return k;
+}
+
 }  // namespace
 
 Status Runtime::Init(const EngineOptions& options) {
   std::lock_guard<std::mutex> lock(mu_);
   if (engine_ != nullptr) return Status::Ok();
+  StatusOr<Knobs> knobs = ParseKnobsFromEnvironment();
+  const double timeout_s = InitWaitSeconds(knobs.ok() ? knobs.value() : TimeoutKnobs());
+  InitWatchdog watchdog("nvgroup_tf.init", timeout_s + kInitWatchdogGraceS);
   int initialized = 0, finalized = 0;
   NVG_MPI_CHECK(MPI_Initialized(&initialized));
   NVG_MPI_CHECK(MPI_Finalized(&finalized));
   if (finalized) return Status::FailedPrecondition("MPI was already finalized; nvgroup_tf cannot start again");
   if (!initialized) {
+    watchdog.Enter("mpi_init", "MPI_Init_thread");
     int provided = 0;
     NVG_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
     initialized_mpi_ = true;
@@ -186,16 +206,24 @@ Status Runtime::Init(const EngineOptions& options) {
     NVG_LOG(kWarning) << "MPI provides thread level " << provided << ", not MPI_THREAD_MULTIPLE: "
                       << "do not call MPI from other threads while nvgroup_tf runs";
 
-  StatusOr<Knobs> knobs = ParseKnobsFromEnvironment();
-  const double timeout_s = std::max(kMinInitTimeoutS, knobs.ok() ? knobs.value().peer_timeout_s : 0.0);
   MPI_Comm user = options.mpi_comm_fortran == -1
                       ? MPI_COMM_WORLD
                       : MPI_Comm_f2c(static_cast<MPI_Fint>(options.mpi_comm_fortran));
   if (user == MPI_COMM_NULL)
     return Status::InvalidArgument("the MPI communicator handle " + std::to_string(options.mpi_comm_fortran) +
                                    " is MPI_COMM_NULL");
+  int rank = 0, size = 1;
+  NVG_MPI_CHECK(MPI_Comm_rank(user, &rank));
+  NVG_MPI_CHECK(MPI_Comm_size(user, &size));
+  SetLogRank(rank);
+  watchdog.Enter("arrival", "the arrival check: every rank reaches init()");
+  std::string ranks_text;
+  Status arrived = CheckArrival(user, rank, size, timeout_s, &ranks_text);
+  watchdog.NoteRanks(ranks_text);
+  if (!arrived.ok()) return arrived.WithContext("nvgroup_tf.init");
   // The new handle is written when the duplication completes: heap memory,
   // leaked if the wait gives up.
+  watchdog.Enter("dup", "MPI_Comm_idup of the user's communicator");
   auto dup = std::make_unique<MPI_Comm>(MPI_COMM_NULL);
   MPI_Request req;
   std::atomic<bool> never{false};
@@ -206,10 +234,7 @@ Status Runtime::Init(const EngineOptions& options) {
     return duplicated.WithContext("nvgroup_tf.init");
   }
   MPI_Comm comm = *dup;
-  int rank = 0, size = 1;
-  NVG_MPI_CHECK(MPI_Comm_rank(comm, &rank));
-  NVG_MPI_CHECK(MPI_Comm_size(comm, &size));
-  SetLogRank(rank);
+  watchdog.Enter("knobs", "the knob agreement");
   Status agreed = AgreeOnKnobs(comm, size, &knobs, timeout_s);
   if (!agreed.ok()) {
     MPI_Comm_free(&comm);
@@ -219,18 +244,22 @@ Status Runtime::Init(const EngineOptions& options) {
   SetLogLevel(static_cast<LogLevel>(agreed_knobs.log_level));
 
   // Parsed and agreed above: the communicators do not read the environment.
+  watchdog.Enter("cpu_communicator",
+                 "the CPU communicator's setup: MPI_Comm_split into nodes and groups, the shared-memory group");
   StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cpu(), agreed_knobs);
   if (!cpu.ok()) {
     MPI_Comm_free(&comm);
     return cpu.status().WithContext("nvgroup_tf.init: creating the CPU communicator");
   }
   std::unique_ptr<Communicator> cuda;
+  watchdog.Enter("device_check", "the agreement on CUDA at init");
   StatusOr<bool> everyone_cuda = AllRanksAsk(comm, size, options.cuda_at_init, timeout_s);
   if (!everyone_cuda.ok()) {
     MPI_Comm_free(&comm);
     return everyone_cuda.status().WithContext("nvgroup_tf.init");
   }
   if (everyone_cuda.value()) {
+    watchdog.Enter("cuda_communicator", "the CUDA communicator's setup");
     StatusOr<std::unique_ptr<Communicator>> c = CreateCudaAtInit(comm, size, agreed_knobs, timeout_s);
     if (!c.ok()) {
       MPI_Comm_free(&comm);
@@ -240,18 +269,22 @@ Status Runtime::Init(const EngineOptions& options) {
   }
   // Homogeneous: the largest and the smallest local size agree (one MAX
   // allreduce of {local_size, -local_size}), so every rank reports the same.
+  watchdog.Enter("local_sizes", "the local-size allreduce");
   int local_sizes[2] = {cpu.value()->topology().local_size, -cpu.value()->topology().local_size};
   NVG_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, local_sizes, 2, MPI_INT, MPI_MAX, comm, &req));
   Status agreed_sizes = WaitMpi(&req, "Init's local-size allreduce", timeout_s, never);
   if (!agreed_sizes.ok()) return agreed_sizes.WithContext("nvgroup_tf.init");  // comm may still be in use: kept
   homogeneous_ = local_sizes[0] == -local_sizes[1];
   // The process-set registration communicator: duplicated now, while every
-  // rank is inside Init (a blocking dup here cannot hang: the idup above and
-  // AgreeOnKnobs proved every rank is here).
+  // rank is inside Init (the allreduce above proved every rank got here; a
+  // rank lost since holds the others in this blocking dup until the watchdog
+  // ends them).
+  watchdog.Enter("control_dup", "MPI_Comm_dup of the process-set control communicator");
   MPI_Comm control = MPI_COMM_NULL;
   NVG_MPI_CHECK(MPI_Comm_dup(comm, &control));
   knobs_ = agreed_knobs;
   sets_.Reset(control);
+  watchdog.Enter("engine", "set 0's engine: the dead-rank detection's rendezvous");
   engine_ = std::make_shared<Engine>(knobs_, comm, rank, size, cpu.consume(), true, std::move(cuda));
   NVG_LOG(kInfo) << "initialized: " << size << " ranks, fusion threshold "
                  << knobs_.fusion_threshold << " B, cache " << knobs_.cache_capacity;

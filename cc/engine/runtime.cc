@@ -10,6 +10,7 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
+#include "engine/init_watchdog.h"
 #include "engine/mpi_wait.h"
 #include "engine/request_validation.h"
 
@@ -198,7 +199,11 @@ StatusOr<int32_t> Runtime::AddProcessSet(const std::vector<int>& ranks) {
   std::lock_guard<std::mutex> registration(registration_mu_);
   std::shared_ptr<Engine> global = Global();
   if (global == nullptr) return NotInitialized();
-  const double timeout_s = std::max(kMinInitTimeoutS, knobs_.peer_timeout_s);
+  const double timeout_s = InitWaitSeconds(knobs_);
+  // The split and the set's communicator setup block in MPI once the ranks
+  // agreed: bounded as Init's phases are (Note [Init watchdog]).
+  InitWatchdog watchdog("add_process_set", timeout_s + kInitWatchdogGraceS);
+  watchdog.Enter("process_set", "add_process_set: the rank-list agreement, MPI_Comm_split, the set's CPU communicator");
   return sets_.Add(ranks, global->topology().rank, global->size(), knobs_, timeout_s);
 }
 
@@ -207,7 +212,7 @@ Status Runtime::RemoveProcessSet(int32_t process_set_id) {
   std::shared_ptr<Engine> global = Global();
   if (global == nullptr) return NotInitialized();
   if (process_set_id == 0) return Status::InvalidArgument("remove_process_set: the global process set (0) cannot be removed");
-  const double timeout_s = std::max(kMinInitTimeoutS, knobs_.peer_timeout_s);
+  const double timeout_s = InitWaitSeconds(knobs_);
   return sets_.Remove(process_set_id, global->size(), timeout_s);
 }
 

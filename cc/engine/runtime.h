@@ -10,6 +10,7 @@
 // RemoveProcessSet, Shutdown), which run their MPI outside mu_.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -22,11 +23,12 @@
 
 namespace nvgroup {
 
-// Init's own collectives (and process-set registration's) wait at least this
-// long: ranks reach hvd.init() after importing TensorFlow, which takes tens of
-// seconds on a loaded host, so the peer timeout (meant for a running job)
-// would be too eager here.
-constexpr double kMinInitTimeoutS = 120.0;
+// How long Init's own waits (and process-set registration's) last: the larger
+// of NVGROUP_INIT_TIMEOUT (default 120 s: ranks reach hvd.init() after
+// importing TensorFlow, which takes tens of seconds on a loaded host, so the
+// peer timeout, meant for a running job, would be too eager here) and
+// NVGROUP_TIMEOUT. The init watchdog (init_watchdog.h) adds its grace to it.
+inline double InitWaitSeconds(const Knobs& knobs) { return std::max(knobs.init_timeout_s, knobs.peer_timeout_s); }
 
 class Runtime {
  public:

@@ -33,6 +33,7 @@
 #include "engine/controller.h"
 #include "engine/engine_control.h"
 #include "engine/fusion.h"
+#include "engine/init_watchdog.h"
 #include "engine/stall_inspector.h"
 #include "engine/wire_format.h"
 #include "nvgroup/engine.h"
@@ -578,6 +579,12 @@ void RegisterTestingBindings(py::module_& t) {
         py::arg("seconds"),
         "In the next init(), ranks other than 0 wait `seconds` before connecting to rank 0's "
         "dead-rank detection port.");
+  t.def("fault_in_init", [](const std::string& phase, const std::string& kind) {
+    if (kind != "stop" && kind != "kill") throw EngineError("INVALID_ARGUMENT: fault_in_init kind must be stop or kill");
+    SetInitFaultForTesting(phase, kind);
+  }, py::arg("phase"), py::arg("kind"),
+        "The next time init() (or add_process_set) enters `phase` (engine/init_watchdog.h lists them), this "
+        "process stops (kind 'stop': SIGSTOP) or dies (kind 'kill': SIGKILL) there.");
   t.def("liveness_listen_addresses", [] { return LivenessListenAddressesForTesting(); },
         "Rank 0, while init() is accepting the dead-rank detection connections: [(address, port)].");
   t.def("build_response", [](const std::vector<py::dict>& by_rank) {

@@ -1,16 +1,21 @@
 #include "transport/shm_group.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 
 #include "common/checks.h"
+#include "common/logging.h"
 
 namespace nvgroup {
 
@@ -33,6 +38,67 @@ namespace {
 constexpr int kSpinsBeforeYield = 256;
 
 std::atomic<uint64_t> g_segment_counter{0};
+
+// The names created and not unlinked yet (Note [No segment left behind]): a
+// slot is free (0), being written (1) or holds a name (2). A process sets up
+// one group at a time per communicator; 16 slots are more than it holds.
+constexpr int kPendingSlots = 16;
+constexpr size_t kNameBytes = 256;
+struct PendingName {
+  std::atomic<int> state{0};
+  char name[kNameBytes];
+};
+PendingName g_pending[kPendingSlots];
+
+// Returns the slot, or -1 when every slot is taken (the name is then only
+// covered by the sweep).
+int AddPending(const std::string& name) {
+  if (name.size() >= kNameBytes) return -1;
+  for (int i = 0; i < kPendingSlots; ++i) {
+    int expected = 0;
+    if (g_pending[i].state.compare_exchange_strong(expected, 1)) {
+      std::memcpy(g_pending[i].name, name.c_str(), name.size() + 1);
+      g_pending[i].state.store(2, std::memory_order_release);
+      return i;
+    }
+  }
+  return -1;
+}
+
+// Unlinks the name, then frees its slot (in this order: a signal handler that
+// comes in between unlinks it once more, which is harmless, rather than not
+// at all).
+void UnlinkOwn(const std::string& name, int slot) {
+  shm_unlink(name.c_str());
+  if (slot < 0) return;
+  int expected = 2;
+  if (!g_pending[slot].state.compare_exchange_strong(expected, 0))
+    g_pending[slot].state.store(0, std::memory_order_release);  // the handler took it (1): free it
+}
+
+// The inode of this process's pid namespace (0 when /proc does not say).
+uint64_t PidNamespace() {
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) != 0) return 0;
+  return static_cast<uint64_t>(st.st_ino);
+}
+
+// "nvgroup.<pid>.<ns>." prefix of a name: its pid and namespace, or false.
+bool ParseCreator(const char* name, long* pid, uint64_t* ns) {
+  static const char kPrefix[] = "nvgroup.";
+  if (std::strncmp(name, kPrefix, sizeof(kPrefix) - 1) != 0) return false;
+  const char* p = name + sizeof(kPrefix) - 1;
+  char* end = nullptr;
+  errno = 0;
+  const long parsed_pid = std::strtol(p, &end, 10);
+  if (errno != 0 || end == p || *end != '.' || parsed_pid <= 0) return false;
+  p = end + 1;
+  const unsigned long long parsed_ns = std::strtoull(p, &end, 10);
+  if (errno != 0 || end == p || *end != '.') return false;
+  *pid = parsed_pid;
+  *ns = parsed_ns;
+  return true;
+}
 
 // Local status of one setup step -> the same verdict on every member.
 Status AgreeOnSetup(MPI_Comm group_comm, const Status& local, const std::vector<int>& global_ranks,
@@ -86,6 +152,30 @@ Status MapSegment(const std::string& name, size_t bytes, bool create, char** out
 
 }  // namespace
 
+void UnlinkPendingShmSegments() {
+  for (int i = 0; i < kPendingSlots; ++i) {
+    int expected = 2;
+    if (g_pending[i].state.compare_exchange_strong(expected, 1)) shm_unlink(g_pending[i].name);
+  }
+}
+
+int SweepStaleShmSegments() {
+  const uint64_t ns = PidNamespace();
+  if (ns == 0) return 0;  // whose namespace a name is of cannot be told
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return 0;
+  int removed = 0;
+  while (struct dirent* e = readdir(dir)) {
+    long pid = 0;
+    uint64_t creator_ns = 0;
+    if (!ParseCreator(e->d_name, &pid, &creator_ns) || creator_ns != ns) continue;
+    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    if (shm_unlink(("/" + std::string(e->d_name)).c_str()) == 0) ++removed;
+  }
+  closedir(dir);
+  return removed;
+}
+
 ShmGroup::Control* ShmGroup::control(int m) const {
   static_assert(sizeof(Control) <= kControlBytes, "Control must fit the control page");
   return reinterpret_cast<Control*>(segments_[m]);
@@ -105,17 +195,32 @@ StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Create(MPI_Comm group_comm,
   g->segments_.assign(n, nullptr);
   const size_t bytes = kControlBytes + capacity;
 
-  // Step 1: the leader's name stem, then every member creates and maps its own
-  // segment. The clock reading keeps a name leaked by a crashed job from
-  // colliding with a later job whose leader got the same pid (containers).
+  // Step 0 (Note [No segment left behind]).
+  const int swept = SweepStaleShmSegments();
+  if (swept > 0)
+    NVG_LOG(kInfo) << "removed " << swept << " shared-memory segment(s) of processes that ended without "
+                   << "unlinking them (/dev/shm/nvgroup.<pid>.*)";
+
+  // Step 1: the leader's name stem and every member's pid, then every member
+  // creates and maps its own segment. The clock reading keeps a name leaked
+  // by a crashed job from colliding with a later job whose leader got the
+  // same pid (containers).
   uint64_t stem[3] = {static_cast<uint64_t>(getpid()), g_segment_counter.fetch_add(1),
                       static_cast<uint64_t>(
                           std::chrono::steady_clock::now().time_since_epoch().count())};
   NVG_MPI_CHECK(MPI_Bcast(stem, 3, MPI_UINT64_T, 0, group_comm));
-  const std::string prefix = "/nvgroup." + std::to_string(stem[0]) + "." +
-                             std::to_string(stem[1]) + "." + std::to_string(stem[2]) + ".";
-  auto name = [&](int m) { return prefix + std::to_string(m); };
-  Status created = MapSegment(name(g->member_), bytes, true, &g->segments_[g->member_]);
+  const uint64_t mine[2] = {static_cast<uint64_t>(getpid()), PidNamespace()};
+  std::vector<uint64_t> creators(2 * n);
+  NVG_MPI_CHECK(MPI_Allgather(mine, 2, MPI_UINT64_T, creators.data(), 2, MPI_UINT64_T, group_comm));
+  const std::string suffix = std::to_string(stem[0]) + "." + std::to_string(stem[1]) + "." +
+                             std::to_string(stem[2]) + ".";
+  auto name = [&](int m) {
+    return "/nvgroup." + std::to_string(creators[2 * m]) + "." + std::to_string(creators[2 * m + 1]) + "." +
+           suffix + std::to_string(m);
+  };
+  const std::string own = name(g->member_);
+  Status created = MapSegment(own, bytes, true, &g->segments_[g->member_]);
+  const int slot = created.ok() ? AddPending(own) : -1;
   if (created.ok()) {
     // Fresh tmpfs pages are zero, but say so explicitly: generation 0, not failed.
     Control* c = new (g->segments_[g->member_]) Control();
@@ -124,7 +229,7 @@ StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Create(MPI_Comm group_comm,
   }
   Status s = AgreeOnSetup(group_comm, created, global_ranks, "creating the shared-memory buffer");
   if (!s.ok()) {
-    if (created.ok()) shm_unlink(name(g->member_).c_str());
+    if (created.ok()) UnlinkOwn(own, slot);
     return s;  // the destructor unmaps what was mapped
   }
 
@@ -134,7 +239,7 @@ StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Create(MPI_Comm group_comm,
   for (int m = 0; m < n && mapped.ok(); ++m)
     if (m != g->member_) mapped = MapSegment(name(m), bytes, false, &g->segments_[m]);
   s = AgreeOnSetup(group_comm, mapped, global_ranks, "mapping the group's shared-memory buffers");
-  shm_unlink(name(g->member_).c_str());
+  UnlinkOwn(own, slot);
   if (!s.ok()) return s;
   return std::move(g);
 }

@@ -4,17 +4,34 @@
 //
 // How it works.
 //  Setup (collective over the group communicator):
-//   1. the group leader picks a job-unique name stem "/nvgroup.<pid>.<n>.<clock>"
-//      (its pid, a per-process counter so several communicators never collide,
-//      and a clock reading) and broadcasts it; member m creates "<stem>.<m>" (O_EXCL), reserves it with
-//      posix_fallocate (a full /dev/shm is an error here, not a SIGBUS later)
-//      and maps it;
+//   0. every member sweeps /dev/shm of this library's names left by dead
+//      creators (SweepStaleShmSegments, below);
+//   1. the group leader picks a job-unique stem "<pid>.<n>.<clock>" (its pid,
+//      a per-process counter so several communicators never collide, and a
+//      clock reading) and broadcasts it, and the members exchange their pids;
+//      member m creates "/nvgroup.<pid of m>.<pid namespace of m>.<stem>.<m>"
+//      (O_EXCL), reserves it with posix_fallocate (a full /dev/shm is an error
+//      here, not a SIGBUS later) and maps it;
 //   2. every member maps every other member's segment;
 //   3. every member unlinks its own name. From then on nothing is left in
 //      /dev/shm if a process dies: the memory goes away with the last mapping.
 //  After each of steps 1 and 2 the members exchange their local status over MPI
 //  (MPI_Allgather), so all of them fail together, naming the member that broke.
 //
+// Note [No segment left behind]
+// A name lives from step 1 to step 3 of its creator: its peers must open it
+// by name, so it cannot be unlinked before step 2's agreement says that every
+// peer mapped it. A creator that ends in that window leaves it unless:
+//   * it ends through the init watchdog or its SIGTERM handler
+//     (engine/init_watchdog.h: mpirun ends the survivors of a death during
+//     init() with SIGTERM): both unlink the names still pending
+//     (UnlinkPendingShmSegments, async-signal-safe); or
+//   * it is killed (SIGKILL): then the name carries its creator's pid and pid
+//     namespace, and the next setup on the host (step 0 of any later job, or
+//     of the same job's next communicator) unlinks every name whose creator
+//     is gone from this pid namespace (kill(pid, 0) fails with ESRCH). A name
+//     of another pid namespace, of a live process (also a pid reused since)
+//     or of another format is left alone.
 //  Segment layout: | Control (one 4 KiB page) | data: capacity bytes |. The data
 //  part of a member's segment is its registered buffer.
 //
@@ -96,5 +113,14 @@ class ShmGroup {
   std::vector<char*> segments_;  // mapped segments, index = member
   uint64_t generation_ = 0;      // barriers this member has entered
 };
+
+// Unlinks the names this process created and has not unlinked yet (Note [No
+// segment left behind]). Async-signal-safe.
+void UnlinkPendingShmSegments();
+
+// Unlinks /dev/shm's names of this library ("nvgroup.<pid>.<pid ns>.*") whose
+// creator is gone from this pid namespace; returns how many. Called by
+// ShmGroup::Create (step 0).
+int SweepStaleShmSegments();
 
 }  // namespace nvgroup

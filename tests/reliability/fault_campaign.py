@@ -1,24 +1,33 @@
 """Fault campaign: small CPU jobs (mpirun, 2-4 ranks) on the user's paths, one
 rank SIGKILLed or SIGSTOPped at a random time, and a verdict per trial.
 
-    python tests/reliability/fault_campaign.py --trials N [--seed S] \\
+    python tests/reliability/fault_campaign.py --trials N [--seed S] [--parallel P] \\
         [--out benchmarks/results/fault_campaign.json]
 
 The paths, phases and faults are those of workers/campaign_worker.py; the plan
 is a pure function of the seed. Verdict of a trial whose fault was delivered:
 
   * named    -- every survivor that had not finished ends with an error naming
-                the lost rank ("rank V "), within the bound;
+                the lost rank ("rank V "), within the bound; a fault of phase
+                init may instead end a survivor with init()'s own line naming
+                the phase it was stuck in (the init watchdog, or mpirun's
+                SIGTERM after a death: cc/engine/init_watchdog.h), mpirun's
+                message then naming the dead rank for a kill;
   * bounded  -- mpirun and every rank are gone within the bound after the
                 fault: NVGROUP_TIMEOUT (set to TIMEOUT_S here; README "When
                 things go wrong") plus EXIT_SLACK_S for the detection (heartbeats
                 every 0.2 s, silent after 1 s: cc/transport/liveness.h) and
-                the processes' exit. Processes still there are killed and
-                reported as left behind;
-  * no leaks -- no /dev/shm segment named after a rank's pid
-                (cc/transport/shm_group.cc: /nvgroup.<pid>.*), no listening
-                TCP socket of a rank still alive, no stray file beside the
-                checkpoint;
+                the processes' exit; for a fault of phase init,
+                NVGROUP_INIT_TIMEOUT (INIT_TIMEOUT_S) plus the watchdog's
+                grace (INIT_GRACE_S) plus EXIT_SLACK_S. Processes still there
+                (a rank gets EXIT_GRACE_S after mpirun returned, to finish its
+                own exit) are killed and reported as left behind;
+  * no leaks -- no /dev/shm segment created by a rank's pid
+                (cc/transport/shm_group.h: /nvgroup.<pid>.*) left once the
+                campaign's last job swept them (a killed creator's segment
+                lasts until the next setup on the host removes it: Note [No
+                segment left behind]), no listening TCP socket of a rank still
+                alive, no stray file beside the checkpoint;
   * checkpoint -- Keras fit's model.keras (saved before training and by
                 ModelCheckpoint every epoch on rank 0) loads with
                 keras.models.load_model after the trial: the old file or the
@@ -29,6 +38,7 @@ A trial whose victim finished before its fault fired must end cleanly (exit
 matplotlib is there) with machine, date and commit.
 """
 import argparse
+import concurrent.futures
 import glob
 import json
 import os
@@ -50,9 +60,12 @@ from mpi_util import MPI_ENV  # noqa: E402
 
 WORKER = os.path.join(HERE, "workers", "campaign_worker.py")
 TIMEOUT_S = 5.0     # NVGROUP_TIMEOUT of the campaign's jobs
+INIT_TIMEOUT_S = 20.0  # their NVGROUP_INIT_TIMEOUT: above the ranks' skew in reaching init() (TF import)
+INIT_GRACE_S = 5.0   # kInitWatchdogGraceS (cc/engine/init_watchdog.h)
 EXIT_SLACK_S = 10.0  # detection (<= 1.2 s) plus the processes' exit under load
+EXIT_GRACE_S = 2.0   # a rank's own exit after mpirun returned
 START_LIMIT_S = 400  # a job that never reaches its fault (imports under load) is cut here
-PATHS = ["keras_fit", "tape", "xla", "collectives", "process_sets", "elastic"]
+PATHS = ["keras_fit", "tape", "xla", "collectives", "process_sets", "elastic", "engine"]
 PHASES = ["init", "train", "checkpoint", "shutdown"]
 # Seconds after the phase starts at which the victim fires: init() takes a
 # fraction of a second here, a checkpoint save of the tiny model tens of ms.
@@ -78,6 +91,13 @@ def plan(seed, trials, max_ranks=4):
         out.append({"index": i, "path": path, "phase": phase, "fault": fault, "np": np_, "victim": victim,
                     "delay_s": round(rng.uniform(lo, hi), 3)})
     return out
+
+
+def bound_s(spec):
+    """Seconds from the fault by which every rank must be gone."""
+    if spec["phase"] == "init":
+        return INIT_TIMEOUT_S + INIT_GRACE_S + EXIT_SLACK_S
+    return TIMEOUT_S + EXIT_SLACK_S
 
 
 def _alive(pid):
@@ -126,6 +146,25 @@ def _records(record_dir):
     return by_pid
 
 
+def shm_of(pids):
+    return sorted(os.path.basename(p) for pid in pids for p in glob.glob("/dev/shm/nvgroup.%d.*" % pid))
+
+
+INIT_LINE = re.compile(r"^\[nvgroup rank [^\]]*\] ERROR: (nvgroup_tf\.init|add_process_set) (was stuck|ended by SIGTERM).*$",
+                       flags=re.MULTILINE)
+
+
+def _init_line(record_dir, pid):
+    """(time, text) of init()'s own last words in the rank's stderr, or None.
+    The time is the file's last write (the line is the last thing written)."""
+    path = os.path.join(record_dir, "%d.stderr" % pid) if pid else None
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, errors="replace") as f:
+        m = INIT_LINE.search(f.read())
+    return (os.path.getmtime(path), m.group(0)[:700]) if m else None
+
+
 def run_trial(spec, workdir):
     """Runs one trial; returns its spec with the observations and verdict."""
     record_dir = os.path.join(workdir, "trial%03d" % spec["index"])
@@ -133,7 +172,8 @@ def run_trial(spec, workdir):
     os.makedirs(os.path.join(record_dir, "ckpt"))
     env = dict(os.environ)
     env.update(MPI_ENV)
-    env.update({"NVGROUP_TIMEOUT": str(TIMEOUT_S), "OMPI_MCA_mpi_yield_when_idle": "1",
+    env.update({"NVGROUP_TIMEOUT": str(TIMEOUT_S), "NVGROUP_INIT_TIMEOUT": str(INIT_TIMEOUT_S),
+                "OMPI_MCA_mpi_yield_when_idle": "1",
                 "PYTHONPATH": REPO + os.pathsep + os.path.join(HERE, "workers")})
     cmd = ["mpirun", "-np", str(spec["np"]), "--bind-to", "none", sys.executable, WORKER, spec["path"],
            spec["phase"], spec["fault"], str(spec["victim"]), str(spec["delay_s"]), record_dir]
@@ -150,7 +190,7 @@ def run_trial(spec, workdir):
                     if line.startswith("FAULT "):
                         fault_at = float(line.split()[2])
         now = time.time()
-        limit = fault_at + TIMEOUT_S + EXIT_SLACK_S if fault_at is not None else started + START_LIMIT_S
+        limit = fault_at + bound_s(spec) if fault_at is not None else started + START_LIMIT_S
         if now > limit:
             hung = True
             break
@@ -161,6 +201,12 @@ def run_trial(spec, workdir):
         for line in lines:
             if line.startswith("START "):
                 pids[int(line.split()[1])] = pid
+    # A rank mpirun ended may still be on its way out when mpirun returns:
+    # it has EXIT_GRACE_S to be gone (within the bound: mpirun returned).
+    if not hung:
+        deadline = time.time() + EXIT_GRACE_S
+        while time.time() < deadline and any(_alive(pid) for pid in pids.values()):
+            time.sleep(0.1)
     listening = _listening_inodes()
     left = []
     for rank, pid in sorted(pids.items()):
@@ -191,14 +237,16 @@ def run_trial(spec, workdir):
         pass
     proc.wait()
     log.close()
-    # A killed rank's shared-memory names would stay in /dev/shm.
-    shm = sorted(os.path.basename(p) for pid in pids.values() for p in glob.glob("/dev/shm/nvgroup.%d.*" % pid))
+    with open(os.path.join(record_dir, "mpirun.out"), errors="replace") as f:
+        mpirun_out = f.read()
+    # A killed rank's shared-memory names stay in /dev/shm until the next setup.
+    shm = shm_of(pids.values())
     stray = sorted(f for f in os.listdir(os.path.join(record_dir, "ckpt")) if f != "model.keras")
 
     victim_pid = pids.get(spec["victim"])
     fault_line = next((line for line in records.get(victim_pid, []) if line.startswith("FAULT ")), None)
     result = dict(spec)
-    result.update({"returncode": proc.returncode, "seconds": round(ended - started, 2), "hung": hung,
+    result.update({"pids": sorted(pids.values()), "returncode": proc.returncode, "seconds": round(ended - started, 2), "hung": hung,
                    "left_behind": left, "shm_left": shm, "stray_files": stray, "fault_delivered": bool(fault_line),
                    "fault_phase_seen": fault_line.split()[3] if fault_line else None, "survivors": []})
     if fault_line:
@@ -210,6 +258,7 @@ def run_trial(spec, workdir):
             lines = records.get(pids.get(rank), [])
             err = next((line for line in lines if line.startswith("ERROR ")), None)
             done = next((line for line in lines if line.startswith("DONE ")), None)
+            ended = _init_line(record_dir, pids.get(rank))
             s = {"rank": rank, "outcome": "none"}
             if err:
                 t_err = float(err.split()[1])
@@ -217,6 +266,11 @@ def run_trial(spec, workdir):
                           "names_victim": ("rank %d " % spec["victim"]) in err})
             elif done:
                 s.update({"outcome": "done", "after_s": round(float(done.split()[1]) - t_fault, 3)})
+            elif ended:
+                # Ended inside init(): its line names the phase; mpirun's names a dead rank.
+                s.update({"outcome": "ended in init", "after_s": round(ended[0] - t_fault, 3), "message": ended[1],
+                          "names_victim": ("rank %d " % spec["victim"]) in ended[1] or (
+                              "process rank %d with PID" % spec["victim"]) in mpirun_out})
             result["survivors"].append(s)
     else:
         result["clean"] = proc.returncode == 0 and all(
@@ -231,11 +285,11 @@ def verdict(r):
     """Which promises the trial broke ([] when none)."""
     broken = []
     if r["hung"]:
-        broken.append("hang: the job was still running %.0f s after the fault" % (TIMEOUT_S + EXIT_SLACK_S))
+        broken.append("hang: the job was still running %.0f s after the fault" % bound_s(r))
     if r["left_behind"]:
         broken.append("left behind: %s" % ", ".join("%s (pid %d)" % (x["rank"], x["pid"]) for x in r["left_behind"]))
-    if r["shm_left"]:
-        broken.append("shared memory left: %s" % ", ".join(r["shm_left"]))
+    if r.get("shm_after_sweep"):
+        broken.append("shared memory left: %s" % ", ".join(r["shm_after_sweep"]))
     if r["stray_files"]:
         broken.append("stray files: %s" % ", ".join(r["stray_files"]))
     if not r["fault_delivered"]:
@@ -247,9 +301,11 @@ def verdict(r):
             continue  # it had finished its program when the fault came
         if s["outcome"] == "none":
             broken.append("rank %d ended without an error naming rank %d" % (s["rank"], r["victim"]))
-        elif not s["names_victim"]:
+        elif s["outcome"] == "ended in init" and r["phase"] != "init":
+            broken.append("rank %d was ended in init() by a fault of phase %s: %s" % (s["rank"], r["phase"], s["message"]))
+        elif s["outcome"] == "error" and not s["names_victim"]:
             broken.append("rank %d's error does not name rank %d: %s" % (s["rank"], r["victim"], s["message"]))
-        elif s["after_s"] > TIMEOUT_S + EXIT_SLACK_S:
+        elif s["after_s"] > bound_s(r):
             broken.append("rank %d named rank %d after %.1f s" % (s["rank"], r["victim"], s["after_s"]))
     return broken
 
@@ -278,7 +334,8 @@ def check_checkpoints(results):
 
 
 def summarize(results):
-    times = [s["after_s"] for r in results for s in r["survivors"] if s["outcome"] == "error"]
+    ended = [s for r in results for s in r["survivors"] if s["outcome"] in ("error", "ended in init")]
+    times = [s["after_s"] for s in ended]
     delivered = [r for r in results if r["fault_delivered"]]
     return {
         "trials": len(results),
@@ -287,10 +344,17 @@ def summarize(results):
         "passed": sum(1 for r in results if not r["verdict"]),
         "time_to_error_s": {"count": len(times), "max": max(times) if times else None,
                             "median": statistics.median(times) if times else None},
+        # How the survivors' errors named the cause: the lost rank (their
+        # own error, or mpirun's message for a death in init()), or only the
+        # phase of init() they were stuck in (a frozen rank).
+        "survivors_naming_the_rank": sum(1 for s in ended if s["names_victim"]),
+        "survivors_naming_the_init_phase_only": sum(1 for s in ended if not s["names_victim"]),
         "left_behind": sum(1 for r in results if r["left_behind"]),
-        # Segments or files that outlive the job (listening sockets die with
-        # their process: see each left-behind process's "listening").
-        "leaks": sum(1 for r in results if r["shm_left"] or r["stray_files"]),
+        # Segments or files that outlive the campaign (listening sockets die
+        # with their process: see each left-behind process's "listening");
+        # segments seen right after a job and swept later are counted apart.
+        "leaks": sum(1 for r in results if r.get("shm_after_sweep") or r["stray_files"]),
+        "shm_swept_later": sum(1 for r in results if r["shm_left"] and not r.get("shm_after_sweep")),
         "findings": [{"index": r["index"], "path": r["path"], "phase": r["phase"], "fault": r["fault"],
                       "np": r["np"], "victim": r["victim"], "delay_s": r["delay_s"], "broken": r["verdict"]}
                      for r in results if r["verdict"]],
@@ -299,8 +363,18 @@ def summarize(results):
 
 def machine():
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "commit": commit,
+    # Tracked files changed since the commit: then the commit is not the code that ran.
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                             capture_output=True, text=True).stdout.split("\n")
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"host": platform.node(), "kind": "%d-core %s" % (os.cpu_count(), model), "cpus": os.cpu_count(),
+            "platform": platform.platform(), "python": platform.python_version(), "commit": commit,
+            "uncommitted_changes": [line for line in changed if line.strip()],
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -311,11 +385,13 @@ def histogram(results, png):
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    kill = [s["after_s"] for r in results if r["fault"] == "kill" for s in r["survivors"] if s["outcome"] == "error"]
-    stop = [s["after_s"] for r in results if r["fault"] == "stop" for s in r["survivors"] if s["outcome"] == "error"]
+    ended = ("error", "ended in init")
+    kill = [s["after_s"] for r in results if r["fault"] == "kill" for s in r["survivors"] if s["outcome"] in ended]
+    stop = [s["after_s"] for r in results if r["fault"] == "stop" for s in r["survivors"] if s["outcome"] in ended]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.hist([kill, stop], bins=30, label=["SIGKILL", "SIGSTOP"], stacked=True)
     ax.axvline(TIMEOUT_S, color="k", linestyle="--", label="NVGROUP_TIMEOUT")
+    ax.axvline(INIT_TIMEOUT_S + INIT_GRACE_S, color="r", linestyle=":", label="NVGROUP_INIT_TIMEOUT + watchdog grace")
     ax.set_xlabel("seconds from the fault to a survivor's error")
     ax.set_ylabel("survivors")
     ax.legend()
@@ -324,13 +400,28 @@ def histogram(results, png):
     return True
 
 
-def campaign(specs, workdir, progress=None):
-    results = []
-    for spec in specs:
-        r = run_trial(spec, workdir)
-        results.append(r)
-        if progress:
-            progress(r)
+def sweep_and_recheck(results):
+    """Runs one engine-only init() (its shared-memory setup sweeps the segments
+    of dead creators), then records per trial the segments still there."""
+    env = dict(os.environ)
+    env.update(MPI_ENV)
+    code = "import nvgroup_tf._engine as e; e.init(); e.shutdown(); e.finalize_mpi()"
+    subprocess.run(["mpirun", "-np", "1", sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
+                   timeout=120)
+    for r in results:
+        r["shm_after_sweep"] = shm_of(r.get("pids", []))
+        r["verdict"] = verdict(r)
+
+
+def campaign(specs, workdir, progress=None, parallel=1):
+    """Runs the trials, `parallel` at a time; results in the specs' order."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = [pool.submit(run_trial, spec, workdir) for spec in specs]
+        for f in concurrent.futures.as_completed(futures):
+            if progress:
+                progress(f.result())
+        results = [f.result() for f in futures]
+    sweep_and_recheck(results)
     check_checkpoints(results)
     return results
 
@@ -340,6 +431,7 @@ def main():
     ap.add_argument("--trials", type=int, default=12)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-ranks", type=int, default=4)
+    ap.add_argument("--parallel", type=int, default=1, help="trials at a time")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "fault_campaign.json"))
     ap.add_argument("--workdir", default=None, help="keep the trials' records here (default: a temporary dir)")
     ap.add_argument("--plot-from", default=None, help="only draw the histogram of an existing JSON report")
@@ -357,7 +449,9 @@ def main():
 
     def write(results, complete):
         report = {"machine": where, "seed": args.seed, "trials_planned": len(specs), "complete": complete,
-                  "nvgroup_timeout_s": TIMEOUT_S, "bound_s": TIMEOUT_S + EXIT_SLACK_S,
+                  "parallel": args.parallel, "nvgroup_timeout_s": TIMEOUT_S, "bound_s": TIMEOUT_S + EXIT_SLACK_S,
+                  "nvgroup_init_timeout_s": INIT_TIMEOUT_S,
+                  "init_bound_s": INIT_TIMEOUT_S + INIT_GRACE_S + EXIT_SLACK_S,
                   "summary": summarize(results), "trials": results}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
@@ -370,7 +464,7 @@ def main():
         done.append(r)
         write(done, False)  # an interrupted campaign still leaves its trials
 
-    results = campaign(specs, workdir, progress)
+    results = campaign(specs, workdir, progress, args.parallel)
     report = write(results, True)
     png = os.path.splitext(args.out)[0] + ".png"
     histogram(results, png)

@@ -10,6 +10,10 @@ happened instead of a hang:
                      the pybind module and in TensorFlow (UnavailableError); a
                      clean exit (shutdown() says BYE) is never taken for one;
   * silent rank   -- SIGSTOP of one rank: NVGROUP_TIMEOUT fires and names it;
+  * init() faults -- a rank stopped or killed in a phase of init(): every rank
+                     ends within NVGROUP_INIT_TIMEOUT (+ the watchdog's 5 s),
+                     naming the missing rank or the phase; a dead creator's
+                     /dev/shm segment is swept by the next setup;
   * monitor alone -- a C++ driver of the LivenessMonitor's verdicts (ASan/UBSan);
   * stalls        -- a rank skips a tensor: rank 0 warns naming the tensor and
                      the rank; NVGROUP_STALL_SHUTDOWN_TIME turns it into errors;
@@ -339,3 +343,106 @@ def test_timeline_is_a_chrome_trace_with_every_phase(tmp_path):
     assert sum(1 for p, ph, _ in phases["layer0/grad"] if p == "FUSION_COPY_IN" and ph == "B") == 3
     assert sum(1 for p, ph, _ in phases["lone"] if p == "ALLREDUCE" and ph == "B") == 3
     assert sum(1 for p, ph, _ in phases["lone"] if p == "FUSION_COPY_OUT" and ph == "B") == 3
+
+
+# --- faults during init() -----------------------------------------------------
+# NVGROUP_INIT_TIMEOUT 4 s: every rank must end within 4 s (arrival check:
+# + 2 s) or 4 + 5 s (a phase stuck in a blocking MPI call, the init
+# watchdog) of the fault; the run's own timeout only catches a hang.
+INIT_ENV = {"NVGROUP_INIT_TIMEOUT": 4, "NVGROUP_TIMEOUT": 2}
+
+
+def init_fault(tmp_path, np_, victim, phase, kind):
+    r = run_recorded(tmp_path, "init_fault.py", np_, [victim, phase, kind], env=INIT_ENV)
+    assert not r.timed_out, r
+    assert r.returncode != 0, r
+    return r
+
+
+def ended_in_phase(r, rank, phase):
+    """The init watchdog's line or the SIGTERM handler's (mpirun ends the
+    others once one rank exits) for `rank` (None: before MPI knows it) in
+    `phase`."""
+    who = r"\?" if rank is None else str(rank)
+    watchdog = lines(r, r"^\[nvgroup rank %s\] ERROR: nvgroup_tf.init was stuck for 9 s in phase %s \(.*\): a rank "
+                        r"stopped, hung or died inside a blocking MPI call" % (who, phase))
+    term = lines(r, r"^\[nvgroup rank %s\] ERROR: nvgroup_tf.init ended by SIGTERM in phase %s \(.*\): mpirun ends "
+                    r"every rank this way when a rank dies during init\(\)" % (who, phase))
+    return watchdog, term
+
+
+@pytest.mark.parametrize("phase", ["cpu_communicator", "control_dup"])
+def test_rank_frozen_in_a_blocking_init_phase_ends_every_rank(tmp_path, phase):
+    """Rank 1 stops (SIGSTOP) where the others block in MPI without a timeout
+    (MPI_Comm_dup / MPI_Comm_split of the CPU communicator's setup, the control
+    communicator's MPI_Comm_dup): the init watchdog ends them, naming the
+    phase, and mpirun ends the job. Before the watchdog they hung for good."""
+    r = init_fault(tmp_path, 3, 1, phase, "stop")
+    fired = 0
+    for survivor in (0, 2):
+        watchdog, term = ended_in_phase(r, survivor, phase)
+        assert watchdog or term, "rank %d did not say where init() was stuck:\n%s" % (survivor, r.output[-5000:])
+        fired += bool(watchdog)
+    assert fired >= 1, r.output[-5000:]
+    assert lines(r, r"^\[nvgroup rank \d\] ERROR: .*every rank reached init\(\)"), r.output[-5000:]
+
+
+@pytest.mark.parametrize("phase", ["before_init", "mpi_init"])
+def test_rank_frozen_in_mpi_init_ends_every_rank(tmp_path, phase):
+    """Rank 1 stops before init() (from Python, no hook) or just before
+    MPI_Init_thread: Open MPI's MPI_Init of the others waits for it forever
+    (it did on the old code); the watchdog ends them."""
+    r = init_fault(tmp_path, 2, 1, phase, "stop")
+    watchdog, term = ended_in_phase(r, None, "mpi_init")
+    assert watchdog or term, r.output[-5000:]
+
+
+@pytest.mark.parametrize("victim", [2, 0])
+def test_rank_that_never_arrives_is_named_by_every_rank(tmp_path, victim):
+    """A rank that stops before the arrival check is named in init()'s error
+    on every rank that arrived (by rank 0's verdict; rank 0 missing: by the
+    ranks that heard nothing from it)."""
+    r = init_fault(tmp_path, 3, victim, "arrival", "stop")
+    for survivor in (s for s in range(3) if s != victim):
+        if victim == 0:
+            want = r"UNAVAILABLE: nvgroup_tf.init: rank 0 did not answer the arrival check within 6 s"
+        else:
+            want = r"UNAVAILABLE: nvgroup_tf.init: rank %d (of 3 )?did not reach init\(\) within 4 s" % victim
+        assert lines(r, r"^rank %d: INIT_ERROR [0-9.]+ %s" % (survivor, want)), \
+            "rank %d did not name rank %d:\n%s" % (survivor, victim, r.output[-5000:])
+
+
+def test_rank_killed_during_init_is_reported_by_every_rank(tmp_path):
+    """A rank dies (SIGKILL) in the knob agreement: Open MPI ends the others
+    with SIGTERM (before the liveness monitor exists only mpirun sees a death,
+    and its message names the rank); each says so, naming the phase."""
+    r = init_fault(tmp_path, 3, 1, "knobs", "kill")
+    assert re.search(r"rank 1 with PID \d+ on node \S+ exited on signal 9", r.output), r.output[-5000:]
+    for survivor in (0, 2):
+        watchdog, term = ended_in_phase(r, survivor, "knobs")
+        assert term, "rank %d did not say it was ended in init():\n%s" % (survivor, r.output[-5000:])
+
+
+def test_stale_shared_memory_of_a_dead_creator_is_removed_at_init(tmp_path):
+    """A /dev/shm segment named after a creator that is gone from this pid
+    namespace (a rank killed between shm_open and shm_unlink) is unlinked by
+    the next setup of a shared-memory group; one of a live process, of another
+    pid namespace or of another name format stays."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    stale = "/dev/shm/nvgroup.%d.%d.1.2.3.0" % (dead.pid, ns)
+    kept = ["/dev/shm/nvgroup.%d.%d.1.2.3.0" % (os.getpid(), ns), "/dev/shm/nvgroup.%d.%d.1.2.3.0" % (dead.pid, ns + 1),
+            "/dev/shm/nvgroup.%d.1.2.0" % dead.pid]
+    for p in [stale] + kept:
+        with open(p, "wb") as f:
+            f.write(b"\0" * 4096)
+    try:
+        r = run_recorded(tmp_path, "init_fault.py", 2, [-1, "none", "stop"], env=INIT_ENV)
+        assert r.returncode == 0 and len(set(lines(r, r"^(rank \d): INIT_OK$"))) == 2, r
+        assert not os.path.exists(stale), "the dead creator's segment is still there"
+        assert all(os.path.exists(p) for p in kept), [p for p in kept if not os.path.exists(p)]
+    finally:
+        for p in [stale] + kept:
+            if os.path.exists(p):
+                os.unlink(p)

@@ -7,7 +7,9 @@ PATH: keras_fit (Keras fit, hvd.DistributedOptimizer, ModelCheckpoint on rank
 0), tape (hvd.DistributedGradientTape loop), xla (a tf.function(jit_compile=
 True) step), collectives (grouped allreduce, allgather, reducescatter,
 alltoall), process_sets (a set of ranks 0..n-2 next to the global set),
-elastic (hvd.elastic.run with TensorFlowKerasState and commits).
+elastic (hvd.elastic.run with TensorFlowKerasState and commits), engine (the
+collectives of `collectives` through the engine's own module nvgroup_tf._engine,
+without TensorFlow: a trial costs the MPI start, not TensorFlow's import).
 PHASE: init (the fault timer starts before hvd.init()), train (when the first
 step is done), checkpoint (rank 0, when a checkpoint save starts), shutdown
 (before hvd.shutdown()). FAULT: kill (SIGKILL) or stop (SIGSTOP). The victim
@@ -18,7 +20,9 @@ job it aborts): "START rank pid", "PHASE name t", "FAULT kind t phase" (the
 victim, just before the signal), "ERROR t Type: message" (the first error a
 survivor saw; the exception then propagates as in a user's script, or
 hvd.elastic.run retries), "DONE t"
-(the program ended normally).
+(the program ended normally). The rank's stderr (the engine's log lines: what
+init() says when it is ended, cc/engine/init_watchdog.h) goes to
+RECORD_DIR/<pid>.stderr.
 """
 import faulthandler
 import os
@@ -191,36 +195,83 @@ def run_elastic(hvd, tf, keras, np):
     train(state)
 
 
+def run_engine(np):
+    import nvgroup_tf._engine as engine
+    rng = np.random.default_rng(11 + RANK)
+
+    for i in range(STEPS):
+        a = [rng.standard_normal(s) for s in ((5,), (3, 2))]
+        outs = [np.empty_like(x) for x in a]
+        handles = engine.grouped_allreduce_async(
+            [("fc.grouped[%d]" % k, x.ctypes.data, y.ctypes.data, list(x.shape), "float64")
+             for k, (x, y) in enumerate(zip(a, outs))], keepalive=(a, outs))
+        for h in handles:
+            engine.wait(h)
+        g = rng.standard_normal((RANK + 1, 2))
+        engine.wait(engine.allgather_async("fc.allgather", g.ctypes.data, list(g.shape), "float64", keepalive=g))
+        r = rng.standard_normal((SIZE * 2, 3))
+        engine.wait(engine.reducescatter_async("fc.reducescatter", r.ctypes.data, list(r.shape), "float64", keepalive=r))
+        t = rng.standard_normal((SIZE * 2,))
+        engine.wait(engine.alltoall_async("fc.alltoall", t.ctypes.data, list(t.shape), "float64", keepalive=t))
+        time.sleep(STEP_PAUSE_S)
+        if i == 0:
+            enter("train")
+
+
+def run_phases(init, train, shutdown):
+    """init(), train(), shutdown() as a user's script does, with the phases
+    recorded and the first error noted; DONE when all returned."""
+    enter("init")
+    try:
+        init()
+        train()
+        enter("shutdown")
+        shutdown()
+    except BaseException as e:
+        note_error(e)
+        raise
+    record("DONE %.6f" % time.time())
+
+
+def main_engine():
+    import numpy as np
+    import nvgroup_tf._engine as engine
+    run_phases(engine.init, lambda: run_engine(np), engine.shutdown)
+    engine.finalize_mpi()
+
+
 def main():
     record("START %d %d" % (RANK, os.getpid()))
+    fd = os.open(os.path.join(RECORD_DIR, "%d.stderr" % os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
     # The campaign sends SIGUSR1 to a rank left behind: where it is stuck.
     faulthandler.register(signal.SIGUSR1, file=open(os.path.join(RECORD_DIR, "%d.stack" % os.getpid()), "w"),
                           all_threads=True)
+    if PATH == "engine":
+        return main_engine()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
     import tensorflow as tf
     import keras
     import nvgroup_tf as hvd
-    enter("init")
-    try:
-        subset = None
-        if PATH == "process_sets":
-            subset = hvd.ProcessSet(list(range(max(1, SIZE - 1))))
+    subset = hvd.ProcessSet(list(range(max(1, SIZE - 1)))) if PATH == "process_sets" else None
+    run = {"keras_fit": run_keras_fit, "tape": run_tape, "xla": run_xla, "collectives": run_collectives,
+           "elastic": run_elastic}
+
+    def init():
+        if subset is not None:
             hvd.init(process_sets=[subset])
         else:
             hvd.init()
-        run = {"keras_fit": run_keras_fit, "tape": run_tape, "xla": run_xla, "collectives": run_collectives,
-               "elastic": run_elastic}
-        if PATH == "process_sets":
+
+    def train():
+        if subset is not None:
             run_process_sets(hvd, tf, keras, np, subset)
         else:
             run[PATH](hvd, tf, keras, np)
-        enter("shutdown")
-        hvd.shutdown()
-    except BaseException as e:
-        note_error(e)
-        raise
-    record("DONE %.6f" % time.time())
+
+    run_phases(init, train, hvd.shutdown)
 
 
 if __name__ == "__main__":
