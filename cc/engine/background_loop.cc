@@ -493,7 +493,11 @@ Status Engine::Stop() {
     }
   }
   thread_.join();
-  if (liveness_) liveness_->Close();  // BYE: this rank leaves on purpose, not a death
+  if (liveness_ && keep_liveness_ && !LostPeers()) {
+    liveness_->StopWatchingProgress();  // the runtime watches MPI_Finalize with it
+  } else if (liveness_) {
+    liveness_->Close();  // BYE: this rank leaves on purpose, not a death
+  }
   finalizer_.reset();  // runs the remaining CUDA completions
 #ifdef NVGROUP_WITH_CUDA
   completion_events_.reset();  // after the finalizer: no event is pending any more

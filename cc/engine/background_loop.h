@@ -91,6 +91,10 @@ class Engine {
   // Agrees on shutdown with the other ranks, fails what is in flight with
   // kAborted, joins the thread and frees the communicators. Idempotent.
   Status Stop();
+  // Stop() leaves the liveness monitor running (heartbeats only) for
+  // TakeLiveness, instead of saying BYE; set before Stop().
+  void KeepLivenessAfterStop() { keep_liveness_ = true; }
+  std::unique_ptr<LivenessMonitor> TakeLiveness() { return std::move(liveness_); }
   // Makes every wait in flight return and the loop stop, failing every pending
   // and later request with `reason` (see engine_control.h). Any thread; the
   // first reason wins.
@@ -300,6 +304,7 @@ class Engine {
   // Dead-rank detection (transport/liveness.h): calls Abort() when a peer
   // dies. Null when its setup failed (the job runs without it).
   std::unique_ptr<LivenessMonitor> liveness_;
+  bool keep_liveness_ = false;  // KeepLivenessAfterStop
 
   std::thread thread_;  // last: starts after everything it uses exists
 };

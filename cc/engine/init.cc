@@ -186,6 +186,7 @@ Knobs TimeoutKnobs() {
 Status Runtime::Init(const EngineOptions& options) {
   std::lock_guard<std::mutex> lock(mu_);
   if (engine_ != nullptr) return Status::Ok();
+  exit_liveness_.reset();  // the last shutdown's monitor says BYE (Note [Finalize watch], runtime.cc)
   StatusOr<Knobs> knobs = ParseKnobsFromEnvironment();
   const double timeout_s = InitWaitSeconds(knobs.ok() ? knobs.value() : TimeoutKnobs());
   InitWatchdog watchdog("nvgroup_tf.init", timeout_s + kInitWatchdogGraceS);

@@ -4,12 +4,17 @@
 #include "engine/runtime.h"
 
 #include <mpi.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <numeric>
+#include <thread>
 
 #include "common/checks.h"
 #include "common/logging.h"
+#include "engine/idle_wait.h"
 #include "engine/init_watchdog.h"
 #include "engine/mpi_wait.h"
 #include "engine/request_validation.h"
@@ -148,20 +153,89 @@ Status Runtime::Shutdown() {
     lost = lost || set.engine->LostPeers();
   }
   sets.clear();
+  engine->KeepLivenessAfterStop();  // Note [Finalize watch]
   Status stopped = engine->Stop();
   lost = lost || engine->LostPeers();
+  std::unique_ptr<LivenessMonitor> liveness = engine->TakeLiveness();
+  if (lost) liveness.reset();  // closes it
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_.clear();
     lost_peers_ = lost_peers_ || lost;
+    exit_liveness_ = std::move(liveness);
   }
   NVG_RETURN_IF_ERROR(sets_.CloseControl());
   return stopped;
 }
 
+// Note [Finalize watch]
+// MPI_Finalize synchronizes with every rank and has no timeout: a rank that
+// stops (SIGSTOP) or hangs between shutdown() and its own MPI_Finalize holds
+// every other rank in MPI_Finalize for good. A rank that is merely late (rank 0
+// evaluating a model after shutdown()) must not be taken for one. So Shutdown
+// keeps set 0's liveness monitor (cc/transport/liveness.h) running after the
+// engine stopped, heartbeats only (the engine's progress no longer moves, so it
+// no longer counts), and FinalizeMpi watches it while MPI_Finalize runs: a late
+// rank's monitor thread still sends heartbeats; a stopped or hung process sends
+// none. When some rank has been silent for NVGROUP_TIMEOUT on end, this rank
+// logs which at error level and ends with _exit(kFinalizeWatchExitCode)
+// (a thread inside MPI_Finalize cannot be brought back); mpirun then ends the
+// job. The monitor says BYE once MPI_Finalize returned (or at the next Init),
+// so the ranks that finalize later never see a death.
+namespace {
+
+constexpr int kFinalizeWatchExitCode = kInitWatchdogExitCode;
+
+class FinalizeWatch {
+ public:
+  FinalizeWatch(const LivenessMonitor* monitor, double bound_s) : monitor_(monitor), bound_s_(bound_s) {
+    if (monitor_ != nullptr) thread_ = std::thread([this] { Watch(); });
+  }
+  ~FinalizeWatch() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    changed_.notify_one();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Watch() {
+    NameThisThread("nvg-finalize");
+    std::unique_lock<std::mutex> lock(mu_);
+    double silent_since = -1;
+    while (!changed_.wait_for(lock, std::chrono::milliseconds(200), [this] { return done_; })) {
+      const std::string silent = monitor_->DescribeSilentPeers();
+      const double now = MonotonicSeconds();
+      if (silent.empty()) {
+        silent_since = -1;
+        continue;
+      }
+      if (silent_since < 0) silent_since = now;
+      if (now - silent_since < bound_s_) continue;
+      NVG_LOG(kError) << "MPI_Finalize waited " << static_cast<int>(now - silent_since)
+                      << " s (NVGROUP_TIMEOUT) for a rank that stopped after shutdown(): " << silent
+                      << "; this rank exits without finalizing MPI";
+      _exit(kFinalizeWatchExitCode);
+    }
+  }
+
+  const LivenessMonitor* const monitor_;
+  const double bound_s_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
 Status Runtime::FinalizeMpi() {
   NVG_RETURN_IF_ERROR(Shutdown());
   std::lock_guard<std::mutex> lock(mu_);
+  // Says BYE when this function returns, after MPI_Finalize.
+  std::unique_ptr<LivenessMonitor> liveness = std::move(exit_liveness_);
   if (!initialized_mpi_) return Status::Ok();
   initialized_mpi_ = false;
   if (lost_peers_) {
@@ -173,7 +247,10 @@ Status Runtime::FinalizeMpi() {
   }
   int finalized = 0;
   NVG_MPI_CHECK(MPI_Finalized(&finalized));
-  if (!finalized) NVG_MPI_CHECK(MPI_Finalize());
+  if (!finalized) {
+    FinalizeWatch watch(liveness.get(), knobs_.peer_timeout_s);  // Note [Finalize watch]
+    NVG_MPI_CHECK(MPI_Finalize());
+  }
   return Status::Ok();
 }
 

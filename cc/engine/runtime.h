@@ -75,6 +75,9 @@ class Runtime {
   // A stopped engine had lost peers (Engine::LostPeers): FinalizeMpi skips
   // MPI_Finalize, which would wait for them forever.
   bool lost_peers_ = false;
+  // Set 0's liveness monitor after shutdown(), heartbeats only, until
+  // FinalizeMpi has finalized MPI or Init starts again (Note [Finalize watch]).
+  std::unique_ptr<LivenessMonitor> exit_liveness_;
   bool initialized_mpi_ = false;    // Init called MPI_Init_thread
   bool thread_multiple_ = false;    // MPI_Query_thread == MPI_THREAD_MULTIPLE
   bool homogeneous_ = false;        // every node has the same local size

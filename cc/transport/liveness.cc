@@ -698,6 +698,13 @@ void LivenessMonitor::ReportLost(int rank) {
   }
   if (reported_) return;
   reported_ = true;
+  if (!watch_progress_.load(std::memory_order_relaxed)) {
+    // Every rank agreed to shut down: a rank that leaves now without BYE
+    // exited without finalizing MPI (or died on its way out). Nothing of the
+    // engine runs any more, so there is nothing to abort.
+    NVG_LOG(kWarning) << DescribeRank(rank) << " left after shutdown() without finalizing MPI";
+    return;
+  }
   const std::string message = DescribeRank(rank) + " died or exited without shutdown(); aborting";
   NVG_LOG(kError) << message;
   if (on_lost_) on_lost_(Status::Unavailable(message));
@@ -725,7 +732,7 @@ std::string LivenessMonitor::SuspectLocked(double now, int* suspect, uint32_t* r
     if (silent > quiet_s) {
       reason = kNoHeartbeat;
       how_long = silent;
-    } else if (stuck > quiet_s) {
+    } else if (stuck > quiet_s && watch_progress_.load(std::memory_order_relaxed)) {
       reason = kNoProgress;
       how_long = stuck;
     }

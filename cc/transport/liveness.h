@@ -87,6 +87,10 @@ class LivenessMonitor {
   // "rank 2 (host H, pid P) has sent no heartbeat for 3.1 s" etc., for ranks
   // that look hung; "" when every rank looks alive and busy.
   std::string DescribeSilentPeers() const;
+  // The engine stopped (shutdown() agreed on every rank): from now on only a
+  // missing heartbeat makes a rank look hung, not a progress counter that no
+  // longer moves (Note [Finalize watch], cc/engine/runtime.cc).
+  void StopWatchingProgress() { watch_progress_.store(false, std::memory_order_relaxed); }
 
   // "rank k (host H, pid P)".
   std::string DescribeRank(int rank) const;
@@ -135,6 +139,7 @@ class LivenessMonitor {
   mutable std::mutex mu_;
   std::vector<Peer> peers_;
   // Non-zero ranks: rank 0's latest suspicion (rank, detail text), and when it came.
+  std::atomic<bool> watch_progress_{true};
   int forwarded_suspect_ = -1;
   std::string forwarded_text_;
 

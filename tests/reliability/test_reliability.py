@@ -446,3 +446,39 @@ def test_stale_shared_memory_of_a_dead_creator_is_removed_at_init(tmp_path):
         for p in [stale] + kept:
             if os.path.exists(p):
                 os.unlink(p)
+
+
+# --- a rank lost between shutdown() and MPI_Finalize ----------------------------
+
+FINALIZE_ENV = {"NVGROUP_TIMEOUT": 3}
+
+
+def test_rank_frozen_after_shutdown_does_not_hold_the_others_in_mpi_finalize(tmp_path):
+    """Rank 1 stops (SIGSTOP) after shutdown(), before it finalizes MPI. MPI_Finalize
+    has no timeout: the others waited in it for good on the old code. Now each
+    of them sees rank 1's heartbeats stop (the liveness monitor outlives the
+    engine until MPI_Finalize returns), says which rank after NVGROUP_TIMEOUT
+    and exits non-zero, and mpirun ends the job."""
+    r = run_recorded(tmp_path, "finalize_fault.py", 3, [1, "stop", 0], env=FINALIZE_ENV)
+    assert not r.timed_out, r
+    assert r.returncode != 0, r
+    for survivor in (0, 2):
+        assert lines(r, r"^rank %d: SHUTDOWN_OK" % survivor), r.output[-5000:]
+        assert not lines(r, r"^rank %d: FINALIZED" % survivor), r.output[-5000:]
+    said = lines(r, r"^\[nvgroup rank \d\] ERROR: MPI_Finalize waited \d+ s \(NVGROUP_TIMEOUT\) for a rank that "
+                    r"stopped after shutdown\(\): .*rank 1 .*; this rank exits without finalizing MPI")
+    assert said, r.output[-5000:]
+    assert_no_false_alarm(r)
+
+
+def test_rank_busy_after_shutdown_is_waited_for_in_mpi_finalize(tmp_path):
+    """A rank that works for longer than NVGROUP_TIMEOUT after shutdown() (rank 0
+    evaluating a model) is alive: its heartbeats go on, the others wait for it
+    in MPI_Finalize and every rank finalizes and exits 0."""
+    r = run_recorded(tmp_path, "finalize_fault.py", 3, [0, "busy", 8], env=FINALIZE_ENV)
+    assert not r.timed_out, r
+    assert r.returncode == 0, r.output[-5000:]
+    for rank in range(3):
+        assert lines(r, r"^rank %d: FINALIZED" % rank), r.output[-5000:]
+    assert "MPI_Finalize waited" not in r.output, r.output[-5000:]
+    assert_no_false_alarm(r)
