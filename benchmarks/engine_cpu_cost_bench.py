@@ -87,18 +87,19 @@ def load_counts(path, scale):
 
 
 def thread_cpu():
-    """{tid: (name, ns on CPU)} for this process's threads."""
+    """{tid: (name, ns on CPU, ns runnable but waiting for a CPU)} for this process's threads."""
     out = {}
     base = "/proc/self/task"
     for tid in os.listdir(base):
         try:
             with open("%s/%s/schedstat" % (base, tid)) as f:
-                ns = int(f.read().split()[0])
+                fields = f.read().split()
+                ns, waited = int(fields[0]), int(fields[1])
             with open("%s/%s/comm" % (base, tid)) as f:
                 name = f.read().strip()
         except (OSError, ValueError):
             continue
-        out[int(tid)] = (name, ns)
+        out[int(tid)] = (name, ns, waited)
     return out
 
 
@@ -150,10 +151,11 @@ def worker(args):
             return "engine"
         return "other"
 
-    def cpu_by_class(before, after):
+    def cpu_by_class(before, after, field=1):
         out = {}
-        for tid, (name, ns) in after.items():
-            d = ns - before.get(tid, (name, 0))[1]
+        for tid, entry in after.items():
+            name = entry[0]
+            d = entry[field] - before.get(tid, (name, 0, 0))[field]
             c = classify(tid, name)
             out[c] = out.get(c, 0) + d
         return out
@@ -169,7 +171,7 @@ def worker(args):
 
     exchanges = {"none": mpi, "engine": grouped, "idle": None, "mpi_alive": mpi, "small": small}
     results = {k: {"exchange_s": [], "compute_s": [], "cpu_exchange_ns": {}, "cpu_compute_ns": {},
-                   "engine_stats": {}} for k in KINDS}
+                   "runqueue_wait_ns": {}, "engine_stats": {}} for k in KINDS}
 
     def block(kind):
         ex = exchanges[kind]
@@ -179,7 +181,7 @@ def worker(args):
                 ex()
             compute(iters)
         mine_ex, mine_co = [], []
-        cpu_ex, cpu_co = {}, {}
+        cpu_ex, cpu_co, wait_step = {}, {}, {}
         stats0 = engine.stats() if kind != "none" else None
         for _ in range(args.steps):
             comm.Barrier()
@@ -195,7 +197,8 @@ def worker(args):
             c2 = thread_cpu()
             mine_ex.append(t1 - t0)
             mine_co.append(t3 - t2)
-            for acc, d in ((cpu_ex, cpu_by_class(c0, c1)), (cpu_co, cpu_by_class(c1, c2))):
+            for acc, d in ((cpu_ex, cpu_by_class(c0, c1)), (cpu_co, cpu_by_class(c1, c2)),
+                           (wait_step, cpu_by_class(c0, c2, field=2))):
                 for k, v in d.items():
                     acc[k] = acc.get(k, 0) + v
         if stats0 is not None:  # the background loop's own counters, per step (worst rank)
@@ -212,7 +215,7 @@ def worker(args):
         r["exchange_s"] += [float(x) for x in ex_all]
         r["compute_s"] += [float(x) for x in co_all]
         # Per-step CPU per thread class, worst rank's value per class.
-        for key, acc in (("cpu_exchange_ns", cpu_ex), ("cpu_compute_ns", cpu_co)):
+        for key, acc in (("cpu_exchange_ns", cpu_ex), ("cpu_compute_ns", cpu_co), ("runqueue_wait_ns", wait_step)):
             allacc = comm.allgather({k: v / args.steps for k, v in acc.items()})
             for k in set().union(*allacc):
                 r[key].setdefault(k, []).append(max(a.get(k, 0.0) for a in allacc))
@@ -298,6 +301,8 @@ def summarize(merged):
                     "steps": len(r["compute_s"]),
                     "cpu_exchange_us_per_step": {c: float(np.median(v)) / 1e3 for c, v in r["cpu_exchange_ns"].items()},
                     "cpu_compute_us_per_step": {c: float(np.median(v)) / 1e3 for c, v in r["cpu_compute_ns"].items()},
+                    "runqueue_wait_us_per_step": {c: float(np.median(v)) / 1e3
+                                                  for c, v in r["runqueue_wait_ns"].items()},
                     "engine_stats_per_step": {c: float(np.median(v)) for c, v in r["engine_stats"].items()}}
         if "none" in b:
             base_c, base_x = b["none"]["compute_median_us"], b["none"]["exchange_median_us"]
@@ -319,7 +324,7 @@ def driver(args):
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
     merged = {label: {k: {"exchange_s": [], "compute_s": [], "cpu_exchange_ns": {}, "cpu_compute_ns": {},
-                          "engine_stats": {}} for k in KINDS} for label, _ in builds}
+                          "runqueue_wait_ns": {}, "engine_stats": {}} for k in KINDS} for label, _ in builds}
     iters = {}
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     info = machine()
@@ -344,7 +349,7 @@ def driver(args):
                 m = merged[label][k]
                 m["exchange_s"] += r["exchange_s"]
                 m["compute_s"] += r["compute_s"]
-                for key in ("cpu_exchange_ns", "cpu_compute_ns", "engine_stats"):
+                for key in ("cpu_exchange_ns", "cpu_compute_ns", "runqueue_wait_ns", "engine_stats"):
                     for c, v in r[key].items():
                         m[key].setdefault(c, []).extend(v)
             print("round %d %s done" % (rnd, label), flush=True)
@@ -369,6 +374,12 @@ def driver(args):
             print("%-8s %-10s %11.1f %11.1f %9.3f %9s  %s" % (
                 label, k, r["exchange_median_us"], r["compute_median_us"], r.get("compute_vs_none", float("nan")),
                 "%.2f" % r["exchange_vs_none_mpi"] if "exchange_vs_none_mpi" in r else "-", cpu))
+    print("time runnable but not running, per step (us, worst rank):")
+    for label, b in summary.items():
+        for k in KINDS:
+            if k in b:
+                print("%-8s %-10s %s" % (label, k, ", ".join(
+                    "%s=%.0f" % kv for kv in sorted(b[k]["runqueue_wait_us_per_step"].items()))))
     print("engine counters per step (median over blocks, worst rank; *_s in us):")
     for label, b in summary.items():
         for k in KINDS:
