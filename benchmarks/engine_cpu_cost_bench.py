@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_common import REPO, commit, load_counts, mpirun_env, run_worker  # noqa: E402
 KINDS = ["none", "engine", "idle", "mpi_alive", "small"]
 # Background-loop counters (_engine.stats()) reported per step of each engine block.
 STAT_KEYS = ["cycles", "agreement_allreduces", "negotiation_rounds", "buckets", "idle_s", "agree_s",
@@ -74,16 +74,6 @@ def load_engine(path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def load_counts(path, scale):
-    counts = []
-    with open(path) as f:
-        for line in f:
-            if line.startswith("#") or not line.strip():
-                continue
-            counts.append(max(1, int(line.split()[1]) // scale))
-    return counts
 
 
 def thread_cpu():
@@ -275,16 +265,6 @@ def machine():
     return info
 
 
-def commit():
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
 def summarize(merged):
     def med(xs):
         return float(np.median(np.array(xs) * 1e6)) if xs else None
@@ -319,10 +299,7 @@ def driver(args):
     for spec in args.build or ["current=" + default_so()]:
         label, _, path = spec.partition("=")
         builds.append((label, os.path.abspath(path)))
-    env = dict(os.environ)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env = mpirun_env()
     merged = {label: {k: {"exchange_s": [], "compute_s": [], "cpu_exchange_ns": {}, "cpu_compute_ns": {},
                           "runqueue_wait_ns": {}, "engine_stats": {}} for k in KINDS} for label, _ in builds}
     iters = {}
@@ -442,14 +419,7 @@ def main():
     args = p.parse_args()
     if args.worker:
         args.engine_so = args.engine_so or default_so()
-        try:
-            return worker(args)
-        except BaseException:  # one rank's error must not leave the others in a collective
-            import traceback
-            traceback.print_exc()
-            sys.stderr.flush()
-            from mpi4py import MPI
-            MPI.COMM_WORLD.Abort(1)
+        return run_worker(worker, args)
     return driver(args)
 
 
