@@ -390,13 +390,10 @@ Status CpuCommunicator::HierarchicalReduceScatter(const void* in, void* out, con
 //   reduce    our slice, member by member, folding the G sources in
 //             group_rank order (ours read straight from the input when
 //             prescale == 1: the bits the copy would have held) into our
-//             buffer, the only slice of it anyone writes, and copying each
-//             block of the result, postscaled, into the member's output while
-//             the block is in the L1 cache (ReduceFoldAndCopy: our own slice
-//             is not read back from the buffer later);
+//             buffer, the only slice of it anyone writes;
 //   barrier "slices reduced"    -- every member's slice before the gathers;
-//   copy out  every member's result in the other members' slices from the
-//             owning member's buffer straight into its output, postscaled;
+//   copy out  every member's result from the owning member's buffer straight
+//             into its output, postscaled;
 //   barrier "reads done"        -- every member's reads of our buffer before
 //             the next call writes it.
 // The fold and both scalings are the reference's operations on the same bits
@@ -461,8 +458,7 @@ Status CpuCommunicator::FusedGroupAllreduce(const FusedMember* members, size_t n
     if (lo >= hi) continue;
     for (int g = 0; g < group; ++g) sources[g] = shm_->buffer(g) + lo * esize;
     if (direct) sources[me] = static_cast<const char*>(m.input) + (lo - a) * esize;
-    NVG_RETURN_IF_ERROR(ReduceFoldAndCopy(dtype, op, sources.data(), group, reg + lo * esize, hi - lo, divisor,
-                                          static_cast<char*>(m.output) + (lo - a) * esize, postscale));
+    NVG_RETURN_IF_ERROR(ReduceFold(dtype, op, sources.data(), group, reg + lo * esize, hi - lo, divisor));
   }
   NVG_RETURN_IF_ERROR(shm_->Barrier("group allreduce: slices reduced"));
   observer(FusedPhase::kReduce, false);
@@ -472,7 +468,6 @@ Status CpuCommunicator::FusedGroupAllreduce(const FusedMember* members, size_t n
     const FusedMember& m = members[k];
     const size_t a = m.offset / esize, b = a + m.count;
     for (int g = 0; g < group; ++g) {
-      if (g == me) continue;  // written by the reduce
       const size_t lo = std::max(a, whole.SliceOffset(g)), hi = std::min(b, whole.SliceOffset(g) + whole.SliceCount(g));
       if (lo >= hi) continue;
       NVG_RETURN_IF_ERROR(ScaledCopy(dtype, shm_->buffer(g) + lo * esize,

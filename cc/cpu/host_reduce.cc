@@ -213,22 +213,6 @@ Status ScaledCopy(DataType dtype, const void* src, void* dst, size_t count, doub
   return Status::Ok();
 }
 
-Status ReduceFoldAndCopy(DataType dtype, ReduceOp op, const void* const* sources, int num_sources, void* dst,
-                         size_t count, int average_divisor, void* copy_dst, double copy_scale) {
-  constexpr size_t kBlockBytes = 16 << 10;  // a block and its sources stay in a 32 KiB L1 data cache
-  const size_t esize = DataTypeSize(dtype);
-  const size_t block = std::max<size_t>(1, kBlockBytes / esize);
-  std::vector<const void*> moved(num_sources > 0 ? num_sources : 0);
-  for (size_t base = 0; base < count; base += block) {
-    const size_t len = std::min(block, count - base);
-    for (int k = 0; k < num_sources; ++k) moved[k] = static_cast<const char*>(sources[k]) + base * esize;
-    char* out = static_cast<char*>(dst) + base * esize;
-    NVG_RETURN_IF_ERROR(ReduceFold(dtype, op, moved.data(), num_sources, out, len, average_divisor));
-    NVG_RETURN_IF_ERROR(ScaledCopy(dtype, out, static_cast<char*>(copy_dst) + base * esize, len, copy_scale));
-  }
-  return Status::Ok();
-}
-
 std::function<Status(const void*, int, void*, size_t)> ContiguousHostFold(DataType dtype, ReduceOp op,
                                                                       int average_divisor) {
   const size_t esize = DataTypeSize(dtype);

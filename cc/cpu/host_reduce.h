@@ -43,15 +43,6 @@ Status ValidateReduction(DataType dtype, ReduceOp op);
 Status ReduceFold(DataType dtype, ReduceOp op, const void* const* sources, int num_sources,
                   void* dst, size_t count, int average_divisor);
 
-// ReduceFold into `dst`, and ScaledCopy(dst -> copy_dst, copy_scale) of the
-// result, block by block while the block is still in the L1 cache: the bits
-// of both are those of the two calls made one after the other over the whole
-// range (both are element-wise). The sources may alias copy_dst element for
-// element (a block is read before its copy is written); dst may not overlap
-// copy_dst.
-Status ReduceFoldAndCopy(DataType dtype, ReduceOp op, const void* const* sources, int num_sources, void* dst,
-                         size_t count, int average_divisor, void* copy_dst, double copy_scale);
-
 // The cross step's fold on the host (CrossExchange::Fold): `num_sources`
 // contiguous copies of `count` elements at `sources` (copy k at sources + k *
 // count elements, in peer order) folded into `dst` by ReduceFold.
