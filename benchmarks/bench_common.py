@@ -50,3 +50,24 @@ def run_worker(worker, args):
         sys.stderr.flush()
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(1)
+
+
+def write_json(path, result):
+    """`result` as indented JSON at `path` (nothing when path is empty)."""
+    if path:
+        import json
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_png(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

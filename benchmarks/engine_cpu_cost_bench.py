@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-from bench_common import REPO, commit, load_counts, mpirun_env, run_worker  # noqa: E402
+from bench_common import REPO, commit, load_counts, mpirun_env, pyplot, run_worker, save_png  # noqa: E402
 KINDS = ["none", "engine", "idle", "mpi_alive", "small"]
 # Background-loop counters (_engine.stats()) reported per step of each engine block.
 STAT_KEYS = ["cycles", "agreement_allreduces", "negotiation_rounds", "buckets", "idle_s", "agree_s",
@@ -369,9 +369,7 @@ def driver(args):
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.png:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
         labels = list(summary)
         width = 0.8 / max(1, len(labels))
@@ -394,8 +392,7 @@ def driver(args):
             ax.legend(fontsize=8)
         fig.suptitle("%d ranks, %s at 1/%d; %s, %s" % (args.np, os.path.basename(args.table), args.scale,
                                                         started[:16], result["commit"][:8]), fontsize=9)
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=110)
+        save_png(fig, args.png)
     return 0
 
 

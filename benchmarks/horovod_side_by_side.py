@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from bench_common import REPO, commit, load_counts, mpirun_env, run_worker
+from bench_common import REPO, commit, load_counts, mpirun_env, pyplot, run_worker, save_png, write_json
 SIZES = [1 << 20, 16 << 20, 64 << 20]  # bytes of the plain allreduce cases
 ITERS = {4: 200, 1 << 20: 40, 16 << 20: 8, 64 << 20: 3}  # calls per round
 
@@ -194,13 +194,9 @@ def driver(args):
     print("small / floor (nvgroup_tf): %.2f; allreduce / MPI_Allreduce (nvgroup_tf): %s" % (
         ratios["small_vs_floor"], ", ".join("%s %.2f" % (label(k).split()[1] + " " + label(k).split()[2], v)
                                             for k, v in ratios["vs_mpi"].items())))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     if args.png:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
         keys = [k for k in nv if not k.startswith("mpi_")]
         fig, ax = plt.subplots(figsize=(9, 4))
         xs = np.arange(len(keys))
@@ -217,8 +213,7 @@ def driver(args):
         ax.legend(fontsize=8)
         ax.set_title("%d ranks, CPU, %s, %s, load %.1f" % (args.np, started[:16], result["commit"][:8], load_start[0]),
                      fontsize=9)
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=110)
+        save_png(fig, args.png)
     return 0
 
 

@@ -46,7 +46,7 @@ sys.path.insert(0, REPO)
 import tensorflow as tf  # noqa: E402
 
 import nvgroup_tf as hvd  # noqa: E402
-from bench_common import commit, mpirun_env  # noqa: E402
+from bench_common import commit, mpirun_env, pyplot, save_png, write_json  # noqa: E402
 
 
 def compare_trees(args):
@@ -93,13 +93,9 @@ def compare_trees(args):
         print("%-14s %-14s no_collective %8.1f  allreduce %8.1f  mpi4py %8.1f  allreduce/no_collective %.2f" %
               (label, commits[label][:12], m["no_collective"], m["allreduce"], m["mpi4py"],
                result["allreduce_vs_no_collective"][label]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     if args.png:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(7, 3.5))
         names = ["no_collective", "allreduce"]
         xs = np.arange(len(names))
@@ -111,8 +107,7 @@ def compare_trees(args):
         ax.legend(fontsize=8)
         ax.set_title("%d ranks, %d float32, %s, load %.1f" % (args.np, args.elements, started[:16], load_start[0]),
                      fontsize=9)
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=110)
+        save_png(fig, args.png)
     return 0
 
 
@@ -189,13 +184,9 @@ def main():
             print("%-14s %9.1f us per call" % (k, med[k]))
         print("engine share   %9.1f us per call (allreduce - no_collective); wrong elements %d" %
               (result["engine_share_us"], wrong))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        write_json(args.json, result)
         if args.png:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+            plt = pyplot()
             fig, ax = plt.subplots(figsize=(6, 3.5))
             names = list(runners)
             vals = [med[k] for k in names]
@@ -206,8 +197,7 @@ def main():
             ax.set_title("%d ranks, %d float32: engine share %.0f us (%s, %s, load %.1f)" % (
                 size, args.elements, result["engine_share_us"], result["date"][:10], result["commit"][:8],
                 result["machine"]["load_average"][0]), fontsize=8)
-            fig.tight_layout()
-            fig.savefig(args.png, dpi=110)
+            save_png(fig, args.png)
     hvd.shutdown()
     return 1 if wrong else 0
 
