@@ -72,7 +72,9 @@ class TensorQueue {
   // cross-rank intersection was smaller still. Waiting until the queue has
   // been quiet for `gap_s` (the engine uses 30 us, see background_loop.cc)
   // makes a burst one cycle on every rank; a lone request pays at most the
-  // gap, and a never-ending stream at most `max_batch_s` (the cycle time).
+  // gap (nothing once the caller is seen in lock-step: Note [Lone requests
+  // skip the gap] below), and a never-ending stream at most `max_batch_s`
+  // (the cycle time).
   // A grouped collective (EnqueueGroup of several) is a burst already: when
   // the latest push was one, the wait ends at once, so a step's group does
   // not wait out the gap (one gap per step, 30 us, on the cached-group path).
