@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 
@@ -47,19 +46,10 @@ from mpi4py import MPI
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import nvgroup_tf._engine as engine  # noqa: E402
+from bench_common import commit, load_counts  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
-
-
-def load_counts(path, scale):
-    counts = []
-    with open(path) as f:
-        for line in f:
-            if line.startswith("#") or not line.strip():
-                continue
-            counts.append(max(1, int(line.split()[1]) // scale))
-    return counts
 
 
 def machine():
@@ -75,16 +65,6 @@ def machine():
         pass
     info["load_average"] = os.getloadavg()
     return info
-
-
-def commit():
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def stats():

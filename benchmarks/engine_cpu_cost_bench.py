@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_common import REPO, commit, load_counts, mpirun_env, pyplot, run_worker, save_png  # noqa: E402
 KINDS = ["none", "engine", "idle", "mpi_alive", "small"]
 # Background-loop counters (_engine.stats()) reported per step of each engine block.
 STAT_KEYS = ["cycles", "agreement_allreduces", "negotiation_rounds", "buckets", "idle_s", "agree_s",
@@ -76,29 +76,20 @@ def load_engine(path):
     return mod
 
 
-def load_counts(path, scale):
-    counts = []
-    with open(path) as f:
-        for line in f:
-            if line.startswith("#") or not line.strip():
-                continue
-            counts.append(max(1, int(line.split()[1]) // scale))
-    return counts
-
-
 def thread_cpu():
-    """{tid: (name, ns on CPU)} for this process's threads."""
+    """{tid: (name, ns on CPU, ns runnable but waiting for a CPU)} for this process's threads."""
     out = {}
     base = "/proc/self/task"
     for tid in os.listdir(base):
         try:
             with open("%s/%s/schedstat" % (base, tid)) as f:
-                ns = int(f.read().split()[0])
+                fields = f.read().split()
+                ns, waited = int(fields[0]), int(fields[1])
             with open("%s/%s/comm" % (base, tid)) as f:
                 name = f.read().strip()
         except (OSError, ValueError):
             continue
-        out[int(tid)] = (name, ns)
+        out[int(tid)] = (name, ns, waited)
     return out
 
 
@@ -150,10 +141,11 @@ def worker(args):
             return "engine"
         return "other"
 
-    def cpu_by_class(before, after):
+    def cpu_by_class(before, after, field=1):
         out = {}
-        for tid, (name, ns) in after.items():
-            d = ns - before.get(tid, (name, 0))[1]
+        for tid, entry in after.items():
+            name = entry[0]
+            d = entry[field] - before.get(tid, (name, 0, 0))[field]
             c = classify(tid, name)
             out[c] = out.get(c, 0) + d
         return out
@@ -169,7 +161,7 @@ def worker(args):
 
     exchanges = {"none": mpi, "engine": grouped, "idle": None, "mpi_alive": mpi, "small": small}
     results = {k: {"exchange_s": [], "compute_s": [], "cpu_exchange_ns": {}, "cpu_compute_ns": {},
-                   "engine_stats": {}} for k in KINDS}
+                   "runqueue_wait_ns": {}, "engine_stats": {}} for k in KINDS}
 
     def block(kind):
         ex = exchanges[kind]
@@ -179,7 +171,7 @@ def worker(args):
                 ex()
             compute(iters)
         mine_ex, mine_co = [], []
-        cpu_ex, cpu_co = {}, {}
+        cpu_ex, cpu_co, wait_step = {}, {}, {}
         stats0 = engine.stats() if kind != "none" else None
         for _ in range(args.steps):
             comm.Barrier()
@@ -195,7 +187,8 @@ def worker(args):
             c2 = thread_cpu()
             mine_ex.append(t1 - t0)
             mine_co.append(t3 - t2)
-            for acc, d in ((cpu_ex, cpu_by_class(c0, c1)), (cpu_co, cpu_by_class(c1, c2))):
+            for acc, d in ((cpu_ex, cpu_by_class(c0, c1)), (cpu_co, cpu_by_class(c1, c2)),
+                           (wait_step, cpu_by_class(c0, c2, field=2))):
                 for k, v in d.items():
                     acc[k] = acc.get(k, 0) + v
         if stats0 is not None:  # the background loop's own counters, per step (worst rank)
@@ -212,7 +205,7 @@ def worker(args):
         r["exchange_s"] += [float(x) for x in ex_all]
         r["compute_s"] += [float(x) for x in co_all]
         # Per-step CPU per thread class, worst rank's value per class.
-        for key, acc in (("cpu_exchange_ns", cpu_ex), ("cpu_compute_ns", cpu_co)):
+        for key, acc in (("cpu_exchange_ns", cpu_ex), ("cpu_compute_ns", cpu_co), ("runqueue_wait_ns", wait_step)):
             allacc = comm.allgather({k: v / args.steps for k, v in acc.items()})
             for k in set().union(*allacc):
                 r[key].setdefault(k, []).append(max(a.get(k, 0.0) for a in allacc))
@@ -272,16 +265,6 @@ def machine():
     return info
 
 
-def commit():
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
 def summarize(merged):
     def med(xs):
         return float(np.median(np.array(xs) * 1e6)) if xs else None
@@ -298,6 +281,8 @@ def summarize(merged):
                     "steps": len(r["compute_s"]),
                     "cpu_exchange_us_per_step": {c: float(np.median(v)) / 1e3 for c, v in r["cpu_exchange_ns"].items()},
                     "cpu_compute_us_per_step": {c: float(np.median(v)) / 1e3 for c, v in r["cpu_compute_ns"].items()},
+                    "runqueue_wait_us_per_step": {c: float(np.median(v)) / 1e3
+                                                  for c, v in r["runqueue_wait_ns"].items()},
                     "engine_stats_per_step": {c: float(np.median(v)) for c, v in r["engine_stats"].items()}}
         if "none" in b:
             base_c, base_x = b["none"]["compute_median_us"], b["none"]["exchange_median_us"]
@@ -314,12 +299,9 @@ def driver(args):
     for spec in args.build or ["current=" + default_so()]:
         label, _, path = spec.partition("=")
         builds.append((label, os.path.abspath(path)))
-    env = dict(os.environ)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env = mpirun_env()
     merged = {label: {k: {"exchange_s": [], "compute_s": [], "cpu_exchange_ns": {}, "cpu_compute_ns": {},
-                          "engine_stats": {}} for k in KINDS} for label, _ in builds}
+                          "runqueue_wait_ns": {}, "engine_stats": {}} for k in KINDS} for label, _ in builds}
     iters = {}
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     info = machine()
@@ -344,7 +326,7 @@ def driver(args):
                 m = merged[label][k]
                 m["exchange_s"] += r["exchange_s"]
                 m["compute_s"] += r["compute_s"]
-                for key in ("cpu_exchange_ns", "cpu_compute_ns", "engine_stats"):
+                for key in ("cpu_exchange_ns", "cpu_compute_ns", "runqueue_wait_ns", "engine_stats"):
                     for c, v in r[key].items():
                         m[key].setdefault(c, []).extend(v)
             print("round %d %s done" % (rnd, label), flush=True)
@@ -369,6 +351,12 @@ def driver(args):
             print("%-8s %-10s %11.1f %11.1f %9.3f %9s  %s" % (
                 label, k, r["exchange_median_us"], r["compute_median_us"], r.get("compute_vs_none", float("nan")),
                 "%.2f" % r["exchange_vs_none_mpi"] if "exchange_vs_none_mpi" in r else "-", cpu))
+    print("time runnable but not running, per step (us, worst rank):")
+    for label, b in summary.items():
+        for k in KINDS:
+            if k in b:
+                print("%-8s %-10s %s" % (label, k, ", ".join(
+                    "%s=%.0f" % kv for kv in sorted(b[k]["runqueue_wait_us_per_step"].items()))))
     print("engine counters per step (median over blocks, worst rank; *_s in us):")
     for label, b in summary.items():
         for k in KINDS:
@@ -381,9 +369,7 @@ def driver(args):
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.png:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
         labels = list(summary)
         width = 0.8 / max(1, len(labels))
@@ -406,8 +392,7 @@ def driver(args):
             ax.legend(fontsize=8)
         fig.suptitle("%d ranks, %s at 1/%d; %s, %s" % (args.np, os.path.basename(args.table), args.scale,
                                                         started[:16], result["commit"][:8]), fontsize=9)
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=110)
+        save_png(fig, args.png)
     return 0
 
 
@@ -431,14 +416,7 @@ def main():
     args = p.parse_args()
     if args.worker:
         args.engine_so = args.engine_so or default_so()
-        try:
-            return worker(args)
-        except BaseException:  # one rank's error must not leave the others in a collective
-            import traceback
-            traceback.print_exc()
-            sys.stderr.flush()
-            from mpi4py import MPI
-            MPI.COMM_WORLD.Abort(1)
+        return run_worker(worker, args)
     return driver(args)
 
 

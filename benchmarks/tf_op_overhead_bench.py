@@ -17,6 +17,16 @@ Each round times --calls / 10 calls of each; the table reports the median over
 rounds of the mean per call (slowest rank), and engine share =
 allreduce - no_collective. Results are checked (every element, every call of
 the last repetition) against the exact sum (small integers). Not a test.
+
+Two builds in one run (alternated launches, e.g. a baseline tree built from an
+older commit against this one):
+
+    python benchmarks/tf_op_overhead_bench.py --tree old=/tmp/base --tree new=. \
+        [--launches 3] [--calls 1000] [--json ...ab.json] [--png ...ab.png]
+
+launches `mpirun -np 2 --bind-to none` of each tree's own copy of this file
+(so each loads that tree's nvgroup_tf), alternating the order every launch,
+and reports the median over launches and rounds per tree.
 """
 import argparse
 import datetime
@@ -36,16 +46,69 @@ sys.path.insert(0, REPO)
 import tensorflow as tf  # noqa: E402
 
 import nvgroup_tf as hvd  # noqa: E402
+from bench_common import commit, mpirun_env, pyplot, save_png, write_json  # noqa: E402
 
 
-def commit():
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
+def compare_trees(args):
+    """Alternated launches of each tree's bench; one JSON (+ PNG) of the medians."""
+    import tempfile
+    trees = [spec.partition("=")[::2] for spec in args.tree]
+    env = mpirun_env()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    load_start = os.getloadavg()
+    rounds = {label: {} for label, _ in trees}
+    commits = {}
+    for launch in range(args.launches):
+        for label, tree in (trees if launch % 2 == 0 else list(reversed(trees))):
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+                out = tmp.name
+            tree = os.path.abspath(tree)
+            cmd = ["mpirun", "-np", str(args.np), "--bind-to", "none", sys.executable,
+                   os.path.join(tree, "benchmarks", "tf_op_overhead_bench.py"), "--calls", str(args.calls),
+                   "--elements", str(args.elements), "--json", out]
+            p = subprocess.run(cmd, env=env, cwd=tree)
+            if p.returncode != 0:
+                print("launch %d of %s failed (exit %d)" % (launch, label, p.returncode))
+                return 1
+            with open(out) as f:
+                r = json.load(f)
+            os.unlink(out)
+            if r["wrong_elements"]:
+                print("FAILED: %s gave %d wrong elements" % (label, r["wrong_elements"]))
+                return 1
+            commits[label] = r["commit"]
+            for k, v in r.get("round_us", {k: [v] for k, v in r["median_us_per_call"].items()}).items():
+                rounds[label].setdefault(k, []).extend(v)
+    med = {label: {k: float(np.median(v)) for k, v in r.items()} for label, r in rounds.items()}
+    result = {"benchmark": "tf_op_overhead_ab", "date": started, "commits": commits,
+              "machine": {"host": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                          "load_average_start": load_start, "load_average_end": os.getloadavg()},
+              "ranks": args.np, "elements": args.elements, "calls_per_launch": args.calls,
+              "launches_per_tree": args.launches, "median_us_per_call": med,
+              "allreduce_vs_no_collective": {label: m["allreduce"] / m["no_collective"] for label, m in med.items()},
+              "round_us": rounds}
+    print("# tf_op_overhead A/B: %d ranks, %d float32, %d launches per tree, load %.1f -> %.1f" %
+          (args.np, args.elements, args.launches, load_start[0], os.getloadavg()[0]))
+    for label, m in med.items():
+        print("%-14s %-14s no_collective %8.1f  allreduce %8.1f  mpi4py %8.1f  allreduce/no_collective %.2f" %
+              (label, commits[label][:12], m["no_collective"], m["allreduce"], m["mpi4py"],
+               result["allreduce_vs_no_collective"][label]))
+    write_json(args.json, result)
+    if args.png:
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        names = ["no_collective", "allreduce"]
+        xs = np.arange(len(names))
+        width = 0.8 / len(med)
+        for j, (label, m) in enumerate(med.items()):
+            ax.bar(xs + j * width, [m[k] for k in names], width, label="%s (%s)" % (label, commits[label][:8]))
+        ax.set_xticks(xs + width * (len(med) - 1) / 2, names)
+        ax.set_ylabel("us per call (median over rounds)")
+        ax.legend(fontsize=8)
+        ax.set_title("%d ranks, %d float32, %s, load %.1f" % (args.np, args.elements, started[:16], load_start[0]),
+                     fontsize=9)
+        save_png(fig, args.png)
+    return 0
 
 
 def main():
@@ -54,7 +117,12 @@ def main():
     p.add_argument("--elements", type=int, default=16)
     p.add_argument("--json")
     p.add_argument("--png")
+    p.add_argument("--tree", action="append", help="LABEL=path of a built checkout (repeat: compares them)")
+    p.add_argument("--launches", type=int, default=3, help="with --tree: launches per tree")
+    p.add_argument("--np", type=int, default=2, help="with --tree: ranks")
     args = p.parse_args()
+    if args.tree:
+        return compare_trees(args)
     hvd.init()
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
@@ -106,6 +174,7 @@ def main():
                         "load_average": os.getloadavg()},
             "ranks": size, "elements": args.elements, "calls": rounds * per_round,
             "median_us_per_call": med,
+            "round_us": {k: [float(x) * 1e6 for x in v] for k, v in times.items()},
             "engine_share_us": med["allreduce"] - med["no_collective"],
             "wrong_elements": wrong,
         }
@@ -115,13 +184,9 @@ def main():
             print("%-14s %9.1f us per call" % (k, med[k]))
         print("engine share   %9.1f us per call (allreduce - no_collective); wrong elements %d" %
               (result["engine_share_us"], wrong))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        write_json(args.json, result)
         if args.png:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+            plt = pyplot()
             fig, ax = plt.subplots(figsize=(6, 3.5))
             names = list(runners)
             vals = [med[k] for k in names]
@@ -132,8 +197,7 @@ def main():
             ax.set_title("%d ranks, %d float32: engine share %.0f us (%s, %s, load %.1f)" % (
                 size, args.elements, result["engine_share_us"], result["date"][:10], result["commit"][:8],
                 result["machine"]["load_average"][0]), fontsize=8)
-            fig.tight_layout()
-            fig.savefig(args.png, dpi=110)
+            save_png(fig, args.png)
     hvd.shutdown()
     return 1 if wrong else 0
 

@@ -533,7 +533,9 @@ void Engine::Abort(const Status& reason) {
   if (Communicator* c = cuda_comm_for_abort_.load()) c->Abort();
 }
 
-EngineStats Engine::Stats() const { return counters_.Snapshot(queue_.groups_not_batched()); }
+EngineStats Engine::Stats() const {
+  return counters_.Snapshot(queue_.groups_not_batched(), queue_.lone_requests_not_batched());
+}
 
 bool Engine::OnEngineThread() const {
   const std::thread::id me = std::this_thread::get_id();

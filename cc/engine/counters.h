@@ -24,8 +24,9 @@ struct EngineCounters {
     c.fetch_add(static_cast<uint64_t>(s * 1e9), std::memory_order_relaxed);
   }
 
-  // A snapshot; `groups_not_batched` comes from the TensorQueue.
-  EngineStats Snapshot(uint64_t groups_not_batched) const;
+  // A snapshot; `groups_not_batched` and `lone_requests_not_batched` come
+  // from the TensorQueue.
+  EngineStats Snapshot(uint64_t groups_not_batched, uint64_t lone_requests_not_batched) const;
 };
 
 }  // namespace nvgroup

@@ -25,6 +25,7 @@ Status TensorQueue::Push(Submission submission) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!closed_.ok()) return closed_;
+    const bool overlapping = !in_flight_.empty();
     // Names go into in_flight_ as they are checked; a duplicate (in flight, or
     // twice in this batch) takes the batch's names out again.
     for (size_t i = 0; i < entries.size(); ++i) {
@@ -38,6 +39,12 @@ Status TensorQueue::Push(Submission submission) {
     last_was_group_ = submission.group_id != 0 && submission.entries.size() > 1;
     queued_.push_back(std::move(submission));
     last_push_ = std::chrono::steady_clock::now();
+    // Note [Lone requests skip the gap]: a push while earlier requests are
+    // still in flight is part of a burst (or of overlapping callers).
+    if (overlapping) {
+      followed_ = true;
+      lone_takes_ = 0;
+    }
     // Only the loop's wait for a first entry needs a wake-up; admission
     // batching rereads last_push_ when its own timer fires, so a burst does
     // not wake the loop once per enqueue (a group ends the batching: wake).
@@ -53,11 +60,24 @@ double TensorQueue::WaitAndPop(double timeout_s, double gap_s, double max_batch_
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
+  // Note [Lone requests skip the gap]: how the previous take went.
+  if (last_take_count_ == 1 && !followed_) {
+    if (lone_takes_ < kLoneTakesBeforeNoBatching) ++lone_takes_;
+  } else if (last_take_count_ > 1 || followed_) {
+    lone_takes_ = 0;
+  }
+  last_take_count_ = 0;
+  followed_ = false;
   waiting_for_first_ = true;
   cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
                [this] { return !queued_.empty() || shutdown_requested_; });
   waiting_for_first_ = false;
-  if (!queued_.empty() && !shutdown_requested_ && gap_s > 0) {
+  const bool lone = lone_takes_ >= kLoneTakesBeforeNoBatching;
+  if (lone && !queued_.empty() && !shutdown_requested_ && gap_s > 0) {
+    if (last_was_group_) groups_not_batched_.fetch_add(1, std::memory_order_relaxed);
+    else lone_not_batched_.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (!lone && !queued_.empty() && !shutdown_requested_ && gap_s > 0) {
     // See Note [Admission batching]: the wait ends when no push came for
     // gap_s, or max_batch_s after the first entry was seen here.
     const Clock::time_point first = Clock::now();
@@ -77,6 +97,7 @@ double TensorQueue::WaitAndPop(double timeout_s, double gap_s, double max_batch_
     batching_ = false;
   }
   for (Submission& s : queued_) out->push_back(std::move(s));
+  last_take_count_ = queued_.size();
   queued_.clear();
   *shutdown_requested = shutdown_requested_;
   return std::chrono::duration<double>(Clock::now() - start).count();

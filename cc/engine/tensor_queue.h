@@ -91,10 +91,29 @@ class TensorQueue {
   // cross-rank intersection was smaller still. Waiting until the queue has
   // been quiet for `gap_s` (the engine uses 30 us, see background_loop.cc)
   // makes a burst one cycle on every rank; a lone request pays at most the
-  // gap, and a never-ending stream at most `max_batch_s` (the cycle time).
+  // gap (nothing once the caller is seen in lock-step: Note [Lone requests
+  // skip the gap] below), and a never-ending stream at most `max_batch_s`
+  // (the cycle time).
   // A grouped collective (EnqueueGroup of several) is a burst already: when
   // the latest push was one, the wait ends at once, so a step's group does
   // not wait out the gap (one gap per step, 30 us, on the cached-group path).
+  //
+  // Note [Lone requests skip the gap]
+  // A caller that submits one request at a time and waits for it (a small
+  // hvd.allreduce in a tf.function, a metric, a barrier-like call) sends no
+  // burst: every wait for a quiet gap was in vain, and the gap plus the timer
+  // wake-up that ends it were a fixed part of its latency. A burst shows
+  // itself by pushes that come while earlier requests are still in flight;
+  // a caller in lock-step pushes only after its previous request completed
+  // (Finish runs before `done`). So the queue remembers how the latest takes
+  // went: a take of a single submission with no push overlapping requests in
+  // flight before the next take is "lone"; after kLoneTakesBeforeNoBatching
+  // lone takes in a row the loop takes the next first entry at once. A take
+  // of several submissions, or a push while something is in flight, turns
+  // the batching back on, so a framework's per-tensor bursts are batched from
+  // their second cycle on: at most one split burst each time the caller's
+  // pattern changes (the split's leftovers start the next cycle quickly, Note
+  // [Leftovers start the next cycle] in background_loop.cc).
   double WaitAndPop(double timeout_s, double gap_s, double max_batch_s, std::vector<Submission>* out,
                     bool* shutdown_requested);
   void RequestShutdown();
@@ -105,6 +124,11 @@ class TensorQueue {
   void Finish(const std::string* const* names, size_t n);
   // Pushes of grouped collectives that ended admission batching at once.
   uint64_t groups_not_batched() const { return groups_not_batched_.load(std::memory_order_relaxed); }
+  // Takes whose first entry (not a group) was taken at once, without waiting
+  // for a quiet gap (Note [Lone requests skip the gap]).
+  uint64_t lone_requests_not_batched() const { return lone_not_batched_.load(std::memory_order_relaxed); }
+  // Lone takes in a row after which the gap is skipped.
+  static constexpr int kLoneTakesBeforeNoBatching = 4;
   // Later pushes fail with `status`; returns the submissions still queued.
   std::vector<Submission> Close(const Status& status);
 
@@ -120,6 +144,13 @@ class TensorQueue {
   bool batching_ = false;           // WaitAndPop is in admission batching (a group push wakes it)
   Status closed_;  // non-OK once closed
   std::atomic<uint64_t> groups_not_batched_{0};
+  // Note [Lone requests skip the gap]: the latest take (how many
+  // submissions, whether a push overlapped requests in flight since) and the
+  // lone takes in a row before it.
+  size_t last_take_count_ = 0;
+  bool followed_ = false;
+  int lone_takes_ = 0;
+  std::atomic<uint64_t> lone_not_batched_{0};
 };
 
 }  // namespace nvgroup

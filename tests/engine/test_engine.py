@@ -123,6 +123,14 @@ def test_abort_hook_fails_everything_with_the_given_reason(tmp_path, np):
 
 
 @pytest.mark.parametrize("np", [2, 3])
+def test_lone_requests_skip_the_admission_gap(np):
+    """A caller in lock-step stops paying the admission gap after a few takes;
+    a burst turns the batching back on; results right throughout
+    (engine_lone_requests.py)."""
+    assert_all_ranks_ok(run_mpi(worker("engine_lone_requests.py"), np, timeout=120), np)
+
+
+@pytest.mark.parametrize("np", [2, 3])
 def test_idle_engine_sleeps(np):
     """An idle engine runs a few background cycles a second, not one per
     NVGROUP_CYCLE_TIME; late submitters, a small allreduce after a quiet spell

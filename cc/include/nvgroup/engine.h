@@ -196,6 +196,7 @@ struct EngineStats {
   uint64_t cached_group_runs = 0;        // of those, groups run whole from their plan
   uint64_t cached_group_demotions = 0;   // groups turned back into entries (a round, a stall, a join)
   uint64_t groups_not_batched = 0;       // admission batching ended at once by a grouped collective (tensor_queue.h)
+  uint64_t lone_requests_not_batched = 0;  // lone requests taken without waiting out the admission gap (tensor_queue.h)
   // Seconds the background thread spent, per phase.
   double idle_s = 0;       // waiting for requests (the cycle wait and admission batching)
   double agree_s = 0;      // the cycle's agreement allreduce (cache bits, plan ids, flags)
