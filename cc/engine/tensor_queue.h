@@ -65,6 +65,7 @@ class InFlightNames {
   // False (and nothing changes) when `name` is in flight already.
   bool Insert(const std::string& name);
   void Erase(const std::string& name);
+  bool empty() const { return names_.empty(); }
 
  private:
   static constexpr size_t kSpareNodes = 4096;
