@@ -43,6 +43,20 @@ std::string KnobMismatch(const std::string& name, const std::vector<std::string>
   return name + " differs across ranks: " + ValuesByRankText(by_rank) + "; it must be the same on every rank";
 }
 
+// A bounded wait of Init on the engine's communicator gave up (a rank
+// stopped, hung or died after the arrival check): every live rank is stuck in
+// the same wait and gives up within moments of the others, so a liveness
+// probe (Note [Liveness probe], mpi_wait.h) names the ranks that are gone,
+// as the background loop does for its own waits.
+Status NameSilentRanks(Status waited, MPI_Comm comm) {
+  if (waited.code() != StatusCode::kUnavailable) return waited;
+  StatusOr<std::vector<int>> silent = FindSilentRanks(comm, 2.0);
+  if (!silent.ok() || silent.value().empty()) return waited;
+  std::string who;
+  for (int r : silent.value()) who += (who.empty() ? "rank " : ", rank ") + std::to_string(r);
+  return Status::Unavailable(waited.message() + "; " + who + " did not answer a liveness probe (stopped, hung or dead)");
+}
+
 // Parses the knobs on every rank and makes Init fail on every rank if any
 // rank's environment is malformed or the ranks disagree on a knob of
 // AgreedKnobs (cc/common/env.h). Every rank shares its verdict: its error
@@ -61,7 +75,7 @@ Status AgreeOnKnobs(MPI_Comm comm, int size, StatusOr<Knobs>* knobs, double time
   x->all_lengths.resize(size);
   MPI_Request req;
   NVG_MPI_CHECK(MPI_Iallgather(&x->my_length, 1, MPI_INT64_T, x->all_lengths.data(), 1, MPI_INT64_T, comm, &req));
-  Status waited = WaitMpi(&req, "Init's environment check", timeout_s, never);
+  Status waited = NameSilentRanks(WaitMpi(&req, "Init's environment check", timeout_s, never), comm);
   if (!waited.ok()) {
     (void)x.release();
     return waited;
@@ -77,7 +91,7 @@ Status AgreeOnKnobs(MPI_Comm comm, int size, StatusOr<Knobs>* knobs, double time
   x->texts.assign(std::max(total, 1), '\0');
   NVG_MPI_CHECK(MPI_Iallgatherv(x->mine.data(), static_cast<int>(x->mine.size()), MPI_CHAR, &x->texts[0],
                                 x->lengths.data(), x->displs.data(), MPI_CHAR, comm, &req));
-  waited = WaitMpi(&req, "Init's environment check", timeout_s, never);
+  waited = NameSilentRanks(WaitMpi(&req, "Init's environment check", timeout_s, never), comm);
   if (!waited.ok()) {
     (void)x.release();
     return waited;
@@ -132,7 +146,7 @@ StatusOr<bool> AllRanksAsk(MPI_Comm comm, int size, bool wish, double timeout_s)
   x->all.resize(size);
   MPI_Request req;
   NVG_MPI_CHECK(MPI_Iallgather(&x->mine, 1, MPI_INT64_T, x->all.data(), 1, MPI_INT64_T, comm, &req));
-  Status waited = WaitMpi(&req, "Init's device check", timeout_s, never);
+  Status waited = NameSilentRanks(WaitMpi(&req, "Init's device check", timeout_s, never), comm);
   if (!waited.ok()) {
     (void)x.release();
     return waited;
@@ -157,7 +171,7 @@ StatusOr<std::unique_ptr<Communicator>> CreateCudaAtInit(MPI_Comm comm, int size
   x->all.resize(size);
   MPI_Request req;
   NVG_MPI_CHECK(MPI_Iallgather(&x->mine, 1, MPI_INT64_T, x->all.data(), 1, MPI_INT64_T, comm, &req));
-  Status waited = WaitMpi(&req, "Init's CUDA communicator check", timeout_s, never);
+  Status waited = NameSilentRanks(WaitMpi(&req, "Init's CUDA communicator check", timeout_s, never), comm);
   if (!waited.ok()) {
     (void)x.release();
     return waited;
@@ -273,7 +287,7 @@ Status Runtime::Init(const EngineOptions& options) {
   watchdog.Enter("local_sizes", "the local-size allreduce");
   int local_sizes[2] = {cpu.value()->topology().local_size, -cpu.value()->topology().local_size};
   NVG_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, local_sizes, 2, MPI_INT, MPI_MAX, comm, &req));
-  Status agreed_sizes = WaitMpi(&req, "Init's local-size allreduce", timeout_s, never);
+  Status agreed_sizes = NameSilentRanks(WaitMpi(&req, "Init's local-size allreduce", timeout_s, never), comm);
   if (!agreed_sizes.ok()) return agreed_sizes.WithContext("nvgroup_tf.init");  // comm may still be in use: kept
   homogeneous_ = local_sizes[0] == -local_sizes[1];
   // The process-set registration communicator: duplicated now, while every

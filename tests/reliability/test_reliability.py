@@ -482,3 +482,14 @@ def test_rank_busy_after_shutdown_is_waited_for_in_mpi_finalize(tmp_path):
         assert lines(r, r"^rank %d: FINALIZED" % rank), r.output[-5000:]
     assert "MPI_Finalize waited" not in r.output, r.output[-5000:]
     assert_no_false_alarm(r)
+
+
+def test_rank_stopped_after_the_arrival_check_is_named_by_every_rank(tmp_path):
+    """Rank 0 stops after every rank arrived, in the agreement on CUDA at init
+    (a bounded wait on the engine's communicator): the others' wait gives up
+    after Init's bound and a liveness probe names rank 0 in their init()
+    error. Before, the error said only that some rank did not answer."""
+    r = init_fault(tmp_path, 3, 0, "device_check", "stop")
+    for survivor in (1, 2):
+        assert lines(r, r"^rank %d: INIT_ERROR [0-9.]+ .*Init's device check.*; rank 0 did not answer a liveness probe"
+                        % survivor), "rank %d did not name rank 0:\n%s" % (survivor, r.output[-5000:])
