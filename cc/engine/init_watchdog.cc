@@ -42,6 +42,15 @@ std::string g_fault_phase, g_fault_kind;
 
 }  // namespace
 
+bool IsInitPhase(const std::string& phase) {
+  static const char* const kPhases[] = {"mpi_init",          "arrival",     "dup",         "knobs",
+                                        "cpu_communicator",  "device_check", "cuda_communicator",
+                                        "local_sizes",       "control_dup", "engine",      "process_set"};
+  for (const char* p : kPhases)
+    if (phase == p) return true;
+  return false;
+}
+
 void SetInitFaultForTesting(const std::string& phase, const std::string& kind) {
   std::lock_guard<std::mutex> lock(g_fault_mu);
   g_fault_phase = phase;

@@ -80,6 +80,8 @@ class InitWatchdog {
 // that freezes or dies there. Phases: mpi_init, arrival, dup, knobs,
 // cpu_communicator, device_check, cuda_communicator, local_sizes, control_dup,
 // engine, process_set.
+// Whether `phase` is one of these (the hook refuses any other: it would never fire).
+bool IsInitPhase(const std::string& phase);
 void SetInitFaultForTesting(const std::string& phase, const std::string& kind);
 
 }  // namespace nvgroup

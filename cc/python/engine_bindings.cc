@@ -581,6 +581,9 @@ void RegisterTestingBindings(py::module_& t) {
         "dead-rank detection port.");
   t.def("fault_in_init", [](const std::string& phase, const std::string& kind) {
     if (kind != "stop" && kind != "kill") throw EngineError("INVALID_ARGUMENT: fault_in_init kind must be stop or kill");
+    if (!IsInitPhase(phase))
+      throw EngineError("INVALID_ARGUMENT: fault_in_init: unknown phase '" + phase +
+                        "' (engine/init_watchdog.h lists them)");
     SetInitFaultForTesting(phase, kind);
   }, py::arg("phase"), py::arg("kind"),
         "The next time init() (or add_process_set) enters `phase` (engine/init_watchdog.h lists them), this "

@@ -314,3 +314,12 @@ def test_build_response_alltoall_splits_matrix():
     bad = T.build_response([request(type=ALLTOALL, shape=(3, 2), splits=(1, 2)),
                             request(type=ALLTOALL, shape=(3, 5), splits=(1, 2))])
     assert bad["error_code"] == FAILED_PRECONDITION and "all but the first dimension" in bad["error_message"]
+
+
+def test_init_fault_hook_refuses_an_unknown_phase_or_kind():
+    """The hook fires at a named phase of init(); a phase init() never enters
+    (or a misspelled one) would make a fault test pass without any fault."""
+    with pytest.raises(Exception, match="unknown phase 'knob'"):
+        _engine.testing.fault_in_init("knob", "stop")
+    with pytest.raises(Exception, match="kind must be stop or kill"):
+        _engine.testing.fault_in_init("knobs", "freeze")
