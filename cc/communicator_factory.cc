@@ -4,7 +4,9 @@
 // when the build has NVGROUP_WITH_CUDA; otherwise kUnimplemented.
 #include <mpi.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "common/checks.h"
 #include "common/env.h"
@@ -16,6 +18,11 @@
 #endif
 
 namespace nvgroup {
+
+Status Communicator::DelayStream(double microseconds, void* /*stream*/) {
+  if (microseconds > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(microseconds));
+  return Status::Ok();
+}
 
 StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(int64_t mpi_comm_fortran, Device device,
                                                            const Knobs& knobs,

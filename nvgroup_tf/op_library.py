@@ -58,6 +58,8 @@ def _load():
         handle.nvgroup_tf_start_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int,
                                                      ctypes.c_char_p, ctypes.c_int]
         handle.nvgroup_tf_stop_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        handle.nvgroup_tf_set_bucket_delay_for_testing.argtypes = [ctypes.c_double]
+        handle.nvgroup_tf_set_bucket_delay_for_testing.restype = None
         handle.nvgroup_tf_setting_value.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
                                                     ctypes.c_char_p, ctypes.c_int]
         _register_xla_kernels(handle)
@@ -97,6 +99,14 @@ def setting_value(name):
     if handle.nvgroup_tf_setting_value(name.encode(), value, _MESSAGE_BYTES, message, _MESSAGE_BYTES) != 0:
         raise ValueError(message.value.decode(errors="replace"))
     return value.value.decode(errors="replace")
+
+
+def set_bucket_delay_for_testing(microseconds):
+    """Tests and benchmarks only: the simulated link (NVGROUP_TEST_BUCKET_DELAY_US),
+    a delay of `microseconds` added to every allreduce bucket on the engine's
+    stream from the next bucket on; 0 removes it."""
+    handle, _ = _load()
+    handle.nvgroup_tf_set_bucket_delay_for_testing(float(microseconds))
 
 
 _TOPOLOGY_FUNCTIONS = {

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common/env.h"
+#include "engine/engine_control.h"
 #include "nvgroup/engine.h"
 #include "ops/adapter.h"
 #if GOOGLE_CUDA
@@ -106,6 +107,12 @@ int nvgroup_tf_setting_value(const char* name, char* value, int value_len, char*
                   msg, msg_len);
   std::memcpy(value, v.value().c_str(), v.value().size() + 1);
   return 0;
+}
+
+// Tests and benchmarks only: the simulated link's delay per allreduce bucket
+// (NVGROUP_TEST_BUCKET_DELAY_US; engine_control.h), from the next bucket on.
+void nvgroup_tf_set_bucket_delay_for_testing(double microseconds) {
+  nvgroup::SetBucketDelayForTesting(microseconds);
 }
 
 // 1 when the library was built with the DEVICE_GPU kernels.

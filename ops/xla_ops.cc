@@ -174,17 +174,18 @@ AllocateOutputFn IntoCompiledBuffer(const CallAttributes& a, const std::string& 
 }  // namespace
 
 Status DecodeCall(const WireAttributes& wire, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  std::vector<CollectiveRequest>* requests) {
+                  std::vector<CollectiveRequest>* requests, size_t token_results) {
   CallAttributes a;
   NVG_RETURN_IF_ERROR(DecodeAttributes(wire, &a));
   // The last operand only orders the call (CollectiveOrder); the data operands
-  // pair with the results.
-  if (args.size() != rets.size() + 1 || rets.size() == 0)
+  // pair with the data results (a start's token follows them).
+  const size_t data = rets.size() >= token_results ? rets.size() - token_results : 0;
+  if (args.size() != data + 1 || data == 0)
     return Status::Internal("nvgroup XLA custom call '" + a.name + "': " + std::to_string(args.size()) +
-                            " operands for " + std::to_string(rets.size()) +
-                            " results (want one operand per result and the ordering operand)");
+                            " operands for " + std::to_string(data) +
+                            " data results (want one operand per result and the ordering operand)");
   requests->clear();
-  for (size_t i = 0; i < rets.size(); ++i) {
+  for (size_t i = 0; i < data; ++i) {
     auto in = args.get<ffi::AnyBuffer>(i);
     auto out = rets.get<ffi::AnyBuffer>(i);
     if (in.has_error() || out.has_error())
@@ -234,6 +235,78 @@ Status DecodeCall(const WireAttributes& wire, ffi::RemainingArgs args, ffi::Rema
     requests->push_back(std::move(q));
   }
   return Status::Ok();
+}
+
+Status DecodeDone(const WireAttributes& wire, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  std::string* name, std::vector<DoneBuffer>* buffers) {
+  CallAttributes a;
+  NVG_RETURN_IF_ERROR(DecodeAttributes(wire, &a));
+  *name = a.name;
+  const size_t n = rets.size();
+  if (n == 0 || args.size() != 2 * n)
+    return Status::Internal("nvgroup XLA done call '" + a.name + "': " + std::to_string(args.size()) +
+                            " operands for " + std::to_string(n) +
+                            " results (want the start's results, then the inputs)");
+  buffers->clear();
+  for (size_t i = 0; i < n; ++i) {
+    auto from = args.get<ffi::AnyBuffer>(i);
+    auto to = rets.get<ffi::AnyBuffer>(i);
+    if (from.has_error() || to.has_error())
+      return Status::Internal("nvgroup XLA done call '" + a.name + "': operand/result " + std::to_string(i) +
+                              " is not a buffer");
+    const ffi::AnyBuffer f = *from;
+    const ffi::AnyBuffer t = **to;
+    if (f.size_bytes() != t.size_bytes())
+      return Status::Internal("nvgroup XLA done call '" + a.name + "': result " + std::to_string(i) + " has " +
+                              std::to_string(t.size_bytes()) + " bytes, its operand " +
+                              std::to_string(f.size_bytes()));
+    buffers->push_back({f.untyped_data(), t.untyped_data(), t.size_bytes()});
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+std::mutex& PairCallsMutex() {
+  static std::mutex* m = new std::mutex();  // never destroyed: programs may run until exit
+  return *m;
+}
+std::unordered_map<std::string, std::shared_ptr<PairCall>>& PairCallMap() {
+  static auto* map = new std::unordered_map<std::string, std::shared_ptr<PairCall>>();
+  return *map;
+}
+
+}  // namespace
+
+Status PairCalls::Put(const std::string& name, std::shared_ptr<PairCall> call) {
+  std::lock_guard<std::mutex> lock(PairCallsMutex());
+  auto& slot = PairCallMap()[name];
+  if (slot != nullptr && !slot->Finished())
+    return Status::FailedPrecondition("nvgroup XLA collective '" + name +
+                                      "' started while its previous start is still in flight (two collectives "
+                                      "of one name at once; give them different names)");
+  slot = std::move(call);
+  return Status::Ok();
+}
+
+std::shared_ptr<PairCall> PairCalls::Take(const std::string& name) {
+  std::lock_guard<std::mutex> lock(PairCallsMutex());
+  auto it = PairCallMap().find(name);
+  if (it == PairCallMap().end()) return nullptr;
+  std::shared_ptr<PairCall> call = std::move(it->second);
+  PairCallMap().erase(it);
+  return call;
+}
+
+StatusOr<bool> LowerToStartDone(bool gpu) {
+  static const StatusOr<int> setting = []() -> StatusOr<int> {
+    Knobs knobs;
+    Status parsed = ParseSettingFromEnvironment("NVGROUP_XLA_START_DONE", &knobs);
+    if (!parsed.ok()) return parsed;
+    return knobs.xla_start_done;
+  }();
+  if (!setting.ok()) return setting.status();
+  return setting.value() < 0 ? gpu : setting.value() == 1;
 }
 
 ffi::Error ToFfiError(const Status& status) {
@@ -337,6 +410,64 @@ ffi::Future HostCollectiveAsync(ffi::RemainingArgs args, ffi::RemainingRets rets
 
 XLA_FFI_DEFINE_HANDLER(kHostCollectiveAsync, HostCollectiveAsync, BindCall(ffi::Ffi::Bind()));
 
+// The pair on the host (Note [Start and done], xla_ops.h): the start submits,
+// the done waits on the host until every request completed.
+struct HostPairCall : PairCall {
+  explicit HostPairCall(int n) : pending(n) {}
+  bool Finished() override {
+    std::lock_guard<std::mutex> lock(mu);
+    return pending == 0;
+  }
+  void OnDone(const Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!s.ok() && first_error.ok()) first_error = s;
+    --pending;
+    changed.notify_all();
+  }
+  std::mutex mu;  // guards the members below
+  std::condition_variable changed;
+  int pending;    // requests whose `done` has not run
+  Status first_error;
+};
+
+ffi::Error HostCollectiveStart(ffi::RemainingArgs args, ffi::RemainingRets rets, WireAttributes wire) {
+  std::vector<CollectiveRequest> requests;
+  Status status = DecodeCall(wire, args, rets, &requests, /*token_results=*/1);
+  if (!status.ok()) return ToFfiError(status);
+  const std::string name(wire.name);
+  auto call = std::make_shared<HostPairCall>(static_cast<int>(requests.size()));
+  for (CollectiveRequest& q : requests) q.done = [call](const Status& s) { call->OnDone(s); };
+  status = PairCalls::Put(name, call);
+  if (!status.ok()) return ToFfiError(status);
+  const size_t count = requests.size();
+  status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));
+  if (!status.ok()) PairCalls::Take(name);  // rejected: no callback runs, no done will look for it
+  return ToFfiError(status);
+}
+
+ffi::Error HostCollectiveDone(ffi::RemainingArgs args, ffi::RemainingRets rets, WireAttributes wire) {
+  std::string name;
+  std::vector<DoneBuffer> buffers;
+  Status status = DecodeDone(wire, args, rets, &name, &buffers);
+  if (!status.ok()) return ToFfiError(status);
+  std::shared_ptr<PairCall> taken = PairCalls::Take(name);
+  auto* call = dynamic_cast<HostPairCall*>(taken.get());
+  if (call == nullptr)
+    return ToFfiError(Status::Internal("nvgroup XLA done call '" + name + "' found no start of that name"));
+  {
+    // Bounded: every accepted request's `done` runs in bounded time (engine.h).
+    std::unique_lock<std::mutex> lock(call->mu);
+    call->changed.wait(lock, [call] { return call->pending == 0; });
+    if (!call->first_error.ok()) return ToFfiError(call->first_error);
+  }
+  for (const DoneBuffer& b : buffers)
+    if (b.from != b.to) std::memcpy(b.to, b.from, b.bytes);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kHostCollectiveStart, HostCollectiveStart, BindCall(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kHostCollectiveDone, HostCollectiveDone, BindCall(ffi::Ffi::Bind()));
+
 XLA_FFI_DEFINE_HANDLER(kHostCollective, HostCollective, BindCall(ffi::Ffi::Bind()));
 
 }  // namespace
@@ -366,7 +497,9 @@ bool RegisterHandler(const char* target, const char* platform, XLA_FFI_Handler* 
 
 namespace {
 [[maybe_unused]] const bool kHostRegistered = RegisterHandler(kXlaTarget, "Host", kHostCollective) &&
-                                              RegisterHandler(kXlaAsyncTarget, "Host", kHostCollectiveAsync);
+                                              RegisterHandler(kXlaAsyncTarget, "Host", kHostCollectiveAsync) &&
+                                              RegisterHandler(kXlaStartTarget, "Host", kHostCollectiveStart) &&
+                                              RegisterHandler(kXlaDoneTarget, "Host", kHostCollectiveDone);
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -439,12 +572,74 @@ class CollectiveOrder {
   }
 };
 
+// The pair (Note [Start and done], xla_ops.h): a start taking the inputs and
+// the ordering operand, returning (results..., token); a done taking the
+// start's results and the inputs, returning the results in the start's
+// buffers. The next collective of the computation is ordered after the start.
+std::vector<::xla::XlaOp> EmitStartDone(XlaOpKernelContext* ctx, const CallAttributes& attributes,
+                                        std::vector<::xla::Shape> in_shapes,
+                                        const std::vector<::xla::Shape>& out_shapes, bool tuple) {
+  ::xla::XlaBuilder* builder = ctx->builder();
+  const size_t n = out_shapes.size();
+  std::vector<::xla::XlaOp> inputs;
+  for (size_t i = 0; i < in_shapes.size(); ++i) inputs.push_back(ctx->Input(static_cast<int>(i)));
+  const ::xla::XlaOp previous = CollectiveOrder::Previous(builder);
+  absl::StatusOr<::xla::Shape> previous_shape = builder->GetShape(previous);
+  if (!previous_shape.ok()) {
+    ctx->SetStatus(previous_shape.status());
+    return {};
+  }
+  ::xla::LayoutUtil::SetToDefaultLayout(&previous_shape.value());
+  std::vector<::xla::XlaOp> start_operands = inputs;
+  start_operands.push_back(previous);
+  std::vector<::xla::Shape> start_operand_shapes = in_shapes;
+  start_operand_shapes.push_back(*previous_shape);
+  std::vector<::xla::Shape> start_results = out_shapes;
+  ::xla::Shape token = ::xla::ShapeUtil::MakeShape(::xla::U8, {0});
+  ::xla::LayoutUtil::SetToDefaultLayout(&token);
+  start_results.push_back(token);
+  const std::string config = XlaAttributes(attributes);
+  ::xla::XlaOp start = ::xla::CustomCallWithLayout(
+      builder, kXlaStartTarget, start_operands, ::xla::ShapeUtil::MakeTupleShape(start_results),
+      start_operand_shapes, config, /*has_side_effect=*/true, /*output_operand_aliasing=*/{},
+      /*literal=*/nullptr, ::xla::CustomCallSchedule::SCHEDULE_EARLIEST,
+      ::xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+  std::vector<::xla::XlaOp> done_operands;
+  for (size_t i = 0; i < n; ++i) done_operands.push_back(::xla::GetTupleElement(start, static_cast<int64_t>(i)));
+  for (const ::xla::XlaOp& in : inputs) done_operands.push_back(in);
+  std::vector<::xla::Shape> done_operand_shapes = out_shapes;
+  for (const ::xla::Shape& shape : in_shapes) done_operand_shapes.push_back(shape);
+  std::vector<std::pair<::xla::ShapeIndex, std::pair<int64_t, ::xla::ShapeIndex>>> aliasing;
+  for (size_t i = 0; i < n; ++i)
+    aliasing.push_back({tuple ? ::xla::ShapeIndex{static_cast<int64_t>(i)} : ::xla::ShapeIndex{},
+                        {static_cast<int64_t>(i), ::xla::ShapeIndex{}}});
+  const ::xla::Shape done_result = tuple ? ::xla::ShapeUtil::MakeTupleShape(out_shapes) : out_shapes[0];
+  ::xla::XlaOp done = ::xla::CustomCallWithLayout(
+      builder, kXlaDoneTarget, done_operands, done_result, done_operand_shapes, config,
+      /*has_side_effect=*/true, aliasing, /*literal=*/nullptr, ::xla::CustomCallSchedule::SCHEDULE_LATEST,
+      ::xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+  std::vector<::xla::XlaOp> outputs;
+  if (!tuple) {
+    outputs.push_back(done);
+  } else {
+    for (size_t i = 0; i < n; ++i) outputs.push_back(::xla::GetTupleElement(done, static_cast<int64_t>(i)));
+  }
+  CollectiveOrder::Record(builder, ::xla::GetTupleElement(start, static_cast<int64_t>(n)));
+  return outputs;
+}
+
 // One custom call: inputs [0, in_shapes.size()) and the ordering operand
 // (CollectiveOrder; the handlers skip it) -> results (a tuple when `tuple`),
 // row-major layouts.
 std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes& attributes,
                                    std::vector<::xla::Shape> in_shapes,
-                                   const std::vector<::xla::Shape>& out_shapes, bool tuple) {
+                                   const std::vector<::xla::Shape>& out_shapes, bool tuple, bool gpu) {
+  StatusOr<bool> pair = LowerToStartDone(gpu);
+  if (!pair.ok()) {
+    ctx->SetStatus(tf_adapter::ToTfStatus(pair.status()));
+    return {};
+  }
+  if (pair.value()) return EmitStartDone(ctx, attributes, std::move(in_shapes), out_shapes, tuple);
   const char* target = kXlaTarget;
   absl::Status chosen = XlaTarget(&target);
   if (!chosen.ok()) {
@@ -603,6 +798,7 @@ class CollectiveXlaOp : public XlaOpKernel {
     if (type == CollectiveType::kBroadcast) OP_REQUIRES_OK(context, context->GetAttr("root_rank", &attributes_.root_rank));
     attributes_.process_set_id = process_set_id;
     attributes_.name = tf_adapter::CollectiveName(*this, tensor_name);
+    gpu_ = context->device_type().type_string() == "XLA_GPU_JIT";
   }
 
   void Compile(XlaOpKernelContext* ctx) override {
@@ -614,7 +810,7 @@ class CollectiveXlaOp : public XlaOpKernel {
     std::vector<::xla::Shape> out = in;
     if (alltoall) OP_REQUIRES_OK(ctx, ctx->ConstantInputAsIntVector(1, &attributes.splits));
     OP_REQUIRES_OK(ctx, tf_adapter::ToTfStatus(ResultShapes(&attributes, &out)));
-    std::vector<::xla::XlaOp> outputs = EmitCall(ctx, attributes, in, out, attributes.grouped);
+    std::vector<::xla::XlaOp> outputs = EmitCall(ctx, attributes, in, out, attributes.grouped, gpu_);
     for (size_t i = 0; i < outputs.size(); ++i) ctx->SetOutput(static_cast<int>(i), outputs[i]);
     if (alltoall && !outputs.empty()) {
       std::vector<int32_t> received(attributes.received_splits.begin(), attributes.received_splits.end());
@@ -651,6 +847,7 @@ class CollectiveXlaOp : public XlaOpKernel {
   }
 
   CallAttributes attributes_;
+  bool gpu_ = false;  // compiled for XLA_GPU_JIT (LowerToStartDone)
 };
 
 template <CollectiveType kType>

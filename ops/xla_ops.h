@@ -14,16 +14,56 @@
 // fusion work as without XLA), the collective kind, the reduce op, the scale
 // factors, the broadcast root, the process set, alltoall's splits.
 //
-// Order. Each handler blocks its XLA thread at least until every rank has
-// submitted its collective (the host handler until it completed; the CUDA
-// handler until the engine enqueued it, xla_ops_gpu.cc), so the ranks must run
-// their collective calls in one order. XLA
+// Note [Start and done]
+// A collective lowers to one custom call (kXlaTarget), or, with
+// NVGROUP_XLA_START_DONE (default: for GPU programs), to a pair:
+//   start = custom-call(inputs..., order) -> (results..., token u8[0])
+//           target kXlaStartTarget, SCHEDULE_EARLIEST, side effect
+//   done  = custom-call(start.results..., inputs...) -> results
+//           target kXlaDoneTarget, SCHEDULE_LATEST, result i aliasing operand i
+// XLA's GPU scheduler puts a SCHEDULE_EARLIEST call as soon as its operands
+// exist and a SCHEDULE_LATEST call just before its first user (XLA's
+// gpu_hlo_schedule.cc; its test GpuHloScheduleTest.AsyncCustomCall), so the
+// independent work of the program -- the rest of backprop, for a gradient
+// bucket -- lands between them. The start submits the requests to the engine
+// and returns at once; the done returns once the result is (CUDA: will be,
+// in stream order) in the results. Why this is correct:
+//  * Buffers. The engine reads the inputs and writes the results while XLA
+//    runs other work. Both stay allocated until the done ran: the results are
+//    the start's, handed to the done, which returns them in place; the
+//    inputs are operands of the done too, which only keeps them live (XLA
+//    reuses a buffer only after its last user). No other instruction uses the
+//    start's results.
+//  * Pairing. The start files its state under the collective's engine name
+//    (PairCalls); the done takes it back. One name is in flight once (the
+//    engine refuses a second request of a name in flight), so the name finds
+//    the one start.
+//  * Order. Starts never wait for other ranks; a done waits only for its own
+//    collective. The starts of one XLA computation are chained (the "Order"
+//    below, through the start's token), so every rank submits them in one
+//    order, and a done is never scheduled before its own start. A done that
+//    waits for collective k waits for ranks to *start* k; a rank that has not
+//    started k is at an earlier point of the same chain of starts, waiting in
+//    a done of an earlier collective j < k (or running), whose start every
+//    rank that started k has made: the lowest collective anyone waits for has
+//    been started everywhere and completes, so the ranks never wait for each
+//    other in a cycle. The single-call lowering is a start and its done at
+//    one place of the same chain, so both lowerings mix.
+//  * Errors. An error known before the done returns (a mismatch, a dead peer,
+//    a failed enqueue) fails the done on every rank, as the single call
+//    does. A start the engine refuses fails at once.
+//
+// Order. Each single-call handler blocks its XLA thread at least until every
+// rank has submitted its collective (the host handler until it completed; the
+// CUDA handler until the engine enqueued it, xla_ops_gpu.cc), and a done waits
+// for its collective (Note [Start and done]), so the ranks must submit their
+// collectives in one order. XLA
 // orders independent side-effecting calls as it likes, and the HLO may differ
 // by rank (the allgather gradient slices at a rank-dependent offset): two ranks
 // could enter two collectives in opposite orders and wait for each other for
-// ever. So every collective call takes, as an extra last operand that the
-// handlers skip, the output of the previous collective call lowered into the
-// same XLA computation (xla_ops.cc CollectiveOrder; an empty u8[0] constant for
+// ever. So every collective call (every start) takes, as an extra last
+// operand that the handlers skip, the output of the previous collective call
+// (or the token of the previous start) lowered into the same XLA computation (xla_ops.cc CollectiveOrder; an empty u8[0] constant for
 // the first): a data dependency XLA must respect. tf2xla lowers a graph's ops
 // in a topological order broken by node names (graph_compiler.cc,
 // GetReversePostOrder with NodeComparatorName), the same on every rank, so
@@ -81,6 +121,9 @@ constexpr const char* kXlaTarget = "nvgroup_collective";
 // Host only: the asynchronous handler (xla_ops.cc), used when NVGROUP_XLA_ASYNC=1
 // at compile time. The CUDA handler is registered under both names.
 constexpr const char* kXlaAsyncTarget = "nvgroup_collective_async";
+// The pair (Note [Start and done]), for every platform.
+constexpr const char* kXlaStartTarget = "nvgroup_collective_start";
+constexpr const char* kXlaDoneTarget = "nvgroup_collective_done";
 
 // What the custom call's attributes say (XlaAttributes writes them at
 // lowering; the handlers get them back through DecodeCall).
@@ -121,9 +164,47 @@ std::string XlaAttributes(const CallAttributes& attributes);
 
 // The handlers' shared first step: decodes `wire` and builds one engine
 // request per (argument, result) pair; device and ready_event are left to the
-// caller. Fails on attributes or buffers the engine cannot take.
+// caller. `token_results` trailing results are not data (a start's token).
+// Fails on attributes or buffers the engine cannot take.
 Status DecodeCall(const WireAttributes& wire, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  std::vector<CollectiveRequest>* requests);
+                  std::vector<CollectiveRequest>* requests, size_t token_results = 0);
+
+// A done's buffers: operand i (the start's result i) and result i, which XLA
+// normally makes the same buffer (the alias the lowering asks for); where it
+// did not, the done copies `from` into `to`.
+struct DoneBuffer {
+  const void* from;
+  void* to;
+  size_t bytes;
+};
+// Decodes a done call: its collective's engine name (the pairing key) and its
+// buffers. Operands: n results of the start, then the n inputs; n results.
+Status DecodeDone(const WireAttributes& wire, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  std::string* name, std::vector<DoneBuffer>* buffers);
+
+// What a start leaves for its done (each platform's state derives from it).
+struct PairCall {
+  virtual ~PairCall() = default;
+  // Every engine request of the call has completed (its `done` ran).
+  virtual bool Finished() = 0;
+};
+
+// The starts whose done has not run, by engine name (Note [Start and done]).
+class PairCalls {
+ public:
+  // Files `call` under `name`. A call left under that name by a program that
+  // failed between its start and done is replaced once its requests finished;
+  // one still running makes this kFailedPrecondition (two collectives of one
+  // name in flight).
+  static Status Put(const std::string& name, std::shared_ptr<PairCall> call);
+  // Takes the call filed under `name`, or nullptr.
+  static std::shared_ptr<PairCall> Take(const std::string& name);
+};
+
+// How the lowering emits the collectives of a program for `gpu` (XLA_GPU_JIT)
+// or the CPU: the pair (Note [Start and done]) or one call
+// (NVGROUP_XLA_START_DONE, parsed once per process).
+StatusOr<bool> LowerToStartDone(bool gpu);
 
 // Engine status -> the XLA FFI error with the same code (the handlers' one
 // conversion point).

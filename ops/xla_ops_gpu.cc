@@ -182,11 +182,198 @@ ffi::Error CudaCollective(cudaStream_t stream, int32_t ordinal, ffi::RemainingAr
   return ToFfiError(state->first_error);
 }
 
+// ---------------------------------------------------------------------------
+// The pair (Note [Start and done], xla_ops.h) on the GPU.
+//
+// Stream order. The start records the readiness event on XLA's stream (the
+// engine's stream waits for it on the device) and submits; it returns at
+// once, so XLA's host thread goes on enqueueing backprop. When the engine
+// hands over the bucket's completion event (engine thread,
+// completion_event_ready), the relay stream waits for it and records the
+// call's own `finished` event: the engine's event is valid only during that
+// callback, and XLA's stream must not wait there (that would put all of
+// XLA's later work, wherever its host thread is, behind the collective).
+// The done makes XLA's stream wait for `finished`, so only the work XLA
+// enqueues after the done -- the results' users -- waits for the collective.
+// Until the engine has handed the event over (negotiation: every rank started
+// the collective) the done waits on the host; XLA's host thread usually runs
+// far ahead of the GPU, so the GPU keeps its queue meanwhile.
+// Buffers: the engine reads the inputs and writes the results only in work
+// ordered before its completion event, hence before `finished`, hence before
+// anything XLA enqueues after the done; XLA keeps both allocated until the
+// done (xla_ops.h). A device-side failure after the event is the same as for
+// the single call (the engine aborts; the next collective fails).
+
+// The stream that relays the engine's completion events to the calls' own
+// events: one per device, created at the first use, never destroyed (calls
+// may run until exit).
+StatusOr<cudaStream_t> RelayStream(int ordinal) {
+  static std::mutex mu;
+  static std::vector<cudaStream_t> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  if (ordinal < 0) return Status::Internal("relay stream for device " + std::to_string(ordinal));
+  if (streams.size() <= static_cast<size_t>(ordinal)) streams.resize(ordinal + 1, nullptr);
+  if (streams[ordinal] == nullptr) {
+    int previous = 0;
+    cudaError_t error = cudaGetDevice(&previous);
+    if (error != cudaSuccess) return CudaStatus("cudaGetDevice", error);
+    if ((error = cudaSetDevice(ordinal)) != cudaSuccess) return CudaStatus("cudaSetDevice", error);
+    cudaStream_t stream = nullptr;
+    error = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    const cudaError_t restored = cudaSetDevice(previous);
+    if (error != cudaSuccess) return CudaStatus("cudaStreamCreateWithFlags (relay stream)", error);
+    if (restored != cudaSuccess) return CudaStatus("cudaSetDevice (restoring the device)", restored);
+    streams[ordinal] = stream;
+  }
+  return streams[ordinal];
+}
+
+struct CudaPairCall : PairCall {
+  CudaPairCall(int ordinal_, cudaEvent_t ready, cudaEvent_t finished_, cudaStream_t relay_, int n)
+      : ordinal(ordinal_), ready_event(ready), finished(finished_), relay(relay_), pending(n), device_pending(n) {}
+  // Runs after the last `done` and the done handler, whichever is later
+  // (cudaEventDestroy of an event still waited on is deferred by CUDA).
+  ~CudaPairCall() override {
+    for (cudaEvent_t e : {ready_event, finished}) {
+      const cudaError_t error = cudaEventDestroy(e);
+      if (error != cudaSuccess)
+        std::fprintf(stderr, "nvgroup_tf: cudaEventDestroy of an XLA collective's event failed: %s\n",
+                     cudaGetErrorString(error));
+    }
+  }
+  bool Finished() override {
+    std::lock_guard<std::mutex> lock(mu);
+    return pending == 0;
+  }
+
+  // completion_event_ready (engine thread; the event is valid during the call).
+  void OnCompletionEvent(void* completion_event) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (--device_pending != 0 || !first_error.ok()) return;
+    int previous = 0;
+    cudaError_t error = cudaGetDevice(&previous);
+    if (error == cudaSuccess && previous != ordinal) error = cudaSetDevice(ordinal);
+    if (error == cudaSuccess) error = cudaStreamWaitEvent(relay, static_cast<cudaEvent_t>(completion_event), 0);
+    if (error == cudaSuccess) error = cudaEventRecord(finished, relay);
+    if (previous != ordinal) {
+      const cudaError_t restored = cudaSetDevice(previous);
+      if (error == cudaSuccess) error = restored;
+    }
+    if (error != cudaSuccess) first_error = CudaStatus("relaying an XLA collective's completion event", error);
+    else relayed = true;
+    changed.notify_all();
+  }
+
+  void OnDone(const Status& status) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!status.ok() && first_error.ok()) first_error = status;
+    --pending;
+    changed.notify_all();
+  }
+
+  const int ordinal;
+  const cudaEvent_t ready_event;  // recorded on XLA's stream by the start
+  const cudaEvent_t finished;     // recorded on the relay stream after the engine's event
+  const cudaStream_t relay;
+  std::mutex mu;                  // guards the members below
+  std::condition_variable changed;
+  int pending;                    // requests whose `done` has not run
+  int device_pending;             // requests whose completion event has not arrived
+  bool relayed = false;           // `finished` is recorded
+  Status first_error;
+};
+
+Status CreatePlainEvent(int ordinal, cudaEvent_t* event) {
+  int previous = 0;
+  cudaError_t error = cudaGetDevice(&previous);
+  if (error != cudaSuccess) return CudaStatus("cudaGetDevice", error);
+  if ((error = cudaSetDevice(ordinal)) != cudaSuccess) return CudaStatus("cudaSetDevice", error);
+  error = cudaEventCreateWithFlags(event, cudaEventDisableTiming);
+  const cudaError_t restored = cudaSetDevice(previous);
+  if (error != cudaSuccess) {
+    *event = nullptr;
+    return CudaStatus("cudaEventCreateWithFlags", error);
+  }
+  if (restored != cudaSuccess) {
+    cudaEventDestroy(*event);
+    *event = nullptr;
+    return CudaStatus("cudaSetDevice (restoring XLA's device)", restored);
+  }
+  return Status::Ok();
+}
+
+ffi::Error CudaCollectiveStart(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args,
+                               ffi::RemainingRets rets, WireAttributes wire) {
+  std::vector<CollectiveRequest> requests;
+  Status status = DecodeCall(wire, args, rets, &requests, /*token_results=*/1);
+  if (!status.ok()) return ToFfiError(status);
+  StatusOr<cudaStream_t> relay = RelayStream(ordinal);
+  if (!relay.ok()) return ToFfiError(relay.status());
+  cudaEvent_t ready = nullptr, finished = nullptr;
+  status = CreatePlainEvent(ordinal, &finished);
+  if (status.ok()) status = RecordReadyEvent(stream, ordinal, &ready);
+  if (!status.ok()) {
+    if (finished != nullptr) cudaEventDestroy(finished);
+    return ToFfiError(status);
+  }
+  const int count = static_cast<int>(requests.size());
+  auto call = std::make_shared<CudaPairCall>(ordinal, ready, finished, relay.value(), count);  // owns the events
+  for (CollectiveRequest& q : requests) {
+    q.device = Device::Cuda(ordinal);
+    q.ready_event = ready;
+    q.done = [call](const Status& s) { call->OnDone(s); };
+    q.completion_event_ready = [call](void* e) { call->OnCompletionEvent(e); };
+  }
+  const std::string name(wire.name);
+  status = PairCalls::Put(name, call);
+  if (!status.ok()) return ToFfiError(status);
+  status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));
+  if (!status.ok()) PairCalls::Take(name);  // rejected: no callback runs, no done will look for it
+  return ToFfiError(status);
+}
+
+ffi::Error CudaCollectiveDone(cudaStream_t stream, int32_t /*ordinal*/, ffi::RemainingArgs args,
+                              ffi::RemainingRets rets, WireAttributes wire) {
+  std::string name;
+  std::vector<DoneBuffer> buffers;
+  Status status = DecodeDone(wire, args, rets, &name, &buffers);
+  if (!status.ok()) return ToFfiError(status);
+  std::shared_ptr<PairCall> taken = PairCalls::Take(name);
+  auto* call = dynamic_cast<CudaPairCall*>(taken.get());
+  if (call == nullptr)
+    return ToFfiError(Status::Internal("nvgroup XLA done call '" + name + "' found no start of that name"));
+  {
+    // Bounded: every accepted request's `done` runs in bounded time (engine.h).
+    std::unique_lock<std::mutex> lock(call->mu);
+    call->changed.wait(lock, [call] { return call->relayed || call->pending == 0; });
+    if (!call->first_error.ok()) return ToFfiError(call->first_error);
+    if (call->relayed) {
+      const cudaError_t error = cudaStreamWaitEvent(stream, call->finished, 0);
+      if (error != cudaSuccess)
+        return ToFfiError(CudaStatus("cudaStreamWaitEvent (XLA's stream on the collective)", error));
+    }
+    // Else every `done` ran without an event: the result is complete already.
+  }
+  for (const DoneBuffer& b : buffers) {
+    if (b.from == b.to) continue;
+    const cudaError_t error = cudaMemcpyAsync(b.to, b.from, b.bytes, cudaMemcpyDeviceToDevice, stream);
+    if (error != cudaSuccess) return ToFfiError(CudaStatus("cudaMemcpyAsync (the done's result)", error));
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kCudaCollectiveStart, CudaCollectiveStart,
+                       BindCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
+XLA_FFI_DEFINE_HANDLER(kCudaCollectiveDone, CudaCollectiveDone,
+                       BindCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
+
 XLA_FFI_DEFINE_HANDLER(kCudaCollective, CudaCollective,
                        BindCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
 
 [[maybe_unused]] const bool kCudaRegistered = RegisterHandler(kXlaTarget, "CUDA", kCudaCollective) &&
-                                              RegisterHandler(kXlaAsyncTarget, "CUDA", kCudaCollective);
+                                              RegisterHandler(kXlaAsyncTarget, "CUDA", kCudaCollective) &&
+                                              RegisterHandler(kXlaStartTarget, "CUDA", kCudaCollectiveStart) &&
+                                              RegisterHandler(kXlaDoneTarget, "CUDA", kCudaCollectiveDone);
 
 }  // namespace
 }  // namespace xla_adapter

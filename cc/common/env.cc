@@ -206,7 +206,37 @@ std::vector<Setting> MakeSettings() {
          return Status::Ok();
        },
        +[](const K& k) { return std::string(k.xla_cuda_wait_on_stream ? "stream" : "host"); }},
+      {"NVGROUP_XLA_START_DONE", S::kPerProcess, "auto, 0 or 1", "auto", "TF ops (XLA)", "",
+       "1 lowers every collective of an XLA program to a start/done pair of custom calls, so XLA schedules "
+       "the program's independent work (the rest of backprop) between them and the collective runs "
+       "meanwhile; 0 lowers each to one call that returns when the collective was enqueued (GPU) or "
+       "complete (CPU). auto: the pair for GPU programs, one call on the CPU (docs/XLA.md). Read once per "
+       "process, at the first compilation.",
+       +[](const char* n, const std::string& v, K* k) -> Status {
+         if (v == "auto") k->xla_start_done = -1;
+         else if (v == "1") k->xla_start_done = 1;
+         else if (v == "0") k->xla_start_done = 0;
+         else return Malformed(n, v, "auto, 0 or 1");
+         return Status::Ok();
+       },
+       +[](const K& k) {
+         return std::string(k.xla_start_done < 0 ? "auto" : (k.xla_start_done ? "1" : "0"));
+       }},
       // ---- tests
+      {"NVGROUP_TEST_BUCKET_DELAY_US", S::kTests, "microseconds", "0", "engine", "",
+       "Adds this delay to every allreduce bucket on the engine's stream (CUDA: a device-side spin before the "
+       "bucket completes; CPU: the engine's thread sleeps): the simulated link of "
+       "benchmarks/xla_overlap_bench.py.",
+       +[](const char* n, const std::string& v, K* k) -> Status {
+         StatusOr<double> r = ParseNonNegativeDecimal(n, v, "a number of microseconds >= 0");
+         if (!r.ok()) return r.status();
+         k->test_bucket_delay_us = r.value();
+         return Status::Ok();
+       },
+       +[](const K& k) { return ShortestDouble(k.test_bucket_delay_us); }},
+      {"NVGROUP_TEST_REDUCE_ALONE", S::kTests, "0 or 1", "0", "nvgroup_tf/gradient_reducer.py", "",
+       "1 makes the gradient reduction run its collectives on one rank too (normally skipped, as in Horovod), "
+       "so a one-rank benchmark measures them.", nullptr, nullptr},
       {"NVGROUP_ONE_GPU_GROUP", S::kTests, "0 or 1", "0", "engine (CUDA)", "",
        "1 lets ranks on one GPU form an NV-group (run under MPS), so the group kernels can be checked on a "
        "one-GPU machine.",

@@ -77,6 +77,15 @@ struct Knobs {
   // waits on the host until the result is complete (false, "host")
   // (ops/xla_ops_gpu.cc).
   bool xla_cuda_wait_on_stream = true;
+  // XLA: lower each collective to a start/done pair of custom calls
+  // (ops/xla_ops.h, Note [Start and done]) rather than one call. Auto (-1):
+  // on for programs compiled for a GPU, off for the CPU; 1 / 0 force it.
+  int xla_start_done = -1;
+  // Tests and benchmarks only: a delay of this many microseconds added to
+  // every allreduce bucket on the engine's stream (CUDA: a device-side spin
+  // before the bucket's completion; CPU: the loop's thread sleeps), the
+  // simulated link of benchmarks/xla_overlap_bench.py. 0 = none.
+  double test_bucket_delay_us = 0.0;
 };
 
 // Who must agree on a variable and who reads it.

@@ -73,6 +73,7 @@ class CudaCommunicator final : public Communicator {
   Status WaitForEvent(cudaEvent_t event);
   Status RecordEvent(void* event, void* stream) override;
   Status WaitRecordedEvent(void* event) override;
+  Status DelayStream(double microseconds, void* stream) override;
   void Abort() override;
 
   Status SetTuning(const KernelTuning& tuning);

@@ -30,6 +30,7 @@
 #include "common/env.h"
 #include "device/cuda_communicator_impl.h"
 #include "device/device_topology.h"
+#include "kernels/kernels.h"
 #include "kernels/reduce_scatter.h"
 
 #if defined(OPEN_MPI) && OPEN_MPI
@@ -306,6 +307,11 @@ Status CudaCommunicator::RecordEvent(void* event, void* stream) {
   NVG_CUDA_CHECK(cudaSetDevice(group_.device));
   NVG_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), StreamOf(stream)));
   return Status::Ok();
+}
+
+Status CudaCommunicator::DelayStream(double microseconds, void* stream) {
+  NVG_CUDA_CHECK(cudaSetDevice(group_.device));
+  return LaunchStreamDelay(microseconds, StreamOf(stream));
 }
 
 Status CudaCommunicator::SetTuning(const KernelTuning& t) {

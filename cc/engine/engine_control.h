@@ -21,4 +21,11 @@ void AbortEngine(const Status& reason);
 // engine is running.
 void PerturbStateDigestForTesting();
 
+// Testing and benchmarks only: the delay added to every allreduce bucket on
+// the engine's stream (NVGROUP_TEST_BUCKET_DELAY_US, set from it at Init;
+// Communicator::DelayStream), microseconds; 0 = none. Takes effect at the
+// next bucket. Safe from any thread.
+void SetBucketDelayForTesting(double microseconds);
+double BucketDelayForTesting();
+
 }  // namespace nvgroup

@@ -23,6 +23,7 @@
 // Every function completes its requests through completion.cc (at once on the
 // host, after the stream on CUDA).
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "common/checks.h"
@@ -47,7 +48,21 @@ bool StandInPossible(const ResponseMessage& r) {
          (r.type == CollectiveType::kAllreduce || r.type == CollectiveType::kReducescatter);
 }
 
+std::atomic<double> bucket_delay_us{0.0};
+
+// The simulated link (NVGROUP_TEST_BUCKET_DELAY_US): after the bucket's work,
+// before its completion is recorded.
+Status DelayBucket(Communicator* comm) {
+  const double us = bucket_delay_us.load(std::memory_order_relaxed);
+  return us > 0 ? comm->DelayStream(us, nullptr) : Status::Ok();
+}
+
 }  // namespace
+
+void SetBucketDelayForTesting(double microseconds) {
+  bucket_delay_us.store(microseconds > 0 ? microseconds : 0.0, std::memory_order_relaxed);
+}
+double BucketDelayForTesting() { return bucket_delay_us.load(std::memory_order_relaxed); }
 
 StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
   if (device.kind == DeviceKind::kCpu) return cpu_comm_.get();
@@ -180,6 +195,7 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, const BucketMember
   if (bucket.bytes > 0)
     NVG_RETURN_IF_ERROR(comm->FusedAllreduce(b.members.data(), b.members.size(), bucket.bytes, first.dtype, op,
                                              first.prescale_factor, postscale, nullptr, observer));
+  NVG_RETURN_IF_ERROR(DelayBucket(comm));
   CompleteAfterStream(comm, b.done);
   return Status::Ok();
 }
@@ -208,6 +224,7 @@ Status Engine::RunAllreduceAlone(const BucketMember& m) {
     NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&post, 1, r.dtype, postscale, nullptr));
   }
   if (timeline_.enabled()) timeline_.End(q.name, "ALLREDUCE", MonotonicSeconds());
+  NVG_RETURN_IF_ERROR(DelayBucket(comm));
   CompleteAfterStream(comm, {m.entry});
   return Status::Ok();
 }

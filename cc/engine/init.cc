@@ -19,6 +19,7 @@
 #include "common/checks.h"
 #include "common/env.h"
 #include "common/logging.h"
+#include "engine/engine_control.h"
 #include "engine/init_arrival.h"
 #include "engine/init_watchdog.h"
 #include "engine/mpi_wait.h"
@@ -298,6 +299,7 @@ Status Runtime::Init(const EngineOptions& options) {
   MPI_Comm control = MPI_COMM_NULL;
   NVG_MPI_CHECK(MPI_Comm_dup(comm, &control));
   knobs_ = agreed_knobs;
+  SetBucketDelayForTesting(knobs_.test_bucket_delay_us);
   sets_.Reset(control);
   watchdog.Enter("engine", "set 0's engine: the dead-rank detection's rendezvous");
   engine_ = std::make_shared<Engine>(knobs_, comm, rank, size, cpu.consume(), true, std::move(cuda));

@@ -136,4 +136,8 @@ Status LaunchBatchedScaledCopy(const DeviceCopySpec* copies, size_t num_copies,
                                cudaStream_t stream);
 size_t CopyBlocksFor(size_t count);
 
+// Delays later work on `stream` by `microseconds` (stream_delay.cu; the
+// simulated link of Communicator::DelayStream). <= 0: nothing launched.
+Status LaunchStreamDelay(double microseconds, cudaStream_t stream);
+
 }  // namespace nvgroup

@@ -37,3 +37,26 @@ def test_async_custom_call_variant():
     """NVGROUP_XLA_ASYNC=1: the host custom call returns a future (docs/XLA.md)."""
     result = run_mpi(WORKER, 2, args=["collectives", "errors"], env={"NVGROUP_XLA_ASYNC": "1"}, timeout=600)
     assert result.output.count(" 0 failures") == 2, result.output[-20000:]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_start_done_pair_on_the_cpu(ranks):
+    """NVGROUP_XLA_START_DONE=1: every collective lowers to a start and a done
+    (ops/xla_ops.h Note [Start and done]); the same checks, the chain of
+    starts on every rank, every start with its one done."""
+    result = run_mpi(WORKER, ranks, args=["collectives", "errors", "fit"], env={"NVGROUP_XLA_START_DONE": "1"},
+                     timeout=600)
+    assert result.output.count(" 0 failures") == ranks, result.output[-20000:]
+
+
+def test_dead_peer_fails_the_start_done_program(tmp_path):
+    result = run_mpi(WORKER, 3, args=["dead", 1], env={"NVGROUP_TIMEOUT": 60, "XLA_RECORD_DIR": tmp_path,
+                                                        "NVGROUP_XLA_START_DONE": "1"},
+                     timeout=300, check=False)
+    for f in sorted(tmp_path.iterdir()):
+        result.output += "\n" + f.read_text()
+    assert not result.timed_out, result
+    assert result.returncode != 0, result
+    assert "rank 1: KILL" in result.output, result
+    for survivor in (0, 2):
+        assert re.search(r"rank %d: CAUGHT UnavailableError .*rank 1" % survivor, result.output), result

@@ -21,3 +21,10 @@ pytestmark = pytest.mark.skipif(
 def test_scatter_alltoall_gradients_and_errors_under_xla(ranks):
     result = run_mpi(WORKER, ranks, args=["collectives", "gradients", "errors"], timeout=900)
     assert result.output.count(" 0 failures") == ranks, result.output[-20000:]
+
+
+def test_scatter_alltoall_as_start_done_pairs():
+    """NVGROUP_XLA_START_DONE=1 (ops/xla_ops.h Note [Start and done]) on 3 ranks."""
+    result = run_mpi(WORKER, 3, args=["collectives", "gradients", "errors"], env={"NVGROUP_XLA_START_DONE": "1"},
+                     timeout=900)
+    assert result.output.count(" 0 failures") == 3, result.output[-20000:]

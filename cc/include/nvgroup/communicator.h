@@ -177,6 +177,13 @@ class Communicator : public Collectives, public StreamHelpers {
   virtual Status RecordEvent(void* /*event*/, void* /*stream*/) { return Status::Ok(); }
   virtual Status WaitRecordedEvent(void* /*event*/) { return Status::Ok(); }
 
+  // Tests and benchmarks only (NVGROUP_TEST_BUCKET_DELAY_US, the simulated
+  // link): delays the work enqueued on `stream` after this call by
+  // `microseconds`. CUDA: a one-thread kernel spinning on the GPU's global
+  // timer, so the host is not held; CPU (work completes on return): the
+  // calling thread sleeps.
+  virtual Status DelayStream(double microseconds, void* stream);
+
   // The engine's fused bucket: for every member k,
   //   output_k = postscale * (op over ranks of (prescale * input_k))
   // computed bit for bit as the three-step reference below does: each input

@@ -46,27 +46,37 @@ def hlo_of(fn, *args):
 
 
 def collective_chain(text):
-    """The nvgroup custom calls of HLO `text` in the order their ordering
-    operands chain them (ops/xla_ops.h, "Order"): each call's last operand is
-    the previous call's output (or element 0 of its tuple), the first call's an
-    empty u8[0] constant. None unless all calls form one such chain."""
-    calls, element0 = {}, {}
+    """The nvgroup collectives of HLO `text` in the order their ordering
+    operands chain them (ops/xla_ops.h, "Order"): each single call or start
+    takes as its last operand the previous call's output (an element of its
+    tuple: a single call's element 0, a start's token), the first one an
+    empty u8[0] constant; a done (Note [Start and done]) is not in the chain
+    but must take its own start's results. None unless all form one chain and
+    every start has exactly one done."""
+    calls, elements, dones = {}, {}, []
     for line in text.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? custom-call\((.*?)\), custom_call_target=\"nvgroup_collective",
-                     line)
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? custom-call\((.*?)\), "
+                     r"custom_call_target=\"(nvgroup_collective\w*)\"", line)
         if m:
+            if m.group(3) == "nvgroup_collective_done":
+                dones.append(re.findall(r"%?([\w.\-]+)(?:, |$)", m.group(2)))
+                continue
             last = re.findall(r"(\S+) %?([\w.\-]+)$", m.group(2).split(", ")[-1])
-            calls[m.group(1)] = last[0] if last else None
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+ get-tuple-element\(.*? %?([\w.\-]+)\), index=0", line)
+            calls[m.group(1)] = (last[0] if last else None, m.group(3))
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+ get-tuple-element\(.*? %?([\w.\-]+)\), index=\d+", line)
         if m:
-            element0[m.group(1)] = m.group(2)
+            elements[m.group(1)] = m.group(2)
+    starts = [name for name, (_, target) in calls.items() if target == "nvgroup_collective_start"]
+    done_of = [{elements.get(o, o) for o in operands} & set(starts) for operands in dones]
+    if any(len(d) != 1 for d in done_of) or sorted(next(iter(d)) for d in done_of) != sorted(starts):
+        return None
     after = {}  # previous call -> next call
     first = []
-    for name, operand in calls.items():
+    for name, (operand, _) in calls.items():
         if operand is None:
             return None
         shape, source = operand
-        source = element0.get(source, source)
+        source = elements.get(source, source)
         if source in calls:
             if source in after:
                 return None  # two calls after the same one: not a chain
@@ -81,6 +91,17 @@ def collective_chain(text):
     while order[-1] in after:
         order.append(after[order[-1]])
     return order if len(order) == len(calls) else None
+
+
+def collective_calls(text):
+    """How many custom calls one collective lowered to: 1 (one call) or 2 (a
+    start and its done) per collective, as NVGROUP_XLA_START_DONE chose."""
+    return text.count("custom_call_target=\"nvgroup_collective")
+
+
+def calls_per_collective():
+    pair = os.environ.get("NVGROUP_XLA_START_DONE", "auto")
+    return 2 if pair == "1" or (pair == "auto" and tf.config.list_physical_devices("GPU")) else 1
 
 
 class Digest:
@@ -196,8 +217,8 @@ def section_collectives(c, digest):
                     "grouped[%d] %s" % (i, d.name))
         digest.add(a)
     text = hlo_of(tf.function(lambda ts: grouped(ts, ".hlo"), jit_compile=True), xs)
-    c.check(text.count("custom_call_target=\"nvgroup_collective") == 1,
-            "a grouped allreduce must lower to one custom call:\n%s" % text[:2000])
+    c.check(collective_calls(text) == calls_per_collective(),
+            "a grouped allreduce must lower to one custom call (or one start and its done):\n%s" % text[:2000])
 
     c.section("allgather: rank-dependent first dimensions, every dtype")
     for dtype in ALL_DTYPES:
