@@ -179,6 +179,39 @@ def check_tape_process_set_non_members():
         hvd.remove_process_set(ps)
 
 
+def _check_set_sums(ps, tag):
+    """An allreduce on `ps` sums its members' (random integer) tensors exactly."""
+    data = [np.random.default_rng([71, r, ps.process_set_id]).integers(-1000, 1000, 9).astype(np.int32)
+            for r in range(SIZE)]
+    if not ps.included():
+        assert RANK not in ps.ranks, (tag, ps)
+        return
+    import nvgroup_tf
+    got = nvgroup_tf.allreduce(tf.constant(data[RANK]), op=nvgroup_tf.Sum, process_set=ps, name="sum_" + tag).numpy()
+    want = np.sum([data[r].astype(np.int64) for r in ps.ranks], axis=0)
+    assert np.array_equal(got.astype(np.int64), want), (tag, ps, got, want)
+
+
+def check_process_set_ids_reused():
+    """Ids of removed sets are reused, first removed first (Horovod's
+    ProcessSetTable); every set works under its new id."""
+    a, b, c = hvd.add_process_set([0, 1]), hvd.add_process_set([2, 3]), hvd.add_process_set([0, 2])
+    assert [a.process_set_id, b.process_set_id, c.process_set_id] == [1, 2, 3], (a, b, c)
+    assert hvd.remove_process_set(b) and hvd.remove_process_set(a)
+    d = hvd.add_process_set([1, 3])
+    e = hvd.add_process_set([0, 3])
+    f = hvd.add_process_set([1, 2])
+    assert [d.process_set_id, e.process_set_id, f.process_set_id] == [2, 1, 4], (d, e, f)
+    from nvgroup_tf.process_sets import _get_process_set_ids_and_ranks
+    table = _get_process_set_ids_and_ranks()
+    assert table == {0: list(range(SIZE)), 1: [0, 3], 2: [1, 3], 3: [0, 2], 4: [1, 2]}, table
+    assert hvd.allgather_object(table) == [table] * SIZE
+    for tag, ps in (("c", c), ("d", d), ("e", e), ("f", f)):
+        _check_set_sums(ps, tag)
+    for ps in (c, d, e, f):
+        hvd.remove_process_set(ps)
+
+
 def main(names):
     failed = 0
     for name in names:

@@ -31,6 +31,7 @@ def test_keras3_horovod_parity(np_):
     _check_all_ok(res, CHECKS, np_)
 
 
-def test_tape_on_process_set_non_members_four_ranks():
-    res = run_mpi(WORKER, 4, ["tape_process_set_non_members"], timeout=400)
-    _check_all_ok(res, ["tape_process_set_non_members"], 4)
+def test_process_sets_four_ranks():
+    checks = ["tape_process_set_non_members", "process_set_ids_reused"]
+    res = run_mpi(WORKER, 4, checks, timeout=400)
+    _check_all_ok(res, checks, 4)
