@@ -234,6 +234,9 @@ class GradientReducer:
                     out[i] = _scale(g, 1.0 / size)
         if core.size() == 1 and not _reduce_alone():
             return out
+        if self.process_set is not None and not (self.process_set.included() and self.process_set.size() > 1):
+            # As Horovod: a rank outside the set (or a set of one) keeps its gradients.
+            return out
         shared = [i for i, g in enumerate(grads) if g is not None and not local[i]]
         if not shared:
             return out
@@ -355,7 +358,8 @@ def check_process_set(process_set):
     """Horovod's process_set argument, normalized: None for the global set (None,
     hvd.global_process_set or any object with process_set_id 0), else a registered
     nvgroup_tf.ProcessSet: the gradients are then reduced over its ranks only
-    (Average divides by its size), and only its members may run the step."""
+    (Average divides by its size); on a rank outside it the gradients stay as
+    they are (Horovod's behaviour)."""
     if process_set is None or getattr(process_set, "process_set_id", None) == 0:
         return None
     from nvgroup_tf import process_sets

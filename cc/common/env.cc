@@ -45,12 +45,11 @@ Status SecondsInto(const char* name, const std::string& value, double* out) {
   return Status::Ok();
 }
 
+// The settings table's range "seconds (> 0)", in every refusal's message.
 Status PositiveSecondsInto(const char* name, const std::string& value, double* out) {
-  double t = 0;
-  Status s = SecondsInto(name, value, &t);
-  if (!s.ok()) return s;
-  if (t <= 0) return Malformed(name, value, "a positive number of seconds");
-  *out = t;
+  StatusOr<double> r = ParseDoubleKnob(name, value, 0.0);
+  if (!r.ok() || !(r.value() > 0)) return Malformed(name, value, "a number of seconds > 0");
+  *out = r.value();
   return Status::Ok();
 }
 

@@ -138,8 +138,23 @@ void Coordinator::Finish(std::unordered_map<std::string, Pending>::iterator it) 
     if (p.reported[r] && any == nullptr) any = &p.by_rank[r];
     if (!p.reported[r]) absent.push_back(r);
   }
+  bool groups_differ = false;
+  for (int r = 0; r < size_; ++r)
+    if (p.reported[r] && (p.by_rank[r].group_id != any->group_id || p.by_rank[r].group_size != any->group_size))
+      groups_differ = true;
   for (int r : absent) p.by_rank[r] = *any;
   ResponseMessage resp = BuildResponse(p.by_rank);
+  if (!resp.ok() && groups_differ) {
+    const Pending reporters = p;  // FailGroupsOf may erase entries of table_, not this one
+    if (stall_ != nullptr) stall_->Remove(resp.name);
+    table_.erase(it);
+    resp.group_size = 0;  // released at once (its groups never run whole)
+    resp.group_id = 0;
+    const std::string message = resp.error_message;
+    Release(std::move(resp));
+    FailGroupsOf(reporters, message);
+    return;
+  }
   if (resp.ok() && !absent.empty()) {
     const bool reducing = resp.type == CollectiveType::kAllreduce || resp.type == CollectiveType::kReducescatter;
     if (!reducing || resp.device_kind != DeviceKind::kCpu) {
@@ -161,7 +176,85 @@ void Coordinator::Finish(std::unordered_map<std::string, Pending>::iterator it) 
   Release(std::move(resp));
 }
 
+// Note [Groups that cannot run]
+// A grouped collective whose groups differ across ranks (rank 0 groups two
+// tensors, rank 1 three) fails on the names both submitted ("Mismatched ...
+// groups"), but a member only some ranks submitted would wait for the others
+// forever, and with it its whole grouped op on those ranks. So once a name's
+// reporters turn out to have different groups, every (rank, group id) among
+// them is failed: its members held here, and those reported later by that
+// rank, get an error response naming the mismatch at once, on every rank
+// (a rank without the name ignores the error). The entry is dropped once each
+// of the group's members was failed.
+void Coordinator::ReleaseError(const std::string& name, const std::string& message) {
+  ResponseMessage resp;
+  resp.name = name;
+  resp.error_code = StatusCode::kFailedPrecondition;
+  resp.error_message = message;
+  if (stall_ != nullptr) stall_->Remove(name);
+  ready_.push_back(std::move(resp));
+}
+
+void Coordinator::FailGroupsOf(const Pending& p, const std::string& message) {
+  const std::string why = "a member of a grouped collective whose groups differ across ranks: " + message;
+  for (int r = 0; r < size_; ++r) {
+    if (!p.reported[r] || p.by_rank[r].group_size <= 1) continue;
+    FailedGroup& g = failed_groups_[{r, p.by_rank[r].group_id}];
+    if (g.message.empty()) {
+      g.message = why;
+      g.left = p.by_rank[r].group_size - 1;  // this name was one of its members
+    } else if (g.left > 0) {
+      --g.left;
+    }
+    if (g.left == 0) failed_groups_.erase({r, p.by_rank[r].group_id});
+  }
+  // Names held here that some rank reported as a member of a failed group.
+  std::vector<std::string> doomed;
+  for (auto& [name, q] : table_)
+    for (int r = 0; r < size_; ++r)
+      if (q.reported[r] && q.by_rank[r].group_size > 1 &&
+          failed_groups_.count({r, q.by_rank[r].group_id}) != 0) {
+        doomed.push_back(name);
+        break;
+      }
+  std::sort(doomed.begin(), doomed.end());  // deterministic release order
+  for (const std::string& name : doomed) {
+    auto it = table_.find(name);
+    if (it == table_.end()) continue;
+    const Pending q = it->second;
+    table_.erase(it);
+    std::string message_for;
+    for (int r = 0; r < size_ && message_for.empty(); ++r) {
+      if (!q.reported[r] || q.by_rank[r].group_size <= 1) continue;
+      auto g = failed_groups_.find({r, q.by_rank[r].group_id});
+      if (g != failed_groups_.end()) message_for = g->second.message;
+    }
+    ReleaseError(name, message_for);
+    for (int r = 0; r < size_; ++r) {
+      if (!q.reported[r] || q.by_rank[r].group_size <= 1) continue;
+      auto g = failed_groups_.find({r, q.by_rank[r].group_id});
+      if (g != failed_groups_.end() && g->second.left > 0 && --g->second.left == 0) failed_groups_.erase(g);
+    }
+  }
+}
+
 void Coordinator::AddRequest(int rank, RequestMessage request, double now) {
+  if (request.group_size > 1 && !failed_groups_.empty()) {
+    auto g = failed_groups_.find({rank, request.group_id});
+    if (g != failed_groups_.end()) {  // Note [Groups that cannot run]
+      const std::string message = g->second.message;
+      if (g->second.left > 0 && --g->second.left == 0) failed_groups_.erase(g);
+      auto held = table_.find(request.name);
+      Pending others;
+      if (held != table_.end()) {
+        others = held->second;
+        table_.erase(held);
+      }
+      ReleaseError(request.name, message);
+      if (!others.by_rank.empty()) FailGroupsOf(others, message);
+      return;
+    }
+  }
   if (stall_ != nullptr) stall_->RecordReport(request.name, rank, now);
   const bool join = request.type == CollectiveType::kJoin;
   if (join && !joined_[rank]) {

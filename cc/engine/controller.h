@@ -19,6 +19,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <utility>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -56,6 +58,11 @@ class Coordinator {
     int count = 0;
   };
   void Release(ResponseMessage response);
+  // Note [Groups that cannot run]: fail what is held of the groups of `p`'s
+  // reporters after their groups turned out to differ across ranks.
+  void FailGroupsOf(const Pending& p, const std::string& message);
+  // An error response for `name` of no group (released at once) with `message`.
+  void ReleaseError(const std::string& name, const std::string& message);
   // Join: true once every rank has reported `p` or joined.
   bool Complete(const Pending& p) const;
   // Builds, checks against the joined ranks and releases the response of a
@@ -76,6 +83,13 @@ class Coordinator {
     std::vector<ResponseMessage> held;
   };
   std::unordered_map<uint64_t, HeldGroup> groups_;
+  // Note [Groups that cannot run]: (rank, group id) -> the error its members
+  // get, and how many of its members have not been failed yet.
+  struct FailedGroup {
+    std::string message;
+    uint32_t left = 0;
+  };
+  std::map<std::pair<int, uint64_t>, FailedGroup> failed_groups_;
   std::vector<ResponseMessage> ready_;
 };
 

@@ -28,6 +28,7 @@ void ProcessSetRegistry::Reset(MPI_Comm control) {
   control_ = control;
   std::lock_guard<std::mutex> lock(mu_);
   sets_.clear();
+  freed_ids_.clear();
   next_id_ = 1;
 }
 
@@ -119,7 +120,13 @@ StatusOr<int32_t> ProcessSetRegistry::Add(const std::vector<int>& ranks, int ran
                                             cpu.consume(), /*watch_liveness=*/false);
   }
   std::lock_guard<std::mutex> lock(mu_);
-  const int32_t id = next_id_++;
+  int32_t id = next_id_;
+  if (freed_ids_.empty()) {
+    ++next_id_;
+  } else {
+    id = freed_ids_.front();
+    freed_ids_.pop_front();
+  }
   sets_[id] = std::move(entry);
   return id;
 }
@@ -135,6 +142,7 @@ Status ProcessSetRegistry::Remove(int32_t id, int size, double timeout_s) {
       return Status::FailedPrecondition("remove_process_set was called from a collective's done callback");
     entry = std::move(it->second);
     sets_.erase(it);
+    freed_ids_.push_back(id);
   }
   if (entry.engine != nullptr) return entry.engine->Stop();
   return Status::Ok();

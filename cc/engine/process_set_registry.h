@@ -14,6 +14,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -60,8 +61,13 @@ class ProcessSetRegistry {
   // lists differ, naming each rank's list.
   Status AgreeOnRanks(const std::vector<int>& mine, const char* what, double timeout_s, int size) const;
 
-  mutable std::mutex mu_;  // guards sets_ and next_id_
+  mutable std::mutex mu_;  // guards sets_, freed_ids_ and next_id_
   std::map<int32_t, Set> sets_;
+  // Ids of removed sets, first removed first: Add reuses them before taking
+  // next_id_ (as Horovod's ProcessSetTable, horovod/common/process_set.cc).
+  // Every rank adds and removes the same sets in the same order (both are
+  // collective), so every rank hands out the same ids.
+  std::deque<int32_t> freed_ids_;
   int32_t next_id_ = 1;
   MPI_Comm control_ = MPI_COMM_NULL;
 };

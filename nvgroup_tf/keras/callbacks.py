@@ -7,7 +7,8 @@ tf_keras under TF_USE_LEGACY_KERAS=1, so one module serves both.
     root_rank's weights and optimizer state.
   * MetricAverageCallback(): epoch-end metrics (logs) averaged over ranks.
   * LearningRateScheduleCallback(initial_lr, multiplier, ...): lr =
-    initial_lr * multiplier(epoch) inside [start_epoch, end_epoch).
+    initial_lr * multiplier(epoch) inside [start_epoch, end_epoch); a number
+    m as multiplier means m ** (epoch - start_epoch).
   * LearningRateWarmupCallback(initial_lr, warmup_epochs, ...): lr ramps from
     initial_lr / size to initial_lr over warmup_epochs ("Accurate, Large
     Minibatch SGD", Goyal et al. 2017, as Horovod does).
@@ -165,7 +166,8 @@ def _get_lr(optimizer):
 class LearningRateScheduleCallback(_Callback):
     """lr = initial_lr * multiplier(epoch) for start_epoch <= epoch < end_epoch.
 
-    multiplier: a constant or a function of the epoch. staircase=True changes
+    multiplier: a function of the epoch, or a number m, which means
+    m ** (epoch - start_epoch) (exponential decay, as Horovod). staircase=True changes
     the lr at epoch starts (integer epochs); staircase=False every batch, with
     the fractional epoch epoch + batch / steps_per_epoch (steps_per_epoch is
     taken from fit's params when not given). momentum_correction scales the
@@ -179,7 +181,10 @@ class LearningRateScheduleCallback(_Callback):
                  momentum_correction=True, steps_per_epoch=None, verbose=0):
         super().__init__()
         self.initial_lr = float(initial_lr)
-        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:  # a number: exponential decay from start_epoch, as Horovod's
+            self.multiplier = lambda epoch: multiplier ** (epoch - start_epoch)
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.staircase = staircase

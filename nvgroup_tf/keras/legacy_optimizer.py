@@ -117,12 +117,11 @@ def _prebuild(optimizer, variables):
 
 
 def wrap(optimizer, sync_state):
+    """Makes `optimizer` itself distributed (everything set on it stays, as
+    with Keras 3: optimizer.py). The class keeps the wrapped class's name, as
+    Horovod's, so a saved model names the plain optimizer class."""
     cls = type(optimizer)
-    dist_cls = type("Distributed" + cls.__name__, (_DistributedLegacyMixin, cls), {})
-    try:
-        wrapped = dist_cls.from_config(optimizer.get_config())
-    except Exception as e:
-        raise TypeError("DistributedOptimizer: cannot rebuild %s from its get_config() (%s)"
-                        % (cls.__name__, e)) from e
-    wrapped._nvg_sync = sync_state
-    return wrapped
+    dist_cls = type(cls.__name__, (_DistributedLegacyMixin, cls), {"__module__": cls.__module__})
+    object.__setattr__(optimizer, "__class__", dist_cls)
+    optimizer._nvg_sync = sync_state
+    return optimizer

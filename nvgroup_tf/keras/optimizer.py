@@ -2,9 +2,11 @@
 
 How it works
 ------------
-`DistributedOptimizer(opt, ...)` returns a copy of `opt` (rebuilt from its
-config, as Horovod does) whose class is a subclass of opt's class with one
-method overridden:
+`DistributedOptimizer(opt, ...)` makes `opt` itself distributed and returns
+it: its class becomes a subclass of its class with one method overridden, and
+everything set on it before (attributes outside get_config(), such as AdamW's
+exclude_from_weight_decay, and any state) stays. (Horovod rebuilds a copy
+from get_config(), which drops such settings.) The overridden method:
   * Keras 3 (tf.keras in TF >= 2.16): `apply(grads, trainable_variables)`.
     `model.fit` reaches it through `apply_gradients`, custom loops through
     either, so both reduce. Gradients are reduced (see nvgroup_tf/gradient_reducer.py:
@@ -15,14 +17,14 @@ Horovod's `_compute_gradients(loss, var_list, grad_loss, tape)` /
 `compute_gradients` return reduced gradients too; an `apply` of exactly those
 gradients does not reduce them a second time.
 
-Saving. There is one Distributed<X> class per optimizer class X, registered
-with Keras as "nvgroup_tf>Distributed<X>" (the built-in Keras optimizers'
-ones when this module is imported, which `import nvgroup_tf.keras` does), so
-`model.save()` writes it and `keras.models.load_model` rebuilds it -- as a
-distributed optimizer with default reduction settings (from_config) -- and
-restores its variables (iterations, moments). `nvgroup_tf.keras.load_model`
-(Horovod's hvd.load_model) also makes a plainly saved optimizer distributed,
-in place, keeping its state.
+Saving. There is one Distributed<X> class per optimizer class X (registered
+with Keras as "nvgroup_tf>Distributed<X>"), but `model.save()` writes the
+optimizer as a plain X (the class is X while the compile config is
+serialized), as Horovod's files name the wrapped class: a saved model loads
+with plain Keras in a process that never imports nvgroup_tf, with a plain
+optimizer. `nvgroup_tf.keras.load_model` (Horovod's hvd.load_model) makes the
+loaded optimizer distributed, in place, keeping its state (iterations,
+moments).
 
 Mixed precision. Keras' LossScaleOptimizer checks the gradients for inf/NaN
 before calling its inner optimizer; if that check ran on per-rank gradients,
@@ -173,6 +175,7 @@ def is_distributed(optimizer) -> bool:
 
 
 _DIST_CLASSES = {}   # optimizer class -> its Distributed<X> class
+_PLAIN_CLASSES = {}  # Distributed<X> class -> X
 
 
 def distributed_class(cls):
@@ -192,6 +195,7 @@ def distributed_class(cls):
     dist = type(name, (_DistributedKerasMixin, cls), {"__module__": __name__})
     keras.saving.register_keras_serializable(package="nvgroup_tf", name=name)(dist)
     _DIST_CLASSES[cls] = dist
+    _PLAIN_CLASSES[dist] = cls
     return dist
 
 
@@ -231,14 +235,47 @@ def _install_keras_hooks():
     from keras.src.utils import tracking
     original_compile = keras_trainer.Trainer.compile
 
+    original_get_compile_config = keras_trainer.Trainer.get_compile_config
+
     @tracking.no_automatic_dependency_tracking
     def compile(self, *args, **kwargs):
         original_compile(self, *args, **kwargs)
         _move_reduction_outside_loss_scale(self)
 
+    def get_compile_config(self):
+        compile_config = getattr(self, "_compile_config", None)
+        optimizer = compile_config.config.get("optimizer") if compile_config is not None else None
+        with _as_plain_classes(optimizer):
+            return original_get_compile_config(self)
+
     compile.__doc__ = original_compile.__doc__
+    get_compile_config.__doc__ = original_get_compile_config.__doc__
     keras_trainer.Trainer.compile = compile
+    keras_trainer.Trainer.get_compile_config = get_compile_config
     _hooks_installed = True
+
+
+class _as_plain_classes:
+    """While serializing: `optimizer` and the optimizers it wraps
+    (inner_optimizer) that are distributed have their plain class (see
+    "Saving" in the module docstring)."""
+
+    def __init__(self, optimizer):
+        self.swapped = []
+        while optimizer is not None and not isinstance(optimizer, str):
+            cls = type(optimizer)
+            if getattr(cls, _DISTRIBUTED_MARK, False) and cls in _PLAIN_CLASSES:
+                self.swapped.append((optimizer, cls))
+            optimizer = getattr(optimizer, "inner_optimizer", None)
+
+    def __enter__(self):
+        for optimizer, cls in self.swapped:
+            optimizer.__class__ = _PLAIN_CLASSES[cls]
+
+    def __exit__(self, *exc):
+        for optimizer, cls in self.swapped:
+            optimizer.__class__ = cls
+        return False
 
 
 def _move_reduction_outside_loss_scale(model):
@@ -315,16 +352,10 @@ def distribute(optimizer, name, options):
     if (keras.config.dtype_policy().name == "mixed_float16"
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    cls = type(optimizer)
-    dist_cls = distributed_class(cls)
-    try:
-        wrapped = dist_cls.from_config(optimizer.get_config())
-    except Exception as e:  # a custom optimizer whose config does not round-trip
-        raise TypeError("DistributedOptimizer: cannot rebuild %s from its get_config() (%s); make "
-                        "get_config/from_config round-trip" % (cls.__name__, e)) from e
-    wrapped._nvg_sync = sync
+    optimizer.__class__ = distributed_class(type(optimizer))
+    optimizer._nvg_sync = sync
     _install_keras_hooks()
-    return wrapped
+    return optimizer
 
 
 def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,

@@ -239,6 +239,28 @@ def test_coordinator_holds_group_members_until_the_whole_group_completes():
     assert out == [[("solo", OK)], [("g3", FAILED_PRECONDITION), ("g1", OK), ("g2", OK)]]
 
 
+
+@pytest.mark.parametrize("rank0_first", [True, False])
+def test_coordinator_fails_every_member_of_groups_that_differ_across_ranks(rank0_first):
+    """Rank 0 groups g[0], g[1]; rank 1 groups g[0], g[1], g[2]: every member
+    fails at once (g[2], which rank 0 never submits, too), and the table is
+    clean afterwards (a later grouped collective of those names runs)."""
+    g0, g1 = dict(group_id=11, group_size=2), dict(group_id=12, group_size=3)
+    rank0 = [("add", 0, request("g[%d]" % i, **g0), 0.0) for i in range(2)]
+    rank1 = [("add", 1, request("g[%d]" % i, **g1), 0.0) for i in range(3)]
+    g = dict(group_id=13, group_size=3)
+    again = [("add", rank, request("g[%d]" % i, **g), 1.0) for rank in (0, 1) for i in range(3)]
+    result = T.run_coordinator(2, 0.0, 0.0, (rank0 + rank1 if rank0_first else rank1 + rank0) + [("take",)]
+                               + again + [("take",)])
+    failed = {}
+    for r in result[0]:
+        failed.setdefault(r["name"], []).append(r)
+    assert set(failed) == {"g[0]", "g[1]", "g[2]"}, result
+    assert all(r["error_code"] == FAILED_PRECONDITION for rs in failed.values() for r in rs), result
+    assert "Mismatched allreduce groups for 'g[" in failed["g[2]"][0]["error_message"], failed["g[2]"]
+    # Nothing is held any more: the same names grouped alike on both ranks run.
+    assert [(r["name"], r["error_code"]) for r in result[1]] == [("g[0]", OK), ("g[1]", OK), ("g[2]", OK)]
+
 def test_coordinator_forget_drops_a_partial_report():
     out = coordinate(2, [
         ("add", 0, request("x"), 0.0), ("forget", "x"),

@@ -194,7 +194,11 @@ def test_agreed_knobs_are_the_agreed_rows_normalized(monkeypatch):
     ("NVGROUP_LIVENESS_ADDR", "ib0", "an IPv4 address (a.b.c.d)"),
     ("NVGROUP_FUSION_THRESHOLD", "abc", "an integer"),
     ("NVGROUP_CACHE_CAPACITY", "4294967296", "an integer <= 2147483647"),
-    ("NVGROUP_TIMEOUT", "0", "a positive number of seconds"),
+    # The table's range "seconds (> 0)", whatever the refused value.
+    ("NVGROUP_TIMEOUT", "0", "a number of seconds > 0"),
+    ("NVGROUP_TIMEOUT", "-1", "a number of seconds > 0"),
+    ("NVGROUP_TIMEOUT", "abc", "a number of seconds > 0"),
+    ("NVGROUP_INIT_TIMEOUT", "-0.5", "a number of seconds > 0"),
     ("NVGROUP_ONE_GPU_GROUP", "yes", "0 or 1"),
 ])
 def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):

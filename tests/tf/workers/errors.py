@@ -53,6 +53,12 @@ def main():
     expect_mismatch(c, "grouped allreduce with one mismatched member", "mm.grouped",
                     lambda: hvd.grouped_allreduce(
                         [x, tf.ones([2]) if odd else tf.ones([3])], op=hvd.Sum, name="mm.grouped"))
+    # Groups of different lengths (rank 0: 2 tensors, the others: 3): every
+    # rank raises, also those whose third member rank 0 never submits; three
+    # times, each time with a working allreduce after it.
+    for k in range(3):
+        expect_mismatch(c, "grouped allreduce of different lengths #%d" % k, "mm.glen%d" % k,
+                        lambda: hvd.grouped_allreduce([x] * (2 if odd else 3), op=hvd.Sum, name="mm.glen%d" % k))
 
     @tf.function
     def in_function(t):
