@@ -33,10 +33,12 @@ namespace nvgroup {
 //    (benchmarks/engine_cpu_cost_bench.py measures both: the exchange
 //    against a raw MPI_Allreduce of the same bytes, and the compute after
 //    it against no engine at all).
-// Measurements (2-core VM, 2 ranks, ResNet-50's 214 gradients at 1/64, 1.6 MB;
-// docs/PERFORMANCE.md gives the runs with their commits and the load):
-// before this policy (9dfe90f) the grouped step cost 1.57x (loaded) to 1.80-2.02x
-// (quiet) a raw MPI_Allreduce; see PERFORMANCE.md for the figures after it.
+// Measurements (2-core VM, 2 ranks, ResNet-50's 214 gradients at 1/64, 1.6 MB,
+// benchmarks/results/engine_cpu_cost_bisect_2rank.json, load 5-7): the grouped
+// step costs 1.89x a raw MPI_Allreduce with this policy and 1.93x without it
+// (9dfe90f), per tensor 2.79x and 2.88x, compute after an exchange 0.98x: no
+// change outside the noise under that load; kExpectWorkS and
+// kInFlightYieldPollS are not tuned yet on a quiet machine.
 
 // ---- Waiting for the queue ---------------------------------------------------
 
