@@ -12,6 +12,9 @@ when two are given), then merges the rounds into one JSON (+ PNG). Each launch
              gradient set's bytes, then the compute;
   engine     engine alive: one grouped_allreduce_async of the gradient set +
              wait_all, then the same compute;
+  per_tensor engine alive: one allreduce_async per gradient (214 calls, the
+             way a framework without grouping submits) + wait_all, then the
+             compute;
   idle       engine alive but unused: the compute only (the idle tax);
   mpi_alive  engine alive: the raw MPI_Allreduce + compute (what a live
              engine costs the user's own MPI);
@@ -54,7 +57,11 @@ import time
 import numpy as np
 
 from bench_common import REPO, commit, load_counts, mpirun_env, pyplot, run_worker, save_png  # noqa: E402
-KINDS = ["none", "engine", "idle", "mpi_alive", "small"]
+KINDS = ["none", "engine", "per_tensor", "idle", "mpi_alive", "small"]
+# Blocks whose exchange is the gradient set through the engine: their ratio to
+# the raw MPI_Allreduce of the same bytes is the engine's cost (the "none"
+# block's, no engine alive, and the "mpi_alive" block's, same engine session).
+ENGINE_EXCHANGES = ("engine", "per_tensor")
 # Background-loop counters (_engine.stats()) reported per step of each engine block.
 STAT_KEYS = ["cycles", "agreement_allreduces", "negotiation_rounds", "buckets", "idle_s", "agree_s",
              "negotiate_s", "execute_s", "admit_s", "lookup_s", "complete_s"]
@@ -153,18 +160,37 @@ def worker(args):
     def grouped():
         engine.wait_all(engine.grouped_allreduce_async(items))
 
+    def per_tensor():
+        engine.wait_all([engine.allreduce_async(name, i, o, shape, dtype) for name, i, o, shape, dtype in items])
+
     def small():
         engine.wait(engine.allreduce_async("small/x", small_in.ctypes.data, small_out.ctypes.data, [1], "float32"))
 
     def mpi():
         comm.Allreduce(flat_in, flat_out, op=MPI.SUM)
 
-    exchanges = {"none": mpi, "engine": grouped, "idle": None, "mpi_alive": mpi, "small": small}
+    exchanges = {"none": mpi, "engine": grouped, "per_tensor": per_tensor, "idle": None, "mpi_alive": mpi, "small": small}
     results = {k: {"exchange_s": [], "compute_s": [], "cpu_exchange_ns": {}, "cpu_compute_ns": {},
                    "runqueue_wait_ns": {}, "engine_stats": {}} for k in KINDS}
 
+    block_failures = []
+    all_inputs = comm.allgather(flat_in)
+    ref = np.sum([x.astype(np.float64) for x in all_inputs], axis=0).astype(np.float32)
+
+    def check(kind):
+        """The gradient set's result of `kind`'s last step against float32 of the float64 sum."""
+        got = np.concatenate(outputs)
+        if size == 2 and not np.array_equal(got.view(np.uint32), ref.view(np.uint32)):
+            block_failures.append("%s result differs from float32(x0 + x1) in %d elements" %
+                                  (kind, int(np.sum(got != ref))))
+        if size != 2 and not np.allclose(got, ref, rtol=1e-5, atol=1e-6):
+            block_failures.append("%s result differs from the float64 reference" % kind)
+
     def block(kind):
         ex = exchanges[kind]
+        if kind in ENGINE_EXCHANGES:
+            for o in outputs:
+                o.fill(np.nan)
         for _ in range(args.warmup):
             comm.Barrier()
             if ex is not None:
@@ -191,6 +217,8 @@ def worker(args):
                            (wait_step, cpu_by_class(c0, c2, field=2))):
                 for k, v in d.items():
                     acc[k] = acc.get(k, 0) + v
+        if kind in ENGINE_EXCHANGES:
+            check(kind)
         if stats0 is not None:  # the background loop's own counters, per step (worst rank)
             stats1 = engine.stats()
             mine = {k: (stats1[k] - stats0[k]) / args.steps for k in STAT_KEYS if k in stats1}
@@ -225,17 +253,9 @@ def worker(args):
             ks = engine_kinds if rnd % 2 == 0 else list(reversed(engine_kinds))
             for k in ks:
                 block(k)
-            # Check the engine's last results before stopping it.
-            failures = []
-            if "engine" in ks:
-                all_inputs = comm.allgather(flat_in)
-                ref = np.sum([x.astype(np.float64) for x in all_inputs], axis=0).astype(np.float32)
-                got = np.concatenate(outputs)
-                if size == 2 and not np.array_equal(got.view(np.uint32), ref.view(np.uint32)):
-                    failures.append("grouped result differs from float32(x0 + x1) in %d elements" %
-                                    int(np.sum(got != ref)))
-                if size != 2 and not np.allclose(got, ref, rtol=1e-5, atol=1e-6):
-                    failures.append("grouped result differs from the float64 reference")
+            # Check the engine's results (each engine exchange block checked its own) before stopping it.
+            failures = list(block_failures)
+            block_failures.clear()
             if "small" in ks and small_out[0] != size * (size + 1) / 2:
                 failures.append("4-byte allreduce gave %r" % float(small_out[0]))
             failures = sum(comm.allgather(failures), [])
@@ -288,8 +308,12 @@ def summarize(merged):
             base_c, base_x = b["none"]["compute_median_us"], b["none"]["exchange_median_us"]
             for k in b:
                 b[k]["compute_vs_none"] = b[k]["compute_median_us"] / base_c
-                if k in ("engine", "mpi_alive"):
+                if k in ENGINE_EXCHANGES + ("mpi_alive",):
                     b[k]["exchange_vs_none_mpi"] = b[k]["exchange_median_us"] / base_x
+        if "mpi_alive" in b:
+            for k in ENGINE_EXCHANGES:
+                if k in b:
+                    b[k]["exchange_vs_mpi_alive"] = b[k]["exchange_median_us"] / b["mpi_alive"]["exchange_median_us"]
         out[build] = b
     return out
 
@@ -305,6 +329,7 @@ def driver(args):
     iters = {}
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     info = machine()
+    loads = []  # /proc/loadavg after each launch: the machine is shared
     for rnd in range(args.rounds):
         seq = builds if rnd % 2 == 0 else list(reversed(builds))
         for label, so in seq:
@@ -329,28 +354,34 @@ def driver(args):
                 for key in ("cpu_exchange_ns", "cpu_compute_ns", "runqueue_wait_ns", "engine_stats"):
                     for c, v in r[key].items():
                         m[key].setdefault(c, []).extend(v)
-            print("round %d %s done" % (rnd, label), flush=True)
+            loads.append({"round": rnd, "build": label, "loadavg": os.getloadavg()})
+            print("round %d %s done (load %.2f %.2f %.2f)" % ((rnd, label) + os.getloadavg()), flush=True)
     summary = summarize(merged)
     result = {"benchmark": "engine_cpu_cost", "date": started, "commit": commit(), "machine": info,
-              "load_average_end": os.getloadavg(), "ranks": args.np, "table": os.path.relpath(args.table, REPO),
+              "load_average_end": os.getloadavg(), "load_average_per_launch": loads, "ranks": args.np, "table": os.path.relpath(args.table, REPO),
               "scale": args.scale, "rounds": args.rounds, "blocks_per_round": args.blocks,
               "steps_per_block": args.steps, "compute_ms_target": args.compute_ms, "compute_iters": iters,
               "builds": {label: so for label, so in builds},
               "env": {k: v for k, v in os.environ.items() if k.startswith("NVGROUP_")},
               "summary": summary}
-    print("# engine_cpu_cost: %d ranks, %d rounds x %d blocks x %d steps, compute ~%.1f ms, commit %s" %
-          (args.np, args.rounds, args.blocks, args.steps, args.compute_ms, result["commit"][:12]))
-    print("%-8s %-10s %11s %11s %9s %9s  %s" % ("build", "block", "exchange_us", "compute_us", "comp/none",
-                                                "exch/mpi", "CPU per step in compute (us, worst rank)"))
+    print("# engine_cpu_cost: %d ranks, %d rounds x %d blocks x %d steps, compute ~%.1f ms, commit %s, "
+          "load %s at start, %s at end" % (args.np, args.rounds, args.blocks, args.steps, args.compute_ms,
+                                           result["commit"][:12], "/".join("%.2f" % x for x in info["load_average_start"]),
+                                           "/".join("%.2f" % x for x in result["load_average_end"])))
+    print("%-8s %-10s %11s %11s %9s %9s %9s  %s" % ("build", "block", "exchange_us", "compute_us", "comp/none",
+                                                     "exch/mpi", "exch/mpiA", "CPU per step in compute (us, worst rank)"))
     for label, b in summary.items():
         for k in KINDS:
             if k not in b:
                 continue
             r = b[k]
             cpu = ", ".join("%s=%.0f" % kv for kv in sorted(r["cpu_compute_us_per_step"].items()))
-            print("%-8s %-10s %11.1f %11.1f %9.3f %9s  %s" % (
+            print("%-8s %-10s %11.1f %11.1f %9.3f %9s %9s  %s" % (
                 label, k, r["exchange_median_us"], r["compute_median_us"], r.get("compute_vs_none", float("nan")),
-                "%.2f" % r["exchange_vs_none_mpi"] if "exchange_vs_none_mpi" in r else "-", cpu))
+                "%.2f" % r["exchange_vs_none_mpi"] if "exchange_vs_none_mpi" in r else "-",
+                "%.2f" % r["exchange_vs_mpi_alive"] if "exchange_vs_mpi_alive" in r else "-", cpu))
+    print("exch/mpi: exchange / the raw MPI_Allreduce of the same bytes with no engine (block none); "
+          "exch/mpiA: / the raw MPI_Allreduce with the engine alive (block mpi_alive)")
     print("time runnable but not running, per step (us, worst rank):")
     for label, b in summary.items():
         for k in KINDS:
@@ -378,7 +409,7 @@ def driver(args):
             ks = [k for k in KINDS if k in b]
             xs = np.arange(len(ks)) + j * width
             axes[0].bar(xs, [b[k]["compute_vs_none"] for k in ks], width, label=label)
-            exch = [k for k in ("none", "engine", "mpi_alive") if k in b]
+            exch = [k for k in ("none", "engine", "per_tensor", "mpi_alive") if k in b]
             axes[1].bar(np.arange(len(exch)) + j * width, [b[k]["exchange_median_us"] for k in exch], width,
                         label=label)
         axes[0].set_xticks(np.arange(len(ks)) + width * (len(labels) - 1) / 2, ks)
@@ -386,7 +417,8 @@ def driver(args):
         axes[0].set_ylabel("compute after exchange / no engine")
         axes[0].set_ylim(bottom=0.9)
         axes[1].set_xticks(np.arange(len(exch)) + width * (len(labels) - 1) / 2,
-                           ["mpi (no engine)", "engine grouped", "mpi (engine alive)"][:len(exch)])
+                           [{"none": "mpi (no engine)", "engine": "engine grouped", "per_tensor": "engine per tensor",
+                             "mpi_alive": "mpi (engine alive)"}[k] for k in exch])
         axes[1].set_ylabel("exchange, us (median, worst rank)")
         for ax in axes:
             ax.legend(fontsize=8)

@@ -118,7 +118,7 @@ Status CudaCommunicator::WaitForEvent(cudaEvent_t event) {
   // critical path), then back off, doubling up to kLongSleep (a long wait is
   // seen at most kLongSleep late, a small share of it, without waking the
   // core every few microseconds). The callers' threads sleep on time
-  // (WakeOnTime, cc/engine/idle_wait.h).
+  // (WakeOnTime, cc/common/thread_setup.h).
   using Clock = std::chrono::steady_clock;
   constexpr auto kSpin = std::chrono::microseconds(20);
   constexpr auto kShortPhase = std::chrono::microseconds(300);

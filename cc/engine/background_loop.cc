@@ -8,12 +8,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 
 #include "common/checks.h"
 #include "common/logging.h"
+#include "common/thread_setup.h"
 #include "engine/engine_control.h"
-#include "engine/idle_wait.h"
 #include "engine/rank_lists.h"
+#include "engine/wait_policy.h"
 #include "engine/wire_format.h"
 
 namespace nvgroup {
@@ -329,16 +331,18 @@ void Engine::Loop() {
   bool shut_down = false;
   const double cycle_s = knobs_.cycle_time_ms / 1000.0;
   int quick_cycles = kQuickCycles;  // Note [Leftovers start the next cycle]
+  ExpectedWork expected;             // Note [Waiting for a lock-step caller] (wait_policy.h)
+  const std::function<bool(double)> sleep_unless_pushed = [this](double s) { return queue_.SleepUnlessPushed(s); };
   std::vector<Submission> fresh;
   for (;; ++cycle_) {
     if (abort_) break;  // exit_status is replaced by the abort reason below
     fresh.clear();
     bool shutdown_requested = false;
     const bool leftovers = !pending_.empty() && quick_cycles > 0;
-    // Note [An idle rank sleeps] (idle_wait.h).
+    // Note [An idle rank sleeps] and Note [Waiting for a lock-step caller] (wait_policy.h).
     const bool nothing_in_flight = pending_.empty() && cached_groups_.empty() && !joined_;
     const double wait_s = leftovers ? std::min(kLeftoverWaitS, cycle_s) : IdleCycleWaitSeconds(cycle_s, nothing_in_flight);
-    AddSeconds(counters_.idle_ns, queue_.WaitAndPop(wait_s,
+    AddSeconds(counters_.idle_ns, queue_.WaitAndPop(wait_s, expected.PollSeconds(MonotonicSeconds()),
                                                     std::min(kAdmissionGapS, cycle_s), cycle_s, &fresh,
                                                     &shutdown_requested));
     if (leftovers) Add(counters_.quick_cycles);
@@ -346,6 +350,7 @@ void Engine::Loop() {
     if (liveness_) liveness_->SetProgress(cycle_);
     if (timeline_control_.pending()) timeline_control_.Apply(&timeline_, &mark_cycles_);
     const double now = MonotonicSeconds();
+    if (!fresh.empty()) expected.Activity(now);
     for (Submission& s : fresh) AdmitSubmission(std::move(s), now);
     // Note [Cached groups]: groups that waited too long or whose plan changed.
     if (!cached_groups_.empty()) DemoteCachedGroups(now, joined_);
@@ -378,9 +383,12 @@ void Engine::Loop() {
         break;
       }
       Add(counters_.agreement_allreduces);
-      // Note [An idle rank sleeps]: an idle rank's agreement waits for its peers' cycle.
+      // Note [An idle rank sleeps]: an idle rank's agreement waits for its
+      // peers' cycle, asleep until a submission comes (Note [Waiting for a
+      // lock-step caller]).
       exit_status = WaitMpi(&req, "the agreement allreduce", knobs_.peer_timeout_s, abort_, static_cast<int64_t>(cycle_),
-                            /*sleep_at_once=*/nothing_in_flight && fresh.empty() && !shutdown_requested);
+                            /*sleep_at_once=*/nothing_in_flight && fresh.empty() && !shutdown_requested,
+                            &sleep_unless_pushed);
     }
     const double agreed = MonotonicSeconds();
     AddSeconds(counters_.agree_ns, agreed - now);
@@ -421,7 +429,9 @@ void Engine::Loop() {
     const double negotiated = MonotonicSeconds();
     AddSeconds(counters_.negotiate_ns, negotiated - agreed);
     if (exit_status.ok()) exit_status = Execute(&work, cache_hits);
-    quick_cycles = work.empty() && ready_groups_.empty() ? quick_cycles - 1 : kQuickCycles;
+    const bool executed = !work.empty() || !ready_groups_.empty();
+    quick_cycles = executed ? kQuickCycles : quick_cycles - 1;
+    if (executed) expected.Activity(MonotonicSeconds());  // completions ran: the caller's next step comes
     AddSeconds(counters_.execute_ns, MonotonicSeconds() - negotiated);
     if (!exit_status.ok()) {
       exit_status = Cause(exit_status);

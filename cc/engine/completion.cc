@@ -6,7 +6,7 @@
 #include "common/checks.h"
 #include "common/logging.h"
 #include "engine/background_loop.h"
-#include "engine/idle_wait.h"
+#include "common/thread_setup.h"
 
 namespace nvgroup {
 

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "common/checks.h"
+#include "engine/wait_policy.h"
 
 namespace nvgroup {
 
@@ -12,23 +13,17 @@ double MonotonicSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// See Note [Busy-poll, then sleep] in mpi_wait.h.
+// See Note [Busy-poll, then sleep] in mpi_wait.h; the schedule is wait_policy.h's.
 Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
-               const std::atomic<bool>& abort, int64_t cycle, bool sleep_at_once) {
-  constexpr double kBusyPollSeconds = 50e-6;
-  constexpr double kYieldPollSeconds = 250e-6;
-  constexpr int kMinMaxSleepUs = 200;    // the longest sleep early in a wait
-  constexpr int kMaxSleepUs = 2000;      // the longest sleep of a long wait
-  constexpr double kLateFraction = 0.05; // a sleep adds at most this much to the time waited
-  constexpr int kIdleMaxSleepUs = 1000;  // sleep_at_once: the longest sleep early in a wait
+               const std::atomic<bool>& abort, int64_t cycle, bool sleep_at_once,
+               const std::function<bool(double seconds)>* sleep_unless_woken) {
   int done = 0;
   NVG_MPI_CHECK(MPI_Test(request, &done, MPI_STATUS_IGNORE));
   if (done) return Status::Ok();
-  const double start = MonotonicSeconds();
+  double start = MonotonicSeconds();
   const double deadline = start + timeout_s;
-  const double busy_s = sleep_at_once ? 0 : kBusyPollSeconds;
-  const double yield_s = sleep_at_once ? 0 : kYieldPollSeconds;
-  int sleep_us = sleep_at_once ? 20 : 1;
+  bool idle = sleep_at_once;
+  int sleep_us = idle ? kIdleFirstSleepUs : 1;
   for (;;) {
     NVG_MPI_CHECK(MPI_Test(request, &done, MPI_STATUS_IGNORE));
     if (done) return Status::Ok();
@@ -42,13 +37,22 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
           " s in " + where() +
           " (NVGROUP_TIMEOUT): a rank is hung, has exited, or stopped calling "
           "nvgroup_tf; the engine has stopped");
-    if (now - start < busy_s) continue;
-    if (now - start < yield_s) {
+    if (!idle && now - start < kBusyPollS) continue;
+    if (!idle && now - start < kInFlightYieldPollS) {
       std::this_thread::yield();
       continue;
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-    const int cap = std::max(sleep_at_once ? kIdleMaxSleepUs : kMinMaxSleepUs,
+    if (idle && sleep_unless_woken != nullptr) {
+      if ((*sleep_unless_woken)(sleep_us * 1e-6)) {  // a submission: poll from here on
+        idle = false;
+        start = MonotonicSeconds();
+        sleep_us = 1;
+        continue;
+      }
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    }
+    const int cap = std::max(idle ? kIdleMaxSleepUs : kMinMaxSleepUs,
                              std::min(kMaxSleepUs, static_cast<int>((now - start) * kLateFraction * 1e6)));
     sleep_us = std::min(cap, sleep_us * 2);
   }

@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,30 +25,24 @@ double MonotonicSeconds();
 // several times per cycle).
 //
 // Note [Busy-poll, then sleep]
-// The wait first polls MPI_Test without pausing for kBusyPollSeconds (50 us:
-// a small collective between ranks of one host completes in 5-30 us, so the
-// common case never leaves this phase), then yields the core between polls up
-// to kYieldPollSeconds (250 us: a peer slightly behind, on a host with fewer
-// cores than runnable threads; longer yield-polling took CPU from the peers
-// on an oversubscribed host), and only then sleeps in growing steps, so a
-// long wait for a slow peer costs no CPU: steps up to 200 us, and in a long
-// wait up to 5% of the time waited so far (at most 2 ms), so a wait for a
-// peer that is computing or idle (Note [An idle rank sleeps] in idle_wait.h)
-// polls a few hundred times a second rather than 5000 and ends at most
-// max(200 us, 5%) after its request completed. Sleeping early was the old
-// behaviour: the kernel's timer slack (50 us by default) turned each 1-2-4 us
-// sleep into ~55 us, which a step of 214 small collectives paid many times. The engine's background
-// thread also lowers its own timer slack (background_loop.cc).
+// The wait first polls MPI_Test without pausing, then yields the core between
+// polls, and only then sleeps in growing steps, so a long wait for a slow peer
+// costs no CPU (the phases and their lengths: wait_policy.h, Note [Waiting
+// for a lock-step caller]). Sleeping early was the old behaviour: the
+// kernel's timer slack (50 us by default) turned each 1-2-4 us sleep into
+// ~55 us, which a step of 214 small collectives paid many times. The engine's
+// background thread also lowers its own timer slack (WakeOnTime,
+// cc/common/thread_setup.h).
 //
-// `sleep_at_once`: skip the busy and yield phases. For a wait that is known to
+// `sleep_at_once`: skip the busy and yield phases, for a wait that is known to
 // be long, such as an idle rank's agreement allreduce (Note [An idle rank
-// sleeps] in idle_wait.h): it waits for a peer's idle timer or submission,
-// and polling the core for the first 250 us of every such wait only took it
-// from the application. Its sleeps grow from 20 us to 1 ms (then 5% of the
-// time waited, as above): under load each poll cost 10-15 us of CPU, and the
-// only thing such a wait can delay is this rank's own next cycle.
+// sleeps] in wait_policy.h): it waits for a peer's idle timer or submission.
+// Its sleeps go through `sleep_unless_woken` when given (it returns true when
+// a submission ended the sleep early: the wait then polls as a wait with work
+// does), else std::this_thread::sleep_for.
 Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
-               const std::atomic<bool>& abort, int64_t cycle = -1, bool sleep_at_once = false);
+               const std::atomic<bool>& abort, int64_t cycle = -1, bool sleep_at_once = false,
+               const std::function<bool(double seconds)>* sleep_unless_woken = nullptr);
 
 // Note [Liveness probe]
 // After a wait timed out, the waiting ranks learn who is silent: each sends a

@@ -14,7 +14,7 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
-#include "engine/idle_wait.h"
+#include "common/thread_setup.h"
 #include "engine/init_watchdog.h"
 #include "engine/mpi_wait.h"
 #include "engine/request_validation.h"

@@ -1,6 +1,8 @@
 #include "engine/tensor_queue.h"
 
+#include <algorithm>
 #include <chrono>
+#include <thread>
 
 namespace nvgroup {
 
@@ -38,6 +40,7 @@ Status TensorQueue::Push(Submission submission) {
     }
     last_was_group_ = submission.group_id != 0 && submission.entries.size() > 1;
     queued_.push_back(std::move(submission));
+    wake_.store(true, std::memory_order_release);
     last_push_ = std::chrono::steady_clock::now();
     // Note [Lone requests skip the gap]: a push while earlier requests are
     // still in flight is part of a burst (or of overlapping callers).
@@ -55,10 +58,17 @@ Status TensorQueue::Push(Submission submission) {
   return Status::Ok();
 }
 
-double TensorQueue::WaitAndPop(double timeout_s, double gap_s, double max_batch_s,
+double TensorQueue::WaitAndPop(double timeout_s, double poll_s, double gap_s, double max_batch_s,
                                std::vector<Submission>* out, bool* shutdown_requested) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
+  if (poll_s > 0) {  // Note [Waiting for a lock-step caller]: poll, then sleep below
+    const Clock::time_point until =
+        start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(poll_s, timeout_s)));
+    // Acquire: pairs with Push's release store; the lock below orders the
+    // read of queued_ in any case.
+    while (!wake_.load(std::memory_order_acquire) && Clock::now() < until) std::this_thread::yield();
+  }
   std::unique_lock<std::mutex> lock(mu_);
   // Note [Lone requests skip the gap]: how the previous take went.
   if (last_take_count_ == 1 && !followed_) {
@@ -99,14 +109,25 @@ double TensorQueue::WaitAndPop(double timeout_s, double gap_s, double max_batch_
   for (Submission& s : queued_) out->push_back(std::move(s));
   last_take_count_ = queued_.size();
   queued_.clear();
+  wake_.store(shutdown_requested_, std::memory_order_relaxed);
   *shutdown_requested = shutdown_requested_;
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+bool TensorQueue::SleepUnlessPushed(double seconds) {
+  std::unique_lock<std::mutex> lock(mu_);
+  waiting_for_first_ = true;
+  const bool woken = cv_.wait_for(lock, std::chrono::duration<double>(seconds),
+                                  [this] { return !queued_.empty() || shutdown_requested_; });
+  waiting_for_first_ = false;
+  return woken;
 }
 
 void TensorQueue::RequestShutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     shutdown_requested_ = true;
+    wake_.store(true, std::memory_order_release);
   }
   cv_.notify_one();
 }

@@ -115,8 +115,16 @@ class TensorQueue {
   // their second cycle on: at most one split burst each time the caller's
   // pattern changes (the split's leftovers start the next cycle quickly, Note
   // [Leftovers start the next cycle] in background_loop.cc).
-  double WaitAndPop(double timeout_s, double gap_s, double max_batch_s, std::vector<Submission>* out,
-                    bool* shutdown_requested);
+  //
+  // `poll_s` (Note [Waiting for a lock-step caller] in wait_policy.h): poll
+  // for a first entry that long (yielding the core between polls) before
+  // sleeping on the condition variable for the rest of `timeout_s`.
+  double WaitAndPop(double timeout_s, double poll_s, double gap_s, double max_batch_s,
+                    std::vector<Submission>* out, bool* shutdown_requested);
+  // Sleeps up to `seconds` unless something is queued or shutdown is
+  // requested, which ends the sleep at once (Push wakes it); returns whether
+  // one of them did. An idle cycle's agreement sleeps here (mpi_wait.h).
+  bool SleepUnlessPushed(double seconds);
   void RequestShutdown();
   void Finish(const std::string& name);
   // Finish for `n` entries under one lock (a bucket's members).
@@ -140,7 +148,11 @@ class TensorQueue {
   std::chrono::steady_clock::time_point last_push_;
   InFlightNames in_flight_;
   bool shutdown_requested_ = false;
-  bool waiting_for_first_ = false;  // WaitAndPop waits for a first entry (Push wakes it)
+  bool waiting_for_first_ = false;  // WaitAndPop or SleepUnlessPushed waits for a first entry (Push wakes it)
+  // Something is queued or shutdown was requested: read without the lock by
+  // WaitAndPop's polling phase (set under mu_ with the change it announces;
+  // the poller takes mu_ before reading what was queued).
+  std::atomic<bool> wake_{false};
   bool last_was_group_ = false;     // the latest push was a grouped collective of several
   bool batching_ = false;           // WaitAndPop is in admission batching (a group push wakes it)
   Status closed_;  // non-OK once closed

@@ -1,4 +1,4 @@
-"""An idle engine sleeps (Note [An idle rank sleeps] in cc/engine/idle_wait.h),
+"""An idle engine sleeps (Note [An idle rank sleeps] in cc/engine/wait_policy.h),
 np = 2 or 3:
   1. after a grouped step, a second with nothing submitted runs a handful of
      background cycles, not one per NVGROUP_CYCLE_TIME (1 ms: about 1000);

@@ -1,5 +1,5 @@
-// Thread naming and timer slack for the engine's threads (see idle_wait.h).
-#include "engine/idle_wait.h"
+// Thread naming and timer slack for the engine's threads (thread_setup.h).
+#include "common/thread_setup.h"
 
 #ifdef __linux__
 #include <pthread.h>
