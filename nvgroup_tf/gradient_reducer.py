@@ -50,7 +50,6 @@ local running sum on the others, and the apply that follows runs only where
 `counter` is back at 0.
 """
 import dataclasses
-import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
@@ -63,12 +62,6 @@ MiB = 1 << 20
 # 1 MiB for the same reason: kDefaultFirstBucketBytes in PyTorch's
 # torch/csrc/distributed/c10d/reducer.hpp).
 FIRST_BUCKET_CAP_BYTES = 1 * MiB
-
-
-def _reduce_alone() -> bool:
-    """NVGROUP_TEST_REDUCE_ALONE (tests scope): reduce on one rank too, so a
-    one-rank benchmark measures the collectives."""
-    return os.environ.get("NVGROUP_TEST_REDUCE_ALONE", "0") == "1"
 
 
 def resolve_bucket_cap_bytes(bucket_cap_bytes: Optional[int]) -> int:
@@ -232,7 +225,7 @@ class GradientReducer:
             for i, g in enumerate(grads):
                 if local[i] and g is not None:
                     out[i] = _scale(g, 1.0 / size)
-        if core.size() == 1 and not _reduce_alone():
+        if core.size() == 1:
             return out
         if self.process_set is not None and not (self.process_set.included() and self.process_set.size() > 1):
             # As Horovod: a rank outside the set (or a set of one) keeps its gradients.

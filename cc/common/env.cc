@@ -233,9 +233,6 @@ std::vector<Setting> MakeSettings() {
          return Status::Ok();
        },
        +[](const K& k) { return ShortestDouble(k.test_bucket_delay_us); }},
-      {"NVGROUP_TEST_REDUCE_ALONE", S::kTests, "0 or 1", "0", "nvgroup_tf/gradient_reducer.py", "",
-       "1 makes the gradient reduction run its collectives on one rank too (normally skipped, as in Horovod), "
-       "so a one-rank benchmark measures them.", nullptr, nullptr},
       {"NVGROUP_ONE_GPU_GROUP", S::kTests, "0 or 1", "0", "engine (CUDA)", "",
        "1 lets ranks on one GPU form an NV-group (run under MPS), so the group kernels can be checked on a "
        "one-GPU machine.",
