@@ -572,6 +572,26 @@ class CollectiveOrder {
   }
 };
 
+// The operands every call or start takes: the op's inputs, then the ordering
+// operand (CollectiveOrder), with their row-major shapes appended to `shapes`
+// (which holds the inputs' shapes). False (the kernel's status set) on failure.
+bool OrderedOperands(XlaOpKernelContext* ctx, std::vector<::xla::XlaOp>* operands,
+                     std::vector<::xla::Shape>* shapes) {
+  ::xla::XlaBuilder* builder = ctx->builder();
+  operands->clear();
+  for (size_t i = 0; i < shapes->size(); ++i) operands->push_back(ctx->Input(static_cast<int>(i)));
+  const ::xla::XlaOp previous = CollectiveOrder::Previous(builder);
+  absl::StatusOr<::xla::Shape> previous_shape = builder->GetShape(previous);
+  if (!previous_shape.ok()) {
+    ctx->SetStatus(previous_shape.status());
+    return false;
+  }
+  ::xla::LayoutUtil::SetToDefaultLayout(&previous_shape.value());
+  operands->push_back(previous);
+  shapes->push_back(*previous_shape);
+  return true;
+}
+
 // The pair (Note [Start and done], xla_ops.h): a start taking the inputs and
 // the ordering operand, returning (results..., token); a done taking the
 // start's results and the inputs, returning the results in the start's
@@ -581,19 +601,10 @@ std::vector<::xla::XlaOp> EmitStartDone(XlaOpKernelContext* ctx, const CallAttri
                                         const std::vector<::xla::Shape>& out_shapes, bool tuple) {
   ::xla::XlaBuilder* builder = ctx->builder();
   const size_t n = out_shapes.size();
-  std::vector<::xla::XlaOp> inputs;
-  for (size_t i = 0; i < in_shapes.size(); ++i) inputs.push_back(ctx->Input(static_cast<int>(i)));
-  const ::xla::XlaOp previous = CollectiveOrder::Previous(builder);
-  absl::StatusOr<::xla::Shape> previous_shape = builder->GetShape(previous);
-  if (!previous_shape.ok()) {
-    ctx->SetStatus(previous_shape.status());
-    return {};
-  }
-  ::xla::LayoutUtil::SetToDefaultLayout(&previous_shape.value());
-  std::vector<::xla::XlaOp> start_operands = inputs;
-  start_operands.push_back(previous);
+  std::vector<::xla::XlaOp> start_operands;
   std::vector<::xla::Shape> start_operand_shapes = in_shapes;
-  start_operand_shapes.push_back(*previous_shape);
+  if (!OrderedOperands(ctx, &start_operands, &start_operand_shapes)) return {};
+  const std::vector<::xla::XlaOp> inputs(start_operands.begin(), start_operands.end() - 1);
   std::vector<::xla::Shape> start_results = out_shapes;
   ::xla::Shape token = ::xla::ShapeUtil::MakeShape(::xla::U8, {0});
   ::xla::LayoutUtil::SetToDefaultLayout(&token);
@@ -648,16 +659,7 @@ std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes
   }
   ::xla::XlaBuilder* builder = ctx->builder();
   std::vector<::xla::XlaOp> operands;
-  for (size_t i = 0; i < in_shapes.size(); ++i) operands.push_back(ctx->Input(static_cast<int>(i)));
-  const ::xla::XlaOp previous = CollectiveOrder::Previous(builder);
-  absl::StatusOr<::xla::Shape> previous_shape = builder->GetShape(previous);
-  if (!previous_shape.ok()) {
-    ctx->SetStatus(previous_shape.status());
-    return {};
-  }
-  ::xla::LayoutUtil::SetToDefaultLayout(&previous_shape.value());
-  operands.push_back(previous);
-  in_shapes.push_back(*previous_shape);
+  if (!OrderedOperands(ctx, &operands, &in_shapes)) return {};
   const ::xla::Shape result = tuple ? ::xla::ShapeUtil::MakeTupleShape(out_shapes) : out_shapes[0];
   ::xla::XlaOp call = ::xla::CustomCallWithLayout(
       builder, target, operands, result, in_shapes, XlaAttributes(attributes),

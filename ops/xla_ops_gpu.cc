@@ -53,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/checks.h"
 #include "common/env.h"
 #include "ops/xla_ops.h"
 
@@ -76,31 +77,38 @@ StatusOr<bool> WaitOnStream() {
   return parsed;
 }
 
-// The event must belong to the stream's device; XLA's thread gets its current
-// device back afterwards.
-Status RecordReadyEvent(cudaStream_t stream, int ordinal, cudaEvent_t* event) {
+// A CUDA event of device `ordinal` (timing off); XLA's thread gets its
+// current device back afterwards.
+Status CreatePlainEvent(int ordinal, cudaEvent_t* event) {
   int previous = 0;
   cudaError_t error = cudaGetDevice(&previous);
   if (error != cudaSuccess) return CudaStatus("cudaGetDevice", error);
-  error = cudaSetDevice(ordinal);
-  if (error != cudaSuccess) return CudaStatus("cudaSetDevice", error);
-  Status status;
+  if ((error = cudaSetDevice(ordinal)) != cudaSuccess) return CudaStatus("cudaSetDevice", error);
   error = cudaEventCreateWithFlags(event, cudaEventDisableTiming);
+  const cudaError_t restored = cudaSetDevice(previous);
   if (error != cudaSuccess) {
     *event = nullptr;
-    status = CudaStatus("cudaEventCreateWithFlags", error);
-  } else if ((error = cudaEventRecord(*event, stream)) != cudaSuccess) {
+    return CudaStatus("cudaEventCreateWithFlags", error);
+  }
+  if (restored != cudaSuccess) {
     cudaEventDestroy(*event);
     *event = nullptr;
-    status = CudaStatus("cudaEventRecord", error);
+    return CudaStatus("cudaSetDevice (restoring XLA's device)", restored);
   }
-  error = cudaSetDevice(previous);
-  if (status.ok() && error != cudaSuccess) {
+  return Status::Ok();
+}
+
+// The readiness event: a new event recorded on XLA's `stream` (of device
+// `ordinal`).
+Status RecordReadyEvent(cudaStream_t stream, int ordinal, cudaEvent_t* event) {
+  NVG_RETURN_IF_ERROR(CreatePlainEvent(ordinal, event));
+  const cudaError_t error = cudaEventRecord(*event, stream);
+  if (error != cudaSuccess) {
     cudaEventDestroy(*event);
     *event = nullptr;
-    status = CudaStatus("cudaSetDevice (restoring XLA's device)", error);
+    return CudaStatus("cudaEventRecord", error);
   }
-  return status;
+  return Status::Ok();
 }
 
 // One call's requests, shared by their callbacks (engine threads) and the
@@ -282,25 +290,6 @@ struct CudaPairCall : PairCall {
   bool relayed = false;           // `finished` is recorded
   Status first_error;
 };
-
-Status CreatePlainEvent(int ordinal, cudaEvent_t* event) {
-  int previous = 0;
-  cudaError_t error = cudaGetDevice(&previous);
-  if (error != cudaSuccess) return CudaStatus("cudaGetDevice", error);
-  if ((error = cudaSetDevice(ordinal)) != cudaSuccess) return CudaStatus("cudaSetDevice", error);
-  error = cudaEventCreateWithFlags(event, cudaEventDisableTiming);
-  const cudaError_t restored = cudaSetDevice(previous);
-  if (error != cudaSuccess) {
-    *event = nullptr;
-    return CudaStatus("cudaEventCreateWithFlags", error);
-  }
-  if (restored != cudaSuccess) {
-    cudaEventDestroy(*event);
-    *event = nullptr;
-    return CudaStatus("cudaSetDevice (restoring XLA's device)", restored);
-  }
-  return Status::Ok();
-}
 
 ffi::Error CudaCollectiveStart(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args,
                                ffi::RemainingRets rets, WireAttributes wire) {

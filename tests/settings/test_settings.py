@@ -200,6 +200,8 @@ def test_agreed_knobs_are_the_agreed_rows_normalized(monkeypatch):
     ("NVGROUP_TIMEOUT", "abc", "a number of seconds > 0"),
     ("NVGROUP_INIT_TIMEOUT", "-0.5", "a number of seconds > 0"),
     ("NVGROUP_ONE_GPU_GROUP", "yes", "0 or 1"),
+    ("NVGROUP_XLA_START_DONE", "yes", "auto, 0 or 1"),
+    ("NVGROUP_TEST_BUCKET_DELAY_US", "-5", "a number of microseconds >= 0"),
 ])
 def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):
     monkeypatch.setenv(name, raw)
@@ -217,6 +219,8 @@ def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):
     ("NVGROUP_XLA_CUDA_WAIT", None, "stream"), ("NVGROUP_XLA_CUDA_WAIT", "host", "host"),
     ("NVGROUP_LIVENESS_ADDR", "10.1.2.3", "10.1.2.3"), ("NVGROUP_LIVENESS_IFACE", "ib0", "ib0"),
     ("NVGROUP_CYCLE_TIME", "0.5", "0.5"), ("NVGROUP_LOG_LEVEL", "info", "info"),
+    ("NVGROUP_XLA_START_DONE", None, "auto"), ("NVGROUP_XLA_START_DONE", "1", "1"),
+    ("NVGROUP_TEST_BUCKET_DELAY_US", "2000", "2000"),
 ])
 def test_values_parse_into_their_fields(monkeypatch, name, raw, value):
     if raw is None:
