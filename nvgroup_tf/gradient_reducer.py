@@ -55,6 +55,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from nvgroup_tf import bucketing
+from nvgroup_tf import mpi_ops
 
 MiB = 1 << 20
 
@@ -280,12 +281,20 @@ class GradientReducer:
             sizes = [_num_bytes(grads[i], variables[i]) for i in dense]
             dtypes = [tf.as_dtype(grads[i].dtype).name for i in dense]
             dense_paths = [paths[i] for i in dense]
-            for k, bucket in enumerate(self._buckets(sizes, dtypes, dense_paths)):
+            buckets = list(self._buckets(sizes, dtypes, dense_paths))
+            # In an XLA program each bucket's results wait for every other
+            # bucket's gradients (ops/xla_ops.h Note [Start and done], "Done
+            # after"), so backprop runs while the bucket is in flight.
+            in_xla = len(buckets) > 1 and mpi_ops.in_xla_program()
+            for k, bucket in enumerate(buckets):
                 members = [dense[j] for j in bucket]
+                done_after = None
+                if in_xla:
+                    done_after = [grads[dense[j]] for other, b in enumerate(buckets) if other != k for j in b]
                 with tf.device(self.device_dense), tf.name_scope(
                         bucketing.bucket_name(k, [paths[i] for i in members])):
-                    reduced = core.grouped_allreduce(
-                        [grads[i] for i in members], op=op, compression=self.compression,
+                    reduced = mpi_ops.grouped_allreduce_done_after(
+                        [grads[i] for i in members], done_after, op=op, compression=self.compression,
                         prescale_factor=prescale, postscale_factor=postscale, process_set=self.process_set)
                 for i, r in zip(members, reduced):
                     out[i] = r

@@ -174,13 +174,30 @@ def _allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=N
 
 
 def _grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                       process_set=None):
+                       process_set=None, done_after=None):
+    """done_after (XLA programs only): tensors that must exist before XLA may
+    use the results (ops/xla_ops.h Note [Start and done], "Done after")."""
     _check_initialized()
+    if done_after:
+        engine_name, node_name, expected_node = _names("NvgroupXlaGroupedAllreduce", name)
+        return _checked(basics.op_module().nvgroup_xla_grouped_allreduce(
+            tensors, list(done_after), reduce_op=_REDUCE_OP_ATTR[op], prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, tensor_name=engine_name,
+            process_set_id=_process_sets._process_set_id(process_set), name=node_name), expected_node)
     engine_name, node_name, expected_node = _names("NvgroupGroupedAllreduce", name)
     return _checked(basics.op_module().nvgroup_grouped_allreduce(
         tensors, reduce_op=_REDUCE_OP_ATTR[op], prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, tensor_name=engine_name,
         process_set_id=_process_sets._process_set_id(process_set), name=node_name), expected_node)
+
+
+def in_xla_program():
+    """True while tracing a function XLA compiles (tf.function(jit_compile=True),
+    Keras' jit_compile)."""
+    if tf.executing_eagerly():
+        return False
+    from tensorflow.python.ops import control_flow_util
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def _allgather(tensor, name=None, process_set=None):
@@ -243,6 +260,18 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, name=None, process_set=None, ignore_name_scope=False):
     """allreduce of a list of tensors, negotiated and fused as one unit."""
+    return grouped_allreduce_done_after(tensors, None, average=average, device_dense=device_dense,
+                                        device_sparse=device_sparse, compression=compression, op=op,
+                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                        name=name, process_set=process_set)
+
+
+def grouped_allreduce_done_after(tensors, done_after, average=None, device_dense="", device_sparse="",
+                                 compression=Compression.none, op=None, prescale_factor=1.0,
+                                 postscale_factor=1.0, name=None, process_set=None):
+    """grouped_allreduce whose dense results, in an XLA program, are taken only
+    once every tensor of `done_after` exists (None or empty: grouped_allreduce;
+    ops/xla_ops.h Note [Start and done], "Done after")."""
     check_arguments("grouped_allreduce", name=name, op=op, prescale_factor=prescale_factor,
                     postscale_factor=postscale_factor)
     op = _resolve_op(op, average)
@@ -259,7 +288,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
         with tf.device(device_dense):
             compressed = [compression.compress(tensors[i]) for i in dense]
             reduced = _grouped_allreduce([c for c, _ in compressed], op, prescale_factor,
-                                         postscale_factor, name, process_set)
+                                         postscale_factor, name, process_set, done_after=done_after)
             for i, r, (_, ctx) in zip(dense, reduced, compressed):
                 results[i] = compression.decompress(r, ctx)
     return results
@@ -316,6 +345,13 @@ def _grouped_allreduce_grad(op, *grads):
     grads = [tf.zeros_like(op.inputs[i]) if g is None else g for i, g in enumerate(grads)]
     return _checked(basics.op_module().nvgroup_grouped_allreduce(
         grads, tensor_name=name, name=_node_name(name), **_grad_allreduce_args(op)))
+
+
+@tf.RegisterGradient("NvgroupXlaGroupedAllreduce")
+def _xla_grouped_allreduce_grad(op, *grads):
+    """As NvgroupGroupedAllreduce's; the done_after inputs only order, no gradient."""
+    reduced = _grouped_allreduce_grad(op, *grads)
+    return list(reduced) + [None] * (len(op.inputs) - len(op.outputs))
 
 
 @tf.RegisterGradient("NvgroupAllgather")

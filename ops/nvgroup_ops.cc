@@ -33,7 +33,7 @@ absl::Status AllgatherShape(InferenceContext* c) {
 }
 
 absl::Status GroupedShape(InferenceContext* c) {
-  for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+  for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
   return absl::OkStatus();
 }
 
@@ -70,6 +70,30 @@ REGISTER_OP("NvgroupGroupedAllreduce")
     .Doc(R"doc(
 Allreduce of every tensor in `tensors`, negotiated and fused as one unit;
 tensor i is matched across ranks as "<tensor_name>[i]".
+)doc");
+
+// The gradient path's grouped allreduce inside XLA programs (no TF kernel: it
+// exists only to be lowered, ops/xla_ops.h Note [Start and done], "Done
+// after"). The `done_after` tensors are operands of the done only, so XLA
+// cannot take the results before they exist: nvgroup_tf/gradient_reducer.py
+// passes every other bucket's gradients, which puts each bucket's done after
+// the end of backprop and leaves the rest of backprop between start and done.
+REGISTER_OP("NvgroupXlaGroupedAllreduce")
+    .Attr("T: list({half, bfloat16, float, double, int32, int64, uint8, int8, uint16, int16}) >= 1")
+    .Attr("Tafter: list(type) >= 0")
+    .Attr("reduce_op: {'sum', 'average', 'min', 'max', 'product'} = 'sum'")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
+    .Input("tensors: T")
+    .Input("done_after: Tafter")
+    .Output("reduced: T")
+    .SetIsStateful()
+    .SetShapeFn(GroupedShape)
+    .Doc(R"doc(
+NvgroupGroupedAllreduce for XLA programs: the same collective, whose results
+XLA may use only once every `done_after` tensor exists. Compiled only by XLA.
 )doc");
 
 REGISTER_OP("NvgroupAllgather")

@@ -243,10 +243,11 @@ Status DecodeDone(const WireAttributes& wire, ffi::RemainingArgs args, ffi::Rema
   NVG_RETURN_IF_ERROR(DecodeAttributes(wire, &a));
   *name = a.name;
   const size_t n = rets.size();
-  if (n == 0 || args.size() != 2 * n)
+  // Operands past 2n are the done-after tensors (xla_ops.h, "Done after"): order only.
+  if (n == 0 || args.size() < 2 * n)
     return Status::Internal("nvgroup XLA done call '" + a.name + "': " + std::to_string(args.size()) +
                             " operands for " + std::to_string(n) +
-                            " results (want the start's results, then the inputs)");
+                            " results (want the start's results, the inputs, then any done-after tensors)");
   buffers->clear();
   for (size_t i = 0; i < n; ++i) {
     auto from = args.get<ffi::AnyBuffer>(i);
@@ -594,7 +595,8 @@ bool OrderedOperands(XlaOpKernelContext* ctx, std::vector<::xla::XlaOp>* operand
 
 // The pair (Note [Start and done], xla_ops.h): a start taking the inputs and
 // the ordering operand, returning (results..., token); a done taking the
-// start's results and the inputs, returning the results in the start's
+// start's results, the inputs and the done-after operands (inputs
+// [in_shapes.size(), ctx->num_inputs())), returning the results in the start's
 // buffers. The next collective of the computation is ordered after the start.
 std::vector<::xla::XlaOp> EmitStartDone(XlaOpKernelContext* ctx, const CallAttributes& attributes,
                                         std::vector<::xla::Shape> in_shapes,
@@ -620,6 +622,16 @@ std::vector<::xla::XlaOp> EmitStartDone(XlaOpKernelContext* ctx, const CallAttri
   for (const ::xla::XlaOp& in : inputs) done_operands.push_back(in);
   std::vector<::xla::Shape> done_operand_shapes = out_shapes;
   for (const ::xla::Shape& shape : in_shapes) done_operand_shapes.push_back(shape);
+  for (int i = static_cast<int>(in_shapes.size()); i < ctx->num_inputs(); ++i) {  // done after
+    absl::StatusOr<::xla::Shape> shape = builder->GetShape(ctx->Input(i));
+    if (!shape.ok()) {
+      ctx->SetStatus(shape.status());
+      return {};
+    }
+    ::xla::LayoutUtil::SetToDefaultLayout(&shape.value());
+    done_operands.push_back(ctx->Input(i));
+    done_operand_shapes.push_back(*shape);
+  }
   std::vector<std::pair<::xla::ShapeIndex, std::pair<int64_t, ::xla::ShapeIndex>>> aliasing;
   for (size_t i = 0; i < n; ++i)
     aliasing.push_back({tuple ? ::xla::ShapeIndex{static_cast<int64_t>(i)} : ::xla::ShapeIndex{},
@@ -641,7 +653,8 @@ std::vector<::xla::XlaOp> EmitStartDone(XlaOpKernelContext* ctx, const CallAttri
 
 // One custom call: inputs [0, in_shapes.size()) and the ordering operand
 // (CollectiveOrder; the handlers skip it) -> results (a tuple when `tuple`),
-// row-major layouts.
+// row-major layouts. Done-after inputs are not operands of the single call:
+// they would hold its start back.
 std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes& attributes,
                                    std::vector<::xla::Shape> in_shapes,
                                    const std::vector<::xla::Shape>& out_shapes, bool tuple, bool gpu) {
@@ -801,12 +814,18 @@ class CollectiveXlaOp : public XlaOpKernel {
     attributes_.process_set_id = process_set_id;
     attributes_.name = tf_adapter::CollectiveName(*this, tensor_name);
     gpu_ = context->device_type().type_string() == "XLA_GPU_JIT";
+    if (context->HasAttr("Tafter")) {
+      tf::DataTypeVector after;
+      OP_REQUIRES_OK(context, context->GetAttr("Tafter", &after));
+      done_after_ = static_cast<int>(after.size());
+    }
   }
 
   void Compile(XlaOpKernelContext* ctx) override {
     CallAttributes attributes = attributes_;
     const bool alltoall = attributes.type == CollectiveType::kAlltoall;
-    const int n = alltoall ? 1 : ctx->num_inputs();  // alltoall's splits are an attribute
+    // alltoall's splits are an attribute; NvgroupXlaGroupedAllreduce's done_after inputs come last
+    const int n = alltoall ? 1 : ctx->num_inputs() - done_after_;
     std::vector<::xla::Shape> in(n);
     for (int i = 0; i < n; ++i) OP_REQUIRES_OK(ctx, StaticShapeWithLayout(ctx, i, attributes.name, &in[i]));
     std::vector<::xla::Shape> out = in;
@@ -850,6 +869,7 @@ class CollectiveXlaOp : public XlaOpKernel {
 
   CallAttributes attributes_;
   bool gpu_ = false;  // compiled for XLA_GPU_JIT (LowerToStartDone)
+  int done_after_ = 0;  // trailing inputs that only order the done (NvgroupXlaGroupedAllreduce)
 };
 
 template <CollectiveType kType>
@@ -860,6 +880,7 @@ class XlaOpOf : public CollectiveXlaOp {
 
 REGISTER_XLA_OP(Name("NvgroupAllreduce"), XlaOpOf<CollectiveType::kAllreduce>);
 REGISTER_XLA_OP(Name("NvgroupGroupedAllreduce"), XlaOpOf<CollectiveType::kAllreduce>);
+REGISTER_XLA_OP(Name("NvgroupXlaGroupedAllreduce"), XlaOpOf<CollectiveType::kAllreduce>);
 REGISTER_XLA_OP(Name("NvgroupAllgather"), XlaOpOf<CollectiveType::kAllgather>);
 REGISTER_XLA_OP(Name("NvgroupGroupedAllgather"), XlaOpOf<CollectiveType::kAllgather>);
 REGISTER_XLA_OP(Name("NvgroupBroadcast"), XlaOpOf<CollectiveType::kBroadcast>);

@@ -53,6 +53,19 @@
 //    a failed enqueue) fails the done on every rank, as the single call
 //    does. A start the engine refuses fails at once.
 //
+// Done after. SCHEDULE_LATEST puts a done just before its first user, and
+// XLA's memory scheduler puts the optimizer update of a bucket's variables
+// right after that bucket's gradients (it frees them): measured on one H200
+// (benchmarks/xla_overlap_bench.py, Keras ResNet-50), every done sat right
+// after its start with only the results' get-tuple-elements between, so
+// nothing overlapped. The gradient path therefore lowers through
+// NvgroupXlaGroupedAllreduce (ops/nvgroup_ops.cc), whose trailing
+// `done_after` inputs are operands of the done only (the handlers skip
+// them): nvgroup_tf/gradient_reducer.py passes every other bucket's
+// gradients, so no done can run before the last gradient of backprop exists
+// and the backprop work after a bucket's gradients lies between its start and
+// done. The single call ignores them (as operands they would hold it back).
+//
 // Order. Each single-call handler blocks its XLA thread at least until every
 // rank has submitted its collective (the host handler until it completed; the
 // CUDA handler until the engine enqueued it, xla_ops_gpu.cc), and a done waits

@@ -387,6 +387,47 @@ def section_fit(c, digest):
         tape_step(xr[s * B:(s + 1) * B], yr[s * B:(s + 1) * B])
     got = model.get_weights()
     agree(got, init, "tape")
+
+    c.section("done after: with several buckets each done takes every other bucket's gradients")
+    # ops/xla_ops.h Note [Start and done], "Done after": one bucket per gradient
+    # (bucket_cap_bytes=0), so each bucket's done must take its start's result,
+    # its input, and the other buckets' gradients; a single call takes its input
+    # and the ordering operand only.
+    one_per_gradient_model = model_fn()
+
+    @tf.function(jit_compile=True)
+    def per_gradient_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(one_per_gradient_model(xb) - yb))
+        tape = hvdk.DistributedGradientTape(tape, bucket_cap_bytes=0)
+        return tape.gradient(loss, one_per_gradient_model.trainable_variables)
+
+    text = hlo_of(per_gradient_step, xr[:B], yr[:B])
+    variables = len(one_per_gradient_model.trainable_variables)
+    calls = [m.group(1) for m in re.finditer(r"custom-call\((.*?)\), custom_call_target=\"nvgroup_collective"
+                                              r"(?:_done)?\"", text)]
+    pair = calls_per_collective() == 2
+    operands = sorted(len(re.findall(r"%?[\w.\-]+(?:, |$)", ops)) for ops in calls)
+    if pair:
+        dones = [m.group(1) for m in re.finditer(r"custom-call\((.*?)\), custom_call_target=\"nvgroup_collective_done\"",
+                                                 text)]
+        counts = sorted(len(re.findall(r"%?[\w.\-]+(?:, |$)", ops)) for ops in dones)
+        c.check(counts == [2 + variables - 1] * variables,
+                "done operands %s, want %d per done (result, input, the other %d gradients):\n%s"
+                % (counts, 2 + variables - 1, variables - 1, text[:6000]))
+    else:
+        c.check(operands == [2] * variables, "single-call operands %s, want 2 each (input, order)" % operands)
+    reduced = per_gradient_step(xr[:B], yr[:B])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(one_per_gradient_model(xr[:B]) - yr[:B]))
+    local = tape.gradient(loss, one_per_gradient_model.trainable_variables)
+    mine = [to_numpy(g).astype(np.float64) for g in local]
+    everyone = hvd.allgather_object(mine)
+    for i, g in enumerate(reduced):
+        expected = sum(e[i] for e in everyone) / n
+        c.check(np.allclose(to_numpy(g), expected, rtol=1e-5, atol=1e-6),
+                "done-after gradient %d: max |diff| %g vs the float64 average of the ranks' gradients"
+                % (i, np.max(np.abs(to_numpy(g) - expected))))
     for i, (a, e) in enumerate(zip(got, reference_weights(init))):
         c.check(np.allclose(a, e, rtol=2e-5, atol=1e-6), "tape weight %d: max |diff| %g vs the single-process fit"
                 % (i, np.max(np.abs(a - e))))
