@@ -4,8 +4,11 @@ The op library and its C entry points are loaded by nvgroup_tf/op_library.py
 (Note [One engine per process] there); process sets live in process_sets.py,
 which init() and shutdown() call into (that module does not import this one).
 """
+from __future__ import annotations
+
 import atexit
 import os
+from typing import Any, Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -18,7 +21,7 @@ _init_comm = None  # what the last init() got; nvgroup_tf.elastic re-initializes
 _atexit_registered = False
 
 
-def init(comm=None, process_sets=None):
+def init(comm: Any = None, process_sets: Optional[Sequence[_process_sets.ProcessSet]] = None) -> None:
     """Initializes nvgroup_tf over `comm` (an mpi4py communicator; None = COMM_WORLD).
 
     Collective: every rank of the communicator must call it. Initializes MPI
@@ -65,7 +68,7 @@ def _process_set_rank(process_set_id):
     return r
 
 
-def shutdown():
+def shutdown() -> None:
     """Stops the engine; collectives in flight fail with tf.errors.AbortedError."""
     handle, _ = _load()
     _call("nvgroup_tf.shutdown", handle.nvgroup_tf_shutdown)
@@ -84,45 +87,45 @@ def _shutdown_at_exit():
         print("nvgroup_tf: at exit: %s" % e, flush=True)
 
 
-def is_initialized():
+def is_initialized() -> bool:
     handle, _ = _load()
     return bool(handle.nvgroup_tf_is_initialized())
 
 
-def rank():
+def rank() -> int:
     """This process's rank in the communicator given to init()."""
     return _topology("rank")
 
 
-def size():
+def size() -> int:
     return _topology("size")
 
 
-def local_rank():
+def local_rank() -> int:
     """Rank among the processes of this node."""
     return _topology("local_rank")
 
 
-def local_size():
+def local_size() -> int:
     return _topology("local_size")
 
 
-def cross_rank():
+def cross_rank() -> int:
     """Index of this node."""
     return _topology("cross_rank")
 
 
-def cross_size():
+def cross_size() -> int:
     """Number of nodes."""
     return _topology("cross_size")
 
 
-def is_homogeneous():
+def is_homogeneous() -> bool:
     """True when every node runs the same number of ranks (agreed by all ranks at init)."""
     return bool(_topology("is_homogeneous"))
 
 
-def mpi_threads_supported():
+def mpi_threads_supported() -> bool:
     """True when MPI provides MPI_THREAD_MULTIPLE (init() asks for it unless MPI was
     initialized before, e.g. by mpi4py)."""
     return bool(_topology("mpi_threads_supported"))
@@ -133,33 +136,33 @@ def mpi_threads_supported():
 # built before init() reports the engine it runs against. Before init() the op
 # fails with tf.errors.FailedPreconditionError when it runs.
 
-def rank_op(name=None):
+def rank_op(name: Optional[str] = None) -> tf.Tensor:
     """An int32 scalar op: this process's rank, read at execution time."""
     return op_module().nvgroup_rank(name=name)
 
 
-def size_op(process_set_id=0, name=None):
+def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
     """An int32 scalar op: the number of ranks of the process set (0 = all ranks),
     read at execution time; an unknown set fails with InvalidArgumentError then."""
     return op_module().nvgroup_size(process_set_id=int(process_set_id), name=name)
 
 
-def local_rank_op(name=None):
+def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
     """An int32 scalar op: the rank on this node, read at execution time."""
     return op_module().nvgroup_local_rank(name=name)
 
 
-def local_size_op(name=None):
+def local_size_op(name: Optional[str] = None) -> tf.Tensor:
     """An int32 scalar op: the number of ranks on this node, read at execution time."""
     return op_module().nvgroup_local_size(name=name)
 
 
-def cross_rank_op(name=None):
+def cross_rank_op(name: Optional[str] = None) -> tf.Tensor:
     """An int32 scalar op: the index of this node, read at execution time."""
     return op_module().nvgroup_cross_rank(name=name)
 
 
-def cross_size_op(name=None):
+def cross_size_op(name: Optional[str] = None) -> tf.Tensor:
     """An int32 scalar op: the number of nodes, read at execution time."""
     return op_module().nvgroup_cross_size(name=name)
 
@@ -171,7 +174,7 @@ for _op_name in ("NvgroupRank", "NvgroupSize", "NvgroupLocalRank", "NvgroupLocal
 
 # ---- Timeline at run time ----------------------------------------------------
 
-def start_timeline(file_path, mark_cycles=False):
+def start_timeline(file_path: Union[str, os.PathLike], mark_cycles: bool = False) -> None:
     """Starts writing the Chrome-trace timeline to `file_path` (rank 0 writes, as with
     NVGROUP_TIMELINE; an open timeline is closed first). mark_cycles=True adds a
     CYCLE_START instant event for every engine cycle that runs collectives.
@@ -185,7 +188,7 @@ def start_timeline(file_path, mark_cycles=False):
           os.fsencode(file_path), 1 if mark_cycles else 0)
 
 
-def stop_timeline():
+def stop_timeline() -> None:
     """Stops the timeline and closes its file (valid JSON once this returns).
     Raises ValueError before init()."""
     handle, _ = _load()
@@ -195,45 +198,45 @@ def stop_timeline():
 
 
 # Build information, under the names Horovod users query.
-def mpi_built():
+def mpi_built() -> bool:
     return True
 
 
-def mpi_enabled():
+def mpi_enabled() -> bool:
     return True
 
 
-def gloo_built():
+def gloo_built() -> bool:
     return False
 
 
-def gloo_enabled():
+def gloo_enabled() -> bool:
     return False
 
 
-def nccl_built():
+def nccl_built() -> bool:
     return False
 
 
-def rocm_built():
+def rocm_built() -> bool:
     return False
 
 
-def ddl_built():
+def ddl_built() -> bool:
     return False
 
 
-def ccl_built():
+def ccl_built() -> bool:
     return False
 
 
-def sycl_built():
+def sycl_built() -> bool:
     # Horovod added it after 0.28.1; its current examples call it to choose
     # between "XPU" and "GPU" devices.
     return False
 
 
-def cuda_built():
+def cuda_built() -> bool:
     """True when the op library carries the DEVICE_GPU kernels."""
     handle, _ = _load()
     return bool(handle.nvgroup_tf_cuda_built())

@@ -11,15 +11,27 @@ optimizer's, as Horovod's. `minimize` goes through both. Gradient
 accumulation (backward_passes_per_step > 1) is not implemented for TF1
 optimizers and raises NotImplementedError at construction.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
 import tensorflow as tf
 
 from nvgroup_tf.gradient_reducer import GradientReducer, ReduceOptions
 
+if TYPE_CHECKING:
+    from nvgroup_tf.compression import Compressor
+    from nvgroup_tf.process_sets import ProcessSet
 
-def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
-                         compression=None, sparse_as_dense=False, backward_passes_per_step=1, op=None,
-                         gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0,
-                         groups=None, process_set=None, scale_local_gradients=True, bucket_cap_bytes=None):
+
+def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking: bool = False,
+                         device_dense: str = "", device_sparse: str = "",
+                         compression: Optional[type[Compressor]] = None, sparse_as_dense: bool = False,
+                         backward_passes_per_step: int = 1, op: Optional[int] = None,
+                         gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
+                         num_groups: int = 0, groups: Optional[Union[int, Sequence[Sequence[tf.Variable]]]] = None,
+                         process_set: Optional[ProcessSet] = None, scale_local_gradients: bool = True,
+                         bucket_cap_bytes: Optional[int] = None) -> Any:
     """Wraps `optimizer` (a tf.compat.v1.train.Optimizer or a Keras optimizer) so
     gradients are reduced across ranks before they are applied. Arguments as
     horovod.tensorflow.DistributedOptimizer's (compression=Compression.none and

@@ -7,7 +7,10 @@ broadcast_global_variables / broadcast_variables return the op to run.
 Objects travel pickled (cloudpickle when installed, as Horovod uses, else the
 standard pickle: lambdas and local classes then need cloudpickle).
 """
+from __future__ import annotations
+
 import io
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -15,6 +18,9 @@ import tensorflow as tf
 from nvgroup_tf import basics
 from nvgroup_tf.mpi_ops import allgather, broadcast, broadcast_
 from nvgroup_tf.util import _executing_eagerly
+
+if TYPE_CHECKING:
+    from nvgroup_tf.process_sets import ProcessSet
 
 try:
     import cloudpickle as _pickle
@@ -27,8 +33,8 @@ def _variable_name(variable):
     return getattr(variable, "path", None) or getattr(variable, "name", "variable")
 
 
-def broadcast_variables(variables, root_rank, process_set=None, inplace=False,
-                        name="broadcast_variables"):
+def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int, process_set: Optional[ProcessSet] = None,
+                        inplace: bool = False, name: str = "broadcast_variables") -> Optional[tf.Operation]:
     """Assigns every variable the value it has on `root_rank` (a global rank),
     over `process_set` (default: all ranks); inplace=True goes through
     broadcast_ (Horovod's in-place variant; the same values).
@@ -54,7 +60,7 @@ def broadcast_variables(variables, root_rank, process_set=None, inplace=False,
     return tf.group(*assigns)
 
 
-def broadcast_global_variables(root_rank):
+def broadcast_global_variables(root_rank: int) -> tf.Operation:
     """Broadcasts every global variable (tf.compat.v1.global_variables()) from
     root_rank; returns the op to run. Graph mode only, as with Horovod: TF2
     eager code has no global-variable collection, so eagerly this raises
@@ -90,7 +96,8 @@ def _loads(array):
     return _pickle.loads(np.asarray(array, dtype=np.uint8).tobytes())
 
 
-def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=None):
+def broadcast_object(obj: Any, root_rank: int = 0, session: Optional[tf.compat.v1.Session] = None,
+                     name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Any:
     """Any picklable object of `root_rank` (a global rank), on every rank of
     `process_set` (default: all ranks). Horovod's broadcast_object.
 
@@ -113,7 +120,8 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=None
     return obj if basics.rank() == root_rank else _loads(data)
 
 
-def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=None):
+def broadcast_object_fn(root_rank: int = 0, session: Optional[tf.compat.v1.Session] = None,
+                        name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Callable[[Any], Any]:
     """A function obj -> broadcast_object(obj) whose collectives are built once.
 
     Graph mode (Horovod's use, e.g. TF1 elastic state): two broadcasts of
@@ -147,7 +155,8 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=None):
     return _broadcast
 
 
-def allgather_object(obj, session=None, name=None, process_set=None):
+def allgather_object(obj: Any, session: Optional[tf.compat.v1.Session] = None, name: Optional[str] = None,
+                     process_set: Optional[ProcessSet] = None) -> list[Any]:
     """List of the picklable `obj` of every rank of `process_set` (default: all
     ranks), in rank order (Horovod's allgather_object). `name` defaults to the
     object's type name ("<name>.sz", "<name>.t")."""
@@ -169,7 +178,7 @@ if hasattr(tf.compat.v1.train, "SessionRunHook"):
         once the session is created (Horovod's hook of the same name, for
         MonitoredTrainingSession)."""
 
-        def __init__(self, root_rank, device=""):
+        def __init__(self, root_rank: int, device: str = "") -> None:
             super().__init__()
             self.root_rank = root_rank
             self.device = device

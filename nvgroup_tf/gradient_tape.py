@@ -17,15 +17,26 @@ structure. `register_local_source(var)` / PartialDistributedGradientTape's
 `local_layers` keep some gradients local (Horovod); `get_local_and_global_gradients`
 returns the local and the reduced (source, gradient) pairs apart.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
 import tensorflow as tf
 
 from nvgroup_tf.gradient_reducer import GradientReducer, ReduceOptions, local_layers_variables
 
+if TYPE_CHECKING:
+    from nvgroup_tf.compression import Compressor
+    from nvgroup_tf.process_sets import ProcessSet
 
-def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
-                            sparse_as_dense=False, op=None, gradient_predivide_factor=1.0, num_groups=0,
-                            groups=None, process_set=None, scale_local_gradients=True,
-                            bucket_cap_bytes=None, persistent=None, watch_accessed_variables=None):
+
+def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                            compression: Optional[type[Compressor]] = None, sparse_as_dense: bool = False,
+                            op: Optional[int] = None, gradient_predivide_factor: float = 1.0,
+                            num_groups: int = 0, groups: Optional[Union[int, Sequence[Sequence[tf.Variable]]]] = None,
+                            process_set: Optional[ProcessSet] = None, scale_local_gradients: bool = True,
+                            bucket_cap_bytes: Optional[int] = None, persistent: Optional[bool] = None,
+                            watch_accessed_variables: Optional[bool] = None) -> tf.GradientTape:
     """Wraps `gradtape`. Arguments as Horovod's (compression defaults to
     Compression.none, op to Average; op must be Average or Sum; process_set:
     None, the global set or a registered ProcessSet), plus bucket_cap_bytes as DistributedOptimizer's."""
@@ -60,10 +71,13 @@ def distribute_tape(gradtape, options, persistent=None, watch_accessed_variables
     return tape
 
 
-def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
-                                   sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
-                                   num_groups=0, groups=None, process_set=None, local_layers=None,
-                                   scale_local_gradients=True, bucket_cap_bytes=None):
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                                   compression: Optional[type[Compressor]] = None,
+                                   sparse_as_dense: bool = False, op: Optional[int] = None,
+                                   gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                                   groups: Optional[Union[int, Sequence[Sequence[tf.Variable]]]] = None, process_set: Optional[ProcessSet] = None,
+                                   local_layers: Any = None, scale_local_gradients: bool = True,
+                                   bucket_cap_bytes: Optional[int] = None) -> tf.GradientTape:
     """Horovod's PartialDistributedGradientTape: the trainable weights of
     `local_layers` (a Keras layer or a list of them) keep local gradients."""
     local_vars = local_layers_variables(local_layers)

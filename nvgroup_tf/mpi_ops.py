@@ -46,10 +46,13 @@ function's control outputs, so it always runs, and gives it no control edges,
 so it starts as soon as its inputs exist) -- the treatment TF gives its own
 collectives (CollectiveReduce & co. in auto_control_deps.ASYNC_STATEFUL_OPS).
 """
+from __future__ import annotations
+
 import collections
 import re
 import threading
 import warnings
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -58,6 +61,9 @@ from nvgroup_tf import process_sets as _process_sets
 from nvgroup_tf._validation import check_arguments
 from nvgroup_tf.compression import Compression
 from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE
+
+if TYPE_CHECKING:
+    from nvgroup_tf.compression import Compressor
 
 # Horovod's horovod.tensorflow.mpi_ops._basics (its HorovodBasics object), which
 # Horovod's process-set tests call: here the basics module, which has those methods.
@@ -236,9 +242,11 @@ def _sparse_allreduce(slices, op, prescale_factor, postscale_factor, name, proce
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
-def allreduce(tensor, average=None, device_dense="", device_sparse="",
-              compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, name=None, process_set=None, ignore_name_scope=False):
+def allreduce(tensor: Union[tf.Tensor, tf.IndexedSlices], average: Optional[bool] = None, device_dense: str = "",
+              device_sparse: str = "", compression: type[Compressor] = Compression.none,
+              op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              name: Optional[str] = None, process_set: Optional[_process_sets.ProcessSet] = None,
+              ignore_name_scope: bool = False) -> Union[tf.Tensor, tf.IndexedSlices]:
     """Reduces `tensor` over all ranks (default op: Average).
 
     prescale_factor multiplies the input before the reduction, postscale_factor
@@ -256,9 +264,12 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
         return compression.decompress(reduced, ctx)
 
 
-def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
-                      compression=Compression.none, op=None, prescale_factor=1.0,
-                      postscale_factor=1.0, name=None, process_set=None, ignore_name_scope=False):
+def grouped_allreduce(tensors: Sequence[Union[tf.Tensor, tf.IndexedSlices]], average: Optional[bool] = None,
+                      device_dense: str = "", device_sparse: str = "",
+                      compression: type[Compressor] = Compression.none, op: Optional[int] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      name: Optional[str] = None, process_set: Optional[_process_sets.ProcessSet] = None,
+                      ignore_name_scope: bool = False) -> list[Union[tf.Tensor, tf.IndexedSlices]]:
     """allreduce of a list of tensors, negotiated and fused as one unit."""
     return grouped_allreduce_done_after(tensors, None, average=average, device_dense=device_dense,
                                         device_sparse=device_sparse, compression=compression, op=op,
@@ -294,14 +305,16 @@ def grouped_allreduce_done_after(tensors, done_after, average=None, device_dense
     return results
 
 
-def allgather(tensor, name=None, process_set=None, ignore_name_scope=False):
+def allgather(tensor: tf.Tensor, name: Optional[str] = None, process_set: Optional[_process_sets.ProcessSet] = None,
+              ignore_name_scope: bool = False) -> tf.Tensor:
     """Concatenates every rank's `tensor` along dimension 0, in rank order.
     First dimensions may differ across ranks."""
     check_arguments("allgather", name=name)
     return _allgather(tensor, name, process_set)
 
 
-def broadcast(tensor, root_rank, name=None, process_set=None, ignore_name_scope=False):
+def broadcast(tensor: tf.Tensor, root_rank: int, name: Optional[str] = None, process_set: Optional[_process_sets.ProcessSet] = None,
+              ignore_name_scope: bool = False) -> tf.Tensor:
     """`tensor` of rank `root_rank` (a global rank, also with a process set), on every rank."""
     _check_initialized()
     check_arguments("broadcast", name=name, root_rank=root_rank, size=basics.size())
@@ -423,9 +436,10 @@ def _reducescatter(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, na
         process_set_id=_process_sets._process_set_id(process_set), name=node_name), expected_node)
 
 
-def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
-                  process_set=None, ignore_name_scope=False, prescale_factor=1.0,
-                  postscale_factor=1.0):
+def reducescatter(tensor: tf.Tensor, device_dense: str = "", compression: type[Compressor] = Compression.none,
+                  op: int = Average, name: Optional[str] = None, process_set: Optional[_process_sets.ProcessSet] = None,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduces `tensor` over the ranks (op Sum or Average, default Average) and
     scatters dimension 0: rank r gets rows [sum_{k<r} n_k, ... + n_r) with
     n_k = dim0 // size + (1 if k < dim0 % size else 0), as Horovod splits it."""
@@ -437,9 +451,11 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
         return compression.decompress(reduced, ctx)
 
 
-def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
-                          name=None, process_set=None, ignore_name_scope=False,
-                          prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter(tensors: Sequence[tf.Tensor], device_dense: str = "",
+                          compression: type[Compressor] = Compression.none, op: int = Average,
+                          name: Optional[str] = None, process_set: Optional[_process_sets.ProcessSet] = None,
+                          ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[tf.Tensor]:
     """reducescatter of a list of tensors, negotiated as one unit."""
     check_arguments("grouped_reducescatter", name=name, prescale_factor=prescale_factor,
                     postscale_factor=postscale_factor)
@@ -458,7 +474,9 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
         return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
 
 
-def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=None):
+def alltoall(tensor: tf.Tensor, splits: Optional[Union[Sequence[int], tf.Tensor]] = None,
+             name: Optional[str] = None, ignore_name_scope: bool = False,
+             process_set: Optional[_process_sets.ProcessSet] = None) -> Union[tf.Tensor, tuple[tf.Tensor, tf.Tensor]]:
     """Sends rows [sum(splits[:r]), sum(splits[:r+1])) of `tensor` to rank r and
     returns the rows every rank sent here, concatenated in rank order. Without
     `splits`, dimension 0 is split evenly (it must divide by the number of
@@ -475,7 +493,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     return (output, received) if splits is not None else output
 
 
-def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=None):
+def grouped_allgather(tensors: Sequence[tf.Tensor], name: Optional[str] = None,
+                      ignore_name_scope: bool = False, process_set: Optional[_process_sets.ProcessSet] = None) -> list[tf.Tensor]:
     """allgather of a list of tensors, negotiated as one unit."""
     check_arguments("grouped_allgather", name=name)
     _check_initialized()
@@ -488,7 +507,8 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=N
         name=node_name), expected_node)
 
 
-def broadcast_(variables, root_rank, name=None, process_set=None):
+def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: Optional[str] = None,
+               process_set: Optional[_process_sets.ProcessSet] = None) -> list[tf.Tensor]:
     """Broadcasts `variables` from `root_rank` in place (Horovod's broadcast_):
     every variable is assigned the root's value; returns their new values."""
     _check_initialized()
@@ -502,7 +522,7 @@ def broadcast_(variables, root_rank, name=None, process_set=None):
         return [tf.identity(var.read_value()) for var in variables]
 
 
-def join():
+def join() -> tf.Tensor:
     """This rank has run out of data (Horovod's join): until every rank joined,
     the other ranks' allreduces (and reducescatters) complete with this rank
     contributing zeros (Average still divides by the full size); any other
@@ -512,7 +532,7 @@ def join():
     return _checked(basics.op_module().nvgroup_join())
 
 
-def process_set_included_op(process_set_id=0, name=None):
+def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
     """1 if this rank belongs to process set `process_set_id`, 0 if not; -1 before
     init and -3 for an unknown set (Horovod's error codes), at run time."""
     return _checked(basics.op_module().nvgroup_process_set_included(process_set_id=process_set_id, name=name))

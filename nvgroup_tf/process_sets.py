@@ -20,8 +20,11 @@ init(process_sets=[...]) again while initialized (as Horovod allows): a set
 whose ranks are already registered takes that registration's id (no error);
 a set of new ranks raises ValueError (register it with add_process_set).
 """
+from __future__ import annotations
+
 import ctypes
 import threading
+from typing import Any, Optional, Sequence, Union
 
 from nvgroup_tf import op_library
 from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE, raise_for_status
@@ -39,7 +42,7 @@ class ProcessSet:
     or add_process_set), 0 for global_process_set.
     """
 
-    def __init__(self, ranks_or_comm):
+    def __init__(self, ranks_or_comm: Union[Sequence[int], Any]) -> None:
         if hasattr(ranks_or_comm, "Get_group") and hasattr(ranks_or_comm, "py2f"):
             from mpi4py import MPI
             group = ranks_or_comm.Get_group()
@@ -61,7 +64,7 @@ class ProcessSet:
             raise ValueError("%r is not registered: pass it to nvgroup_tf.init(process_sets=...) or "
                              "nvgroup_tf.add_process_set()" % (self,))
 
-    def size(self):
+    def size(self) -> Optional[int]:
         """Number of ranks in the set (None before registration)."""
         if self.process_set_id is None:
             return None
@@ -69,14 +72,14 @@ class ProcessSet:
             return op_library._topology("size")
         return len(self.ranks)
 
-    def rank(self):
+    def rank(self) -> Optional[int]:
         """This process's rank within the set; None if not a member or not registered."""
         if self.process_set_id is None:
             return None
         r = _process_set_rank(self.process_set_id)
         return None if r < 0 else r
 
-    def included(self):
+    def included(self) -> Optional[bool]:
         """True if this process belongs to the set (None before registration)."""
         if self.process_set_id is None:
             return None
@@ -135,7 +138,7 @@ def _process_set_ranks(process_set_id):
     return list(ranks[:count.value])
 
 
-def add_process_set(process_set):
+def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     """Registers `process_set` (a ProcessSet or a sequence of ranks) and returns
     the registered ProcessSet. Collective over all ranks (members or not), which
     must pass the same ranks."""
@@ -154,7 +157,7 @@ def add_process_set(process_set):
     return process_set
 
 
-def remove_process_set(process_set):
+def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregisters `process_set` (collective over all ranks); its collectives in
     flight fail with tf.errors.AbortedError. Returns True if it was removed
     (False for the global set or a set that is not registered, as Horovod)."""

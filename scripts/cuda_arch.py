@@ -23,7 +23,8 @@ def parse_archs(spec):
         if not re.fullmatch(r"[1-9][0-9]{1,2}[af]?", s):
             raise ValueError("NVGROUP_CUDA_ARCH: %r is not a compute capability like 70, 90 or 90a "
                              "(list them separated by ';')" % s)
-    key = lambda s: (int(re.match(r"\d+", s).group()), s)
+    def key(s):
+        return (int(re.match(r"\d+", s).group()), s)
     return sorted(set(items), key=key)
 
 

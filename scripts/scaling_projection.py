@@ -170,7 +170,8 @@ def main():
     a = p.parse_args()
 
     kx, ky, curve_meta = group_curve(os.path.join(REPO, MEASURED["group_step_curve"]["file"]))
-    kernel = lambda b: interp(kx, ky, b)
+    def kernel(b):
+        return interp(kx, ky, b)
     MEASURED["group_step_curve"]["date"] = curve_meta.get("date")
     precisions = {}
     for key, label in (("step_mixed", "mixed precision, batch 256"), ("step_fp32", "fp32, batch 128")):

@@ -23,6 +23,10 @@ if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then apt_install pytho
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 PY=.venv/bin/python
 $PY -m pip install -q tensorflow-cpu==2.21.0 mpi4py==4.1.2 numpy pybind11 pytest hypothesis matplotlib
+# The checks' tools: ruff (scripts/test.sh lints with it), pytest-xdist (`pytest
+# -n N` in the README) and clang-format (scripts/format_check.sh); pinned, since
+# another version can report or format differently.
+$PY -m pip install -q ruff==0.17.6 pytest-xdist==3.8.0 clang-format==21.1.8
 # Legacy Keras for TF_USE_LEGACY_KERAS=1 (Keras side; one line, --no-deps):
 $PY -m pip install -q --no-deps tf-keras==2.21.0
 

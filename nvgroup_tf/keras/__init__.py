@@ -6,6 +6,10 @@ callbacks (also reachable as hvd.callbacks.X), so a Horovod Keras script ports
 by changing its import line. Works with Keras 3 (tf.keras in TF >= 2.16) and,
 under TF_USE_LEGACY_KERAS=1, with tf_keras.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
 import tensorflow as tf
 
 import nvgroup_tf as _core
@@ -22,11 +26,17 @@ from nvgroup_tf.keras import compat as _compat  # noqa: E402
 # experimental_run_tf_function, opt.variables(), opt.lr): nvgroup_tf/keras/compat.py.
 _compat.install()
 
+if TYPE_CHECKING:
+    import os
+
+    from nvgroup_tf.compression import Compressor
+
 
 # Horovod's Keras-level collectives take a value (numpy, Python or tensor) and
 # `name` names the constant made from it (as in horovod.tensorflow.keras).
-def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
-              compression=Compression.none):
+def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0, op: Optional[int] = None,
+              compression: type[Compressor] = Compression.none) -> tf.Tensor:
     """Horovod's keras allreduce(value, name=None, average=None, ...): the value
     reduced over ranks (Average unless op or average=False says otherwise)."""
     if op is not None and average is not None:
@@ -37,17 +47,17 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
                            postscale_factor=postscale_factor, compression=compression)
 
 
-def allgather(value, name=None):
+def allgather(value: Any, name: Optional[str] = None) -> tf.Tensor:
     """Horovod's keras allgather(value, name=None)."""
     return _core.allgather(tf.constant(value, name=name))
 
 
-def broadcast(value, root_rank, name=None):
+def broadcast(value: Any, root_rank: int, name: Optional[str] = None) -> tf.Tensor:
     """Horovod's keras broadcast(value, root_rank, name=None)."""
     return _core.broadcast(tf.constant(value, name=name), root_rank)
 
 
-def broadcast_global_variables(root_rank):
+def broadcast_global_variables(root_rank: int) -> tf.Operation:
     """Broadcasts all global variables from root_rank (TF1-style graph mode).
 
     TF2 eager code has no global-variable collection: use
@@ -61,7 +71,9 @@ def broadcast_global_variables(root_rank):
                                name="nvg_broadcast_global_variables")
 
 
-def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=None, **kwargs):
+def load_model(filepath: Union[str, os.PathLike], custom_optimizers: Optional[Sequence[type]] = None,
+               custom_objects: Optional[dict[str, Any]] = None, compression: Optional[type[Compressor]] = None,
+               **kwargs: Any) -> Any:
     """Loads a Keras model saved with model.save() (Horovod's hvd.load_model):
     its optimizer comes back distributed, with the saved state (iterations,
     moments). A DistributedOptimizer saved by nvgroup_tf is rebuilt as one; a
@@ -99,7 +111,7 @@ from nvgroup_tf.process_sets import (ProcessSet, add_process_set,  # noqa: E402,
                                      global_process_set, remove_process_set)
 
 
-def reducescatter(value, name=None, op=Average):
+def reducescatter(value: Any, name: Optional[str] = None, op: int = Average) -> tf.Tensor:
     """Horovod's keras reducescatter(value, name=None, op=Average): `value`
     (numpy, Python or tensor; `name` names its constant) reduced over ranks,
     this rank's share of dimension 0."""

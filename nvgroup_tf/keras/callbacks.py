@@ -13,6 +13,10 @@ tf_keras under TF_USE_LEGACY_KERAS=1, so one module serves both.
     initial_lr / size to initial_lr over warmup_epochs ("Accurate, Large
     Minibatch SGD", Goyal et al. 2017, as Horovod does).
 """
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
 import numpy as np
 import tensorflow as tf
 
@@ -62,7 +66,8 @@ class BroadcastGlobalVariablesCallback(_Callback):
     slots of those variables stay local too.
     """
 
-    def __init__(self, root_rank=0, device="", local_variables=None):
+    def __init__(self, root_rank: int = 0, device: str = "",
+                 local_variables: Optional[Sequence[tf.Variable]] = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.device = device
@@ -141,7 +146,7 @@ class MetricAverageCallback(_Callback):
     ranks (one allreduce of all metrics, in sorted-name order, so every rank
     sends the same layout). Place it before callbacks that read the metrics."""
 
-    def __init__(self, device=""):
+    def __init__(self, device: str = "") -> None:
         super().__init__()
         self.device = device
 
@@ -177,8 +182,10 @@ class LearningRateScheduleCallback(_Callback):
     there it is left alone.
     """
 
-    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
-                 momentum_correction=True, steps_per_epoch=None, verbose=0):
+    def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]],
+                 start_epoch: int = 0, end_epoch: Optional[int] = None, staircase: bool = True,
+                 momentum_correction: bool = True, steps_per_epoch: Optional[int] = None,
+                 verbose: int = 0) -> None:
         super().__init__()
         self.initial_lr = float(initial_lr)
         if callable(multiplier):
@@ -243,8 +250,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     on a round number: e = epoch + (batch + 1) / steps_per_epoch), the
     multiplier is (e * (size - 1) / warmup_epochs + 1) / size."""
 
-    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None,
-                 verbose=0):
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
+                 steps_per_epoch: Optional[int] = None, verbose: int = 0) -> None:
         def multiplier(epoch):
             epoch += 1.0 / self.steps_per_epoch
             n = core.size()
@@ -271,8 +278,9 @@ class BestModelCheckpoint(tf.keras.callbacks.ModelCheckpoint):
     runs it writes: pass it on rank 0 only unless the path differs per rank.
     """
 
-    def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto",
-                 save_freq="epoch", filepath=None):
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, save_weights_only: bool = False,
+                 mode: str = "auto", save_freq: Union[str, int] = "epoch",
+                 filepath: Optional[str] = None) -> None:
         # Keras 3 checks the file suffix in the constructor; an unset path is
         # checked when training starts instead.
         placeholder = "best_model.weights.h5" if save_weights_only else "best_model.keras"

@@ -49,9 +49,17 @@ run the reduction inside the XLA program, and the default jit_compile="auto"
 resolves exactly as Keras decides without nvgroup_tf (on where a GPU is
 visible, off on CPU-only machines).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
 import tensorflow as tf
 
 from nvgroup_tf.gradient_reducer import GradientReducer, LocalAggregator, ReduceOptions, local_layers_variables
+
+if TYPE_CHECKING:
+    from nvgroup_tf.compression import Compressor
+    from nvgroup_tf.process_sets import ProcessSet
 
 _DISTRIBUTED_MARK = "_nvg_is_distributed"
 
@@ -310,10 +318,13 @@ def _is_tf_keras_optimizer(optimizer) -> bool:
         c.__module__.startswith("tf_keras.") for c in type(optimizer).__mro__)
 
 
-def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
-                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=None,
-                         backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
-                         groups=None, process_set=None, scale_local_gradients=True, bucket_cap_bytes=None):
+def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dense: str = "",
+                         device_sparse: str = "", compression: Optional[type[Compressor]] = None,
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                         op: Optional[int] = None, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Optional[Union[int, Sequence[Sequence[tf.Variable]]]] = None, process_set: Optional[ProcessSet] = None,
+                         scale_local_gradients: bool = True, bucket_cap_bytes: Optional[int] = None) -> Any:
     """Wraps a Keras optimizer so gradients are reduced across ranks before they
     are applied. Arguments as Horovod's (compression=Compression.none and
     op=Average when None; op must be Average or Sum; process_set: None, the
@@ -358,11 +369,14 @@ def distribute(optimizer, name, options):
     return optimizer
 
 
-def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
-                                sparse_as_dense=False, gradient_predivide_factor=1.0, op=None,
-                                backward_passes_per_step=1, average_aggregated_gradients=False,
-                                groups=None, process_set=None, local_layers=None,
-                                scale_local_gradients=True, bucket_cap_bytes=None):
+def PartialDistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dense: str = "",
+                                device_sparse: str = "", compression: Optional[type[Compressor]] = None,
+                                sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                                op: Optional[int] = None, backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False, groups: Optional[Union[int, Sequence[Sequence[tf.Variable]]]] = None,
+                                process_set: Optional[ProcessSet] = None, local_layers: Any = None,
+                                scale_local_gradients: bool = True,
+                                bucket_cap_bytes: Optional[int] = None) -> Any:
     """Horovod's PartialDistributedOptimizer: DistributedOptimizer whose
     `local_layers` (a Keras layer or a list of them) keep their gradients local
     (their trainable weights are register_local_var'ed)."""

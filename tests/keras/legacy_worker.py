@@ -7,11 +7,11 @@ import traceback
 
 assert os.environ.get("TF_USE_LEGACY_KERAS") == "1", "run with TF_USE_LEGACY_KERAS=1"
 
-import numpy as np
-import tensorflow as tf
-import tf_keras
+import numpy as np  # noqa: E402 (after the TF_USE_LEGACY_KERAS check)
+import tensorflow as tf  # noqa: E402 (after the TF_USE_LEGACY_KERAS check)
+import tf_keras  # noqa: E402 (after the TF_USE_LEGACY_KERAS check)
 
-import nvgroup_tf.keras as hvd
+import nvgroup_tf.keras as hvd  # noqa: E402 (after the TF_USE_LEGACY_KERAS check)
 
 assert tf.keras is tf_keras or tf.keras.__name__.startswith("tf_keras"), tf.keras.__name__
 hvd.init()

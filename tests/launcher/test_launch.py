@@ -250,6 +250,7 @@ def _local_env(**extra):
     return env
 
 
+@pytest.mark.mpi
 def test_real_two_rank_job_passes_knobs_and_writes_per_rank_logs(tmp_path):
     """`nvgrouprun -np 2 ...` really runs 2 ranks here: the environment and the knob
     flags reach every rank; --output-filename gives each rank its own files."""

@@ -107,9 +107,10 @@ for dtype in (np.float32, np.float16, np.float64, np.int32, np.int64):
         print("# communicator %s: all ops and sizes done" % name, flush=True)
 
 # Bad input: the same clear error on every rank, no hang.
+# (The lambdas run before `del c` below, which is what F821 sees.)
 host = np.zeros(16, np.float32)
-for what, call in (("host pointer", lambda: c.allreduce(host.ctypes.data, host.ctypes.data, 16, "float32", "sum")),
-                   ("unknown dtype", lambda: c.allreduce(0, 0, 16, "complex64", "sum"))):
+for what, call in (("host pointer", lambda: c.allreduce(host.ctypes.data, host.ctypes.data, 16, "float32", "sum")),  # noqa: F821
+                   ("unknown dtype", lambda: c.allreduce(0, 0, 16, "complex64", "sum"))):  # noqa: F821
     try:
         call()
         fail("bad input '%s' did not raise" % what)

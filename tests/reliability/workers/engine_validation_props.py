@@ -11,7 +11,6 @@ included). A crash, a hang or a wrong result fails the run.
 """
 import math
 import os
-import sys
 import traceback
 
 import numpy as np

@@ -224,7 +224,7 @@ def _events(path):
 
 
 def check_timeline(c, out_dir):
-    n, me = hvd.size(), hvd.rank()
+    me = hvd.rank()
     c.raises(ValueError, lambda: hvd.start_timeline(""), "start_timeline('')")
     first = os.path.join(out_dir, "first_rank%d.json" % me)
     hvd.start_timeline(first)

@@ -105,7 +105,7 @@ def check_layer(c, shape_tail, axes, mode, rows=None, masked=False):
 
 
 def check_fit(c):
-    n, me = hvd.size(), hvd.rank()
+    me = hvd.rank()
     keras = tf.keras
     rng = np.random.default_rng([61, me])
     x = rng.normal(size=(24, 6)).astype(np.float32) * (me + 1)

@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from common import (ALL_DTYPES, FLOAT_DTYPES, REDUCE_DTYPES, Checker, hvd, random_array,
+from common import (ALL_DTYPES, REDUCE_DTYPES, Checker, hvd, random_array,
                     reference, run, tf, to_numpy)
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
