@@ -39,6 +39,7 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
       size_(size),
       cpu_comm_(std::move(cpu)),
       topology_(cpu_comm_->topology()),
+      queue_(rank),
       cache_(knobs.cache_capacity),
       cache_words_((knobs.cache_capacity + 63) / 64),
       claimed_slots_(std::max(knobs.cache_capacity, 0), 0),
@@ -96,7 +97,43 @@ void Engine::TimelineAdmitted(const TensorEntry& entry, double now) {
 void Engine::Admit(TensorEntry entry, double now) {
   if (timeline_.enabled()) TimelineAdmitted(entry, now);
   if (entry.request.type == CollectiveType::kJoin) joined_ = true;
+  // Note [Refused duplicates]: after a refusal of its name (a cached group's
+  // entries came before any refusal: AdmitSubmission).
+  const bool held = !refusals_.empty() && refusals_.count(entry.request.name) != 0;
   AddPending(std::move(entry), now);
+  if (held) order_.back()->held = true;
+}
+
+void Engine::AddRefusal(const Submission& refusal) {
+  for (const std::string& name : refusal.refused_names)
+    refusals_[name].unreported.push_back(refusal.refused_duplicate);
+}
+
+bool Engine::RefusalDue(const std::string& name) const {
+  auto r = refusals_.find(name);
+  if (r == refusals_.end() || r->second.reported || r->second.unreported.empty()) return false;
+  // Not before this rank's request of that name that came before it (held
+  // ones came after it).
+  auto p = pending_.find(name);
+  return p == pending_.end() || p->second->held;
+}
+
+bool Engine::AnyRefusalDue() const {
+  for (const auto& [name, r] : refusals_)
+    if (RefusalDue(name)) return true;
+  return false;
+}
+
+bool Engine::TakeRefusalAnswer(const ResponseMessage& r) {
+  auto it = refusals_.find(r.name);
+  if (it == refusals_.end() || !it->second.reported) return false;
+  it->second.reported = false;
+  if (it->second.unreported.empty()) {
+    refusals_.erase(it);
+    auto p = pending_.find(r.name);
+    if (p != pending_.end()) p->second->held = false;  // reported or cached from the next cycle on
+  }
+  return true;
 }
 
 void Engine::AddPending(TensorEntry entry, double since) {
@@ -118,6 +155,7 @@ bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
   const std::vector<Pending*>& entries = order_;
   std::unordered_map<uint64_t, uint32_t> group_hits;
   for (size_t i = 0; i < order_.size(); ++i) {
+    if (entries[i]->held) continue;  // Note [Refused duplicates]: no bit, no report
     const RequestMessage& m = entries[i]->entry.message;
     int slot = cache_.Find(entries[i]->entry.request.name);
     if (slot >= 0 && EntryMatchesResponse(entries[i]->entry, cache_.Get(slot), rank_)) {
@@ -136,8 +174,10 @@ bool Engine::FillCacheBits(double now, std::vector<uint64_t>* bits) {
          cache_.GroupCount(m.group_id) != static_cast<int>(m.group_size)))
       slots[i] = -1;
     if (slots[i] >= 0) (*bits)[1 + slots[i] / 64] |= uint64_t{1} << (slots[i] % 64);
-    if (!p->reported && (slots[i] < 0 || now - p->since >= report_cached_after_s_)) must_report = true;
+    if (!p->reported && !p->held && (slots[i] < 0 || now - p->since >= report_cached_after_s_))
+      must_report = true;
   }
+  if (!refusals_.empty() && AnyRefusalDue()) must_report = true;
   for (const std::unique_ptr<CachedGroup>& g : cached_groups_)  // Note [Cached groups]
     for (const auto& [word, mask] : plans_.At(g->submission.group_id).bit_words) (*bits)[1 + word] |= mask;
   if (joined_) SetJoinedCacheBits(bits);
@@ -186,9 +226,19 @@ std::vector<Engine::Work> Engine::TakeCacheHits(const std::vector<uint64_t>& bit
 Status Engine::Negotiate(double now, std::vector<Work>* work) {
   std::vector<RequestMessage> mine;
   for (Pending* p : order_) {  // the cycle's cache hits left order_ (DropTaken)
-    if (p->reported) continue;
+    if (p->reported || p->held) continue;
     p->reported = true;
     mine.push_back(p->entry.Report());
+  }
+  // Note [Refused duplicates]: the refusals due, after this cycle's demotions
+  // and cache hits (a request ahead of a refusal is in pending_ by now).
+  for (auto& [name, refusal] : refusals_) {
+    if (!RefusalDue(name)) continue;
+    RequestMessage& m = mine.emplace_back();
+    m.name = name;
+    m.refused_duplicate = std::move(refusal.unreported.front());
+    refusal.unreported.pop_front();
+    refusal.reported = true;
   }
   CycleBuffers& b = *mpi_buffers_;
   b.request_bytes = EncodeRequestList(mine);
@@ -244,6 +294,12 @@ Status Engine::Negotiate(double now, std::vector<Work>* work) {
   if (list.fatal_code != StatusCode::kOk) return Status(list.fatal_code, list.fatal_message);
 
   for (ResponseMessage& r : list.responses) {
+    if (!refusals_.empty() && TakeRefusalAnswer(r)) {  // Note [Refused duplicates]
+      if (r.ok())
+        return Status::Internal("rank 0 released '" + r.name + "', whose collective this rank refused as a "
+                                "duplicate, as a success");
+      continue;
+    }
     if (r.ok() && r.type != CollectiveType::kJoin) cache_.Put(r);  // a join's answer changes
     Work w;
     auto it = pending_.find(r.name);
@@ -340,7 +396,8 @@ void Engine::Loop() {
     bool shutdown_requested = false;
     const bool leftovers = !pending_.empty() && quick_cycles > 0;
     // Note [An idle rank sleeps] and Note [Waiting for a lock-step caller] (wait_policy.h).
-    const bool nothing_in_flight = pending_.empty() && cached_groups_.empty() && !joined_;
+    const bool nothing_in_flight =
+        pending_.empty() && cached_groups_.empty() && !joined_ && (refusals_.empty() || !AnyRefusalDue());
     const double wait_s = leftovers ? std::min(kLeftoverWaitS, cycle_s) : IdleCycleWaitSeconds(cycle_s, nothing_in_flight);
     AddSeconds(counters_.idle_ns, queue_.WaitAndPop(wait_s, expected.PollSeconds(MonotonicSeconds()),
                                                     std::min(kAdmissionGapS, cycle_s), cycle_s, &fresh,
@@ -351,7 +408,10 @@ void Engine::Loop() {
     if (timeline_control_.pending()) timeline_control_.Apply(&timeline_, &mark_cycles_);
     const double now = MonotonicSeconds();
     if (!fresh.empty()) expected.Activity(now);
-    for (Submission& s : fresh) AdmitSubmission(std::move(s), now);
+    for (Submission& s : fresh) {
+      if (s.refused_names.empty()) AdmitSubmission(std::move(s), now);
+      else AddRefusal(s);
+    }
     // Note [Cached groups]: groups that waited too long or whose plan changed.
     if (!cached_groups_.empty()) DemoteCachedGroups(now, joined_);
     const double admitted = MonotonicSeconds();

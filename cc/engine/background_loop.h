@@ -45,6 +45,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -120,6 +121,10 @@ class Engine {
     TensorEntry entry;
     bool reported = false;  // sent to rank 0 in a negotiation round
     bool taken = false;     // moved out of pending_ this cycle (order_ drops it)
+    // Admitted after a refusal of its name that rank 0 has not answered yet:
+    // neither reported nor in the cache bits until then (Note [Refused
+    // duplicates] in controller.h).
+    bool held = false;
     double since = 0;       // when the loop took it from the queue
   };
   // A response with this rank's entry (absent for error responses about names
@@ -171,6 +176,13 @@ class Engine {
   // (e.g. a peer died) every failure is a consequence of it.
   Status Cause(const Status& s);
   void Admit(TensorEntry entry, double now);
+  // Note [Refused duplicates] (controller.h): a refused push from the queue.
+  void AddRefusal(const Submission& refusal);
+  // Whether a refusal of `name` is due for the next negotiation round.
+  bool RefusalDue(const std::string& name) const;
+  bool AnyRefusalDue() const;
+  // Whether `r` answers this rank's reported refusal of its name (consumed).
+  bool TakeRefusalAnswer(const ResponseMessage& r);
   // Admit's bookkeeping: a Pending in pending_ and order_, waiting since `since`.
   void AddPending(TensorEntry entry, double since);
   void TimelineAdmitted(const TensorEntry& entry, double now);
@@ -258,6 +270,15 @@ class Engine {
 
   // Background-thread state.
   std::unordered_map<std::string, std::unique_ptr<Pending>> pending_;
+  // This rank's refusals of each name not answered yet (Note [Refused
+  // duplicates] in controller.h): the names in flight that refused them,
+  // oldest first, and whether the oldest was reported (at most one of a name
+  // is out at a time).
+  struct Refusals {
+    std::deque<std::string> unreported;
+    bool reported = false;
+  };
+  std::unordered_map<std::string, Refusals> refusals_;
   std::vector<Pending*> order_;  // pending_'s entries, oldest first
   // Drops the entries taken out of pending_ from order_ (before they die
   // with the cycle's work).

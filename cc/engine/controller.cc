@@ -117,6 +117,18 @@ ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank) {
   return resp;
 }
 
+std::string RefusedDuplicateText(const std::string& name, const std::string& in_flight,
+                                 const std::vector<int>& ranks) {
+  const std::string where =
+      ranks.size() == 1 ? "rank " + std::to_string(ranks[0]) : "ranks " + RanksText(ranks);
+  const std::string what = name == in_flight
+                               ? "a collective named '" + name + "'"
+                               : "'" + name + "', in a group with a collective named '" + in_flight + "',";
+  return "duplicate name: " + what + " was submitted on " + where + " while another collective named '" +
+         in_flight + "' was in flight there; it fails on every rank. Names must be unique until the "
+         "previous request completes";
+}
+
 Coordinator::Coordinator(int size, StallInspector* stall)
     : size_(size), joined_(size, false), stall_(stall) {}
 
@@ -130,6 +142,23 @@ bool Coordinator::Complete(const Pending& p) const {
 
 void Coordinator::Finish(std::unordered_map<std::string, Pending>::iterator it) {
   Pending& p = it->second;
+  std::vector<int> refusers;  // Note [Refused duplicates]
+  const RequestMessage* refusal = nullptr;
+  for (int r = 0; r < size_; ++r) {
+    if (!p.reported[r] || p.by_rank[r].refused_duplicate.empty()) continue;
+    refusers.push_back(r);
+    if (refusal == nullptr) refusal = &p.by_rank[r];
+  }
+  if (refusal != nullptr) {
+    ResponseMessage resp;
+    resp.name = it->first;
+    resp.error_code = StatusCode::kInvalidArgument;
+    resp.error_message = RefusedDuplicateText(it->first, refusal->refused_duplicate, refusers);
+    if (stall_ != nullptr) stall_->Remove(resp.name);
+    table_.erase(it);
+    ready_.push_back(std::move(resp));  // of no group: at once
+    return;
+  }
   // Joined ranks that did not submit the name take the first reporter's
   // parameters, so the agreement checks below judge the ranks that did.
   const RequestMessage* any = nullptr;

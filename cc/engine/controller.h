@@ -14,8 +14,37 @@
 // contribute zeros, see Engine::MakeJoinStandIn), and only allreduce and
 // reducescatter of host tensors may complete that way (anything else becomes an
 // error naming the joined ranks). The join itself completes once every rank
-// joined; its response carries the last rank to join (root_rank). The class is pure (no
-// MPI, no clock of its own), so it is deterministic and testable.
+// joined; its response carries the last rank to join (root_rank). A rank's
+// refusal of a duplicate takes the place of its request (Note [Refused
+// duplicates]). The class is pure (no MPI, no clock of its own), so it is
+// deterministic and testable.
+//
+// Note [Refused duplicates]
+// TensorQueue::Push refuses a collective whose name is in flight on its rank
+// (or repeats a name of its group). Whether a rank refuses depends on its
+// timing: with A and then B of one name, a rank whose A is still in flight
+// refuses B, while a rank whose A completed already accepts B, which waits for
+// B on the ranks that refused it. So a refusal is not local: the refusing
+// rank reports it to rank 0 as a request of that name (refused_duplicate set,
+// one per name of the refused submission) and the refusal counts as that
+// rank's submission of the name. Rank 0 matches it by name like any request;
+// once every rank has reported the name or refused it, the response is
+// RefusedDuplicateText, an error on every rank: ranks whose B waits fail it
+// with the text the refusing rank got from Push. The rules that keep the
+// generations of a name apart (A, B, and a later legal reuse C of the name):
+//  * a rank reports its refusal only once it holds no request of that name
+//    that came before it (its A was answered, or completed through the
+//    response cache), so A's entry at rank 0 is gone (released or forgotten)
+//    when the refusal arrives, and a refusal never meets its own rank's A;
+//  * a request of that name admitted after the refusal (C) is held back on
+//    the refusing rank, neither reported nor set in the cache bits, until the
+//    refusal's answer arrived, so C never meets another rank's B (through rank
+//    0 or the cache); the answer is the first response of that name after the
+//    refusal was reported, so the rank consumes it and fails nothing with it.
+// A program that refuses on some ranks a collective that other ranks never
+// submit leaves the refusal waiting for them like any unmatched request: the
+// stall inspector names it, and the next collective of that name on those
+// ranks fails with the duplicate error.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +63,13 @@ namespace nvgroup {
 // Mismatches become kFailedPrecondition responses such as
 // "Mismatched allreduce tensor shapes for 'w': rank 0 has [2, 3], rank 1 has [3, 3]".
 ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank);
+
+// The error of a collective named `name` refused on `ranks` because a
+// collective named `in_flight` was in flight there (Note [Refused
+// duplicates]): the refusing rank's own error and, from rank 0, every other
+// rank's.
+std::string RefusedDuplicateText(const std::string& name, const std::string& in_flight,
+                                 const std::vector<int>& ranks);
 
 class Coordinator {
  public:

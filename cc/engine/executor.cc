@@ -437,7 +437,9 @@ std::unique_ptr<Engine::Pending> Engine::MakeJoinStandIn(const ResponseMessage& 
 void Engine::SetJoinedCacheBits(std::vector<uint64_t>* bits) {
   for (int slot = 0; slot < cache_.capacity(); ++slot) {
     const ResponseMessage& c = cache_.Get(slot);
-    if (c.name.empty() || !StandInPossible(c) || pending_.count(c.name)) continue;
+    // Not for a name this rank refused and rank 0 has not answered (Note
+    // [Refused duplicates] in controller.h): the refusal stands in for it.
+    if (c.name.empty() || !StandInPossible(c) || pending_.count(c.name) || refusals_.count(c.name)) continue;
     (*bits)[1 + slot / 64] |= uint64_t{1} << (slot % 64);
   }
 }

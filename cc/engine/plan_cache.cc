@@ -87,7 +87,12 @@ const Plan* Engine::PlanFor(const Submission& s) const {
 
 void Engine::AdmitSubmission(Submission submission, double now) {
   Add(counters_.queue_entries);
-  if (PlanFor(submission) != nullptr) {  // Note [Cached groups]
+  // Note [Refused duplicates] (controller.h): a group with a name refused and
+  // not answered yet goes entry by entry (Admit holds those entries back).
+  bool after_refusal = false;
+  for (size_t i = 0; i < submission.entries.size() && !refusals_.empty() && !after_refusal; ++i)
+    after_refusal = refusals_.count(submission.entries[i].request.name) != 0;
+  if (!after_refusal && PlanFor(submission) != nullptr) {  // Note [Cached groups]
     if (timeline_.enabled())
       for (const TensorEntry& e : submission.entries) TimelineAdmitted(e, now);
     auto g = std::make_unique<CachedGroup>();

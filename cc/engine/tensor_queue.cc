@@ -4,6 +4,8 @@
 #include <chrono>
 #include <thread>
 
+#include "engine/controller.h"
+
 namespace nvgroup {
 
 bool InFlightNames::Insert(const std::string& name) {
@@ -25,7 +27,7 @@ Status TensorQueue::Push(Submission submission) {
   std::vector<TensorEntry>& entries = submission.entries;
   bool wake = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (!closed_.ok()) return closed_;
     const bool overlapping = !in_flight_.empty();
     // Names go into in_flight_ as they are checked; a duplicate (in flight, or
@@ -33,9 +35,21 @@ Status TensorQueue::Push(Submission submission) {
     for (size_t i = 0; i < entries.size(); ++i) {
       if (!in_flight_.Insert(entries[i].request.name)) {
         for (size_t j = 0; j < i; ++j) in_flight_.Erase(entries[j].request.name);
-        return Status::InvalidArgument("duplicate name: a collective named '" + entries[i].request.name +
-                                       "' is already in flight on this rank; names must be unique "
-                                       "until the previous request completes");
+        // Note [Refused duplicates] (controller.h): the refusal goes to rank 0
+        // in the entries' place.
+        const std::string& duplicate = entries[i].request.name;
+        Submission refusal;
+        refusal.refused_duplicate = duplicate;
+        for (const TensorEntry& e : entries)
+          if (std::find(refusal.refused_names.begin(), refusal.refused_names.end(), e.request.name) ==
+              refusal.refused_names.end())
+            refusal.refused_names.push_back(e.request.name);
+        queued_.push_back(std::move(refusal));
+        wake_.store(true, std::memory_order_release);
+        const bool waiting = waiting_for_first_;
+        lock.unlock();
+        if (waiting) cv_.notify_one();
+        return Status::InvalidArgument(RefusedDuplicateText(duplicate, duplicate, {rank_}));
       }
     }
     last_was_group_ = submission.group_id != 0 && submission.entries.size() > 1;

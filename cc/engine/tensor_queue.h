@@ -6,8 +6,11 @@
 // lone small request does not wait for the cycle timer. The loop takes every
 // queued entry at the start of a cycle (WaitAndPop). A name stays in flight
 // until Finish, which the engine calls just before the request's `done`, so a
-// callback may resubmit the same name. Close makes later pushes fail with the
-// given status and hands back whatever was still queued.
+// callback may resubmit the same name. A push refused for a name in flight
+// fails on the caller's thread and also queues a record of the refusal (a
+// Submission without entries) in its place, for rank 0 to hear of it (Note
+// [Refused duplicates] in controller.h). Close makes later pushes fail with
+// the given status and hands back whatever was still queued.
 #pragma once
 
 #include <atomic>
@@ -52,6 +55,10 @@ inline bool EntryMatchesResponse(const TensorEntry& entry, const ResponseMessage
 struct Submission {
   std::vector<TensorEntry> entries;
   uint64_t group_id = 0;  // the entries' message.group_id (0: not grouped)
+  // A refused push (Note [Refused duplicates]), with no entries: the distinct
+  // names of its requests, and the name in flight that refused them.
+  std::vector<std::string> refused_names;
+  std::string refused_duplicate;
 };
 
 // The names in flight on this rank (a name is unique until its request
@@ -76,7 +83,11 @@ class InFlightNames {
 
 class TensorQueue {
  public:
-  // All or none of the entries are queued (a group is never split).
+  // `rank`: this engine's rank, named in the error of a refused push.
+  explicit TensorQueue(int rank) : rank_(rank) {}
+  // All or none of the entries are queued (a group is never split). A
+  // duplicate name refuses them all with RefusedDuplicateText (controller.h)
+  // and queues the refusal's record instead.
   Status Push(Submission submission);
   // Waits until something is queued, shutdown was requested, or `timeout_s`
   // passed; then, while pushes keep arriving less than `gap_s` apart, keeps
@@ -142,6 +153,7 @@ class TensorQueue {
   std::vector<Submission> Close(const Status& status);
 
  private:
+  const int rank_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Submission> queued_;

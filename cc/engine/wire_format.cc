@@ -6,7 +6,7 @@ namespace nvgroup {
 namespace {
 
 constexpr uint32_t kMagic = 0x4e564752;  // "NVGR"
-constexpr uint8_t kVersion = 2;  // 2: requests carry alltoall splits
+constexpr uint8_t kVersion = 3;  // 2: requests carry alltoall splits; 3: and refused duplicates
 constexpr uint8_t kKindRequestList = 1;
 constexpr uint8_t kKindResponseList = 2;
 
@@ -121,7 +121,7 @@ class Reader {
 };
 
 // Smallest encoding of one request / response: empty strings and vectors.
-constexpr size_t kMinRequestBytes = 4 + 4 + 16 + 4 + 4 + 8 + 4 + 4;
+constexpr size_t kMinRequestBytes = 4 + 4 + 16 + 4 + 4 + 8 + 4 + 4 + 4;
 constexpr size_t kMinResponseBytes = 4 + 1 + 4 + 4 + 16 + 4 + 4 + 4 + 8 + 4;
 
 void WriteHeader(Writer* w, uint8_t kind) {
@@ -153,7 +153,8 @@ bool RequestMessage::operator==(const RequestMessage& o) const {
   return name == o.name && type == o.type && dtype == o.dtype && device_kind == o.device_kind &&
          op == o.op && prescale_factor == o.prescale_factor &&
          postscale_factor == o.postscale_factor && root_rank == o.root_rank && shape == o.shape &&
-         group_id == o.group_id && group_size == o.group_size && splits == o.splits;
+         group_id == o.group_id && group_size == o.group_size && splits == o.splits &&
+         refused_duplicate == o.refused_duplicate;
 }
 
 bool ResponseMessage::operator==(const ResponseMessage& o) const {
@@ -181,6 +182,7 @@ std::vector<uint8_t> EncodeRequestList(const std::vector<RequestMessage>& reques
     w.U64(q.group_id);
     w.U32(q.group_size);
     w.I64Vec(q.splits);
+    w.Str(q.refused_duplicate);
   }
   return w.Take();
 }
@@ -204,6 +206,7 @@ Status DecodeRequestList(const uint8_t* data, size_t size, std::vector<RequestMe
     q.group_id = r.U64("group id");
     q.group_size = r.U32("group size");
     q.splits = r.I64Vec("splits");
+    q.refused_duplicate = r.Str("refused duplicate");
     if (r.ok()) out->push_back(std::move(q));
   }
   Status s = Finish(r, "request list");

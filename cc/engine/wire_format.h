@@ -11,7 +11,7 @@
 //   double   := IEEE-754 bits as u64
 //   request  := name type:u8 dtype:u8 device_kind:u8 op:u8 prescale:double
 //               postscale:double root:i32 shape:vector<i64> group_id:u64 group_size:u32
-//               splits:vector<i64>
+//               splits:vector<i64> refused_duplicate
 //   response := name error_code:u8 error_message type:u8 dtype:u8 device_kind:u8 op:u8
 //               prescale:double postscale:double root:i32 shape:vector<i64>
 //               first_dims:vector<i64> group_id:u64 group_size:u32
@@ -49,6 +49,12 @@ struct RequestMessage {
   uint64_t group_id = 0;    // 0: not grouped; else a hash of the group's sorted names
   uint32_t group_size = 0;  // members of the group (0 when not grouped)
   std::vector<int64_t> splits;  // alltoall: rows sent to each rank (resolved, never empty)
+  // Non-empty: not a collective but this rank's refusal of its collective
+  // named `name`, because a collective named `refused_duplicate` (this name,
+  // or another member of the refused group) was in flight on this rank; the
+  // other fields keep their defaults. Matched across ranks like a request
+  // (Note [Refused duplicates] in controller.h).
+  std::string refused_duplicate;
 
   bool operator==(const RequestMessage& o) const;
 };

@@ -433,6 +433,7 @@ py::dict RequestToDict(const RequestMessage& q) {
   d["group_id"] = q.group_id;
   d["group_size"] = q.group_size;
   d["splits"] = q.splits;
+  d["refused_duplicate"] = Text(q.refused_duplicate);
   return d;
 }
 
@@ -450,6 +451,7 @@ RequestMessage RequestFromDict(const py::dict& d) {
   q.group_id = d["group_id"].cast<uint64_t>();
   q.group_size = d["group_size"].cast<uint32_t>();
   if (d.contains("splits")) q.splits = d["splits"].cast<std::vector<int64_t>>();
+  if (d.contains("refused_duplicate")) q.refused_duplicate = d["refused_duplicate"].cast<std::string>();
   return q;
 }
 

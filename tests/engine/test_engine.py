@@ -136,3 +136,11 @@ def test_idle_engine_sleeps(np):
     NVGROUP_CYCLE_TIME; late submitters, a small allreduce after a quiet spell
     and a shutdown while peers sleep still work (engine_idle.py)."""
     assert_all_ranks_ok(run_mpi(worker("engine_idle.py"), np, timeout=120), np)
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_duplicate_names_fail_on_every_rank(np):
+    """A second collective under a name in flight, refused on some ranks and
+    accepted on the others (each ordering forced): the error on every rank
+    within seconds, then the name and a fresh one work (engine_duplicate_names.py)."""
+    assert_all_ranks_ok(run_mpi(worker("engine_duplicate_names.py"), np, timeout=240), np)

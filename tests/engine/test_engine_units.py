@@ -20,15 +20,17 @@ ELEMENT_SIZE = {UINT8: 1, INT8: 1, BOOL: 1, F16: 2, BF16: 2, F32: 4, F64: 8, I32
 
 
 def request(name="t", type=ALLREDUCE, dtype=F32, device_kind=CPU, op=SUM, prescale=1.0,
-            postscale=1.0, root=0, shape=(2, 3), group_id=0, group_size=0, splits=()):
+            postscale=1.0, root=0, shape=(2, 3), group_id=0, group_size=0, splits=(), refused_duplicate=""):
     return dict(name=name, type=type, dtype=dtype, device_kind=device_kind, op=op,
                 prescale=prescale, postscale=postscale, root=root, shape=list(shape),
-                group_id=group_id, group_size=group_size, splits=list(splits))
+                group_id=group_id, group_size=group_size, splits=list(splits),
+                refused_duplicate=refused_duplicate)
 
 
 def response(name="t", error_code=OK, error_message="", first_dims=(), **kw):
     d = request(name=name, **kw)
     d.pop("splits")  # requests only
+    d.pop("refused_duplicate")
     d.update(error_code=error_code, error_message=error_message, first_dims=list(first_dims))
     return d
 
@@ -41,12 +43,14 @@ def random_request(rng):
         root=rng.randint(-2**31, 2**31 - 1),
         shape=[rng.randint(-2**63, 2**63 - 1) for _ in range(rng.randint(0, 5))],
         group_id=rng.randint(0, 2**64 - 1), group_size=rng.randint(0, 2**32 - 1),
-        splits=[rng.randint(-2**63, 2**63 - 1) for _ in range(rng.randint(0, 4))])
+        splits=[rng.randint(-2**63, 2**63 - 1) for _ in range(rng.randint(0, 4))],
+        refused_duplicate=rng.choice(["", "x", "grad/w\u00e9"]))
 
 
 def random_response(rng):
     d = random_request(rng)
     d.pop("splits")  # requests only
+    d.pop("refused_duplicate")
     d.update(error_code=rng.randint(0, 7), error_message="x" * rng.randint(0, 100),
              first_dims=[rng.randint(0, 1000) for _ in range(rng.randint(0, 6))])
     return d
@@ -284,6 +288,43 @@ def test_coordinator_stall_shutdown_fails_the_stalled_name_and_its_group():
     assert failed["late"]["error_message"].startswith(
         "Stalled ranks: tensor 'late' is ready on ranks [0, 2] but missing on [1] for 2 s")
     assert "member of a group with stalled tensor" in failed["m1"]["error_message"]
+
+
+def refusal(name, in_flight=None):
+    """A rank's refusal of its collective `name` (Note [Refused duplicates])."""
+    return request(name, refused_duplicate=name if in_flight is None else in_flight)
+
+
+INVALID_ARGUMENT = 1
+
+
+def test_coordinator_matches_a_refusal_like_a_request_and_fails_the_name():
+    """Rank 0 refused 'n' (and its group mate 'm'); the other ranks' 'n' and 'm'
+    fail with the refusing rank's text once every rank reported or refused, and
+    the name runs again afterwards."""
+    result = T.run_coordinator(3, 0.0, 0.0, [
+        ("add", 0, refusal("n"), 0.0), ("add", 0, refusal("m", "n"), 0.0),
+        ("add", 1, request("n", type=ALLGATHER), 0.0), ("take",),
+        ("add", 2, refusal("n"), 0.0), ("add", 1, request("m"), 0.0), ("add", 2, request("m"), 0.0),
+        ("take",),
+        ("add", 0, request("n"), 1.0), ("add", 1, request("n"), 1.0), ("add", 2, request("n"), 1.0),
+        ("take",)])
+    assert result[0] == []  # rank 2 has not reported 'n' yet
+    assert [(r["name"], r["error_code"]) for r in result[1]] == [("n", INVALID_ARGUMENT), ("m", INVALID_ARGUMENT)]
+    assert result[1][0]["error_message"] == (
+        "duplicate name: a collective named 'n' was submitted on ranks [0, 2] while another collective named "
+        "'n' was in flight there; it fails on every rank. Names must be unique until the previous request "
+        "completes")
+    assert result[1][1]["error_message"].startswith(
+        "duplicate name: 'm', in a group with a collective named 'n', was submitted on rank 0 ")
+    assert [(r["name"], r["error_code"]) for r in result[2]] == [("n", OK)]
+
+
+def test_coordinator_stall_inspector_names_an_unmatched_refusal():
+    DEADLINE_EXCEEDED = 5
+    result = T.run_coordinator(2, 1.0, 2.0, [("add", 1, refusal("lone"), 10.0), ("stalls", 12.1), ("take",)])
+    assert [(r["name"], r["error_code"]) for r in result[0]] == [("lone", DEADLINE_EXCEEDED)]
+    assert result[1] == []
 
 
 # --- join (Coordinator) ---------------------------------------------------------

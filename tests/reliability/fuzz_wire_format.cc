@@ -79,6 +79,7 @@ class Fuzzer {
     q.group_id = Coin() ? 0 : rng_();
     q.group_size = static_cast<uint32_t>(Below(100));
     q.splits = Dims();
+    q.refused_duplicate = Coin() ? std::string() : Name();
     return q;
   }
 

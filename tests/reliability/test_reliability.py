@@ -19,7 +19,8 @@ happened instead of a hang:
                      the rank; NVGROUP_STALL_SHUTDOWN_TIME turns it into errors;
   * shutdown()    -- with collectives in flight: each completes or is ABORTED,
                      init() works again;
-  * duplicates    -- a second request with a name in flight is refused;
+  * duplicates    -- a second request with a name in flight is refused, and
+                     fails on every rank;
   * soak          -- 10,000 random collectives, every element checked, ranks
                      bitwise equal, anonymous RSS stable;
   * validation    -- hypothesis properties of the Python API's arguments, of

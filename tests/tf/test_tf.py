@@ -69,3 +69,12 @@ def test_hierarchical_equals_flat_on_dyadic_data(tmp_path):
     for r in range(ranks):
         _assert_bitwise_equal(hier[r], flat[r], "rank %d hierarchical vs flat" % r)
         _assert_bitwise_equal(hier[0], hier[r], "rank 0 vs rank %d" % r)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_one_name_for_two_collectives_in_a_function_fails_on_every_rank(ranks):
+    """An allreduce and an allgather of one name in one tf.function, 20 calls:
+    each ends on every rank alike (an error naming it, or right values), within
+    seconds; a checked allreduce after each (workers/duplicate_names.py)."""
+    result = run_mpi(worker("duplicate_names.py"), ranks, timeout=300)
+    assert result.output.count(" 0 failures") == ranks
