@@ -18,27 +18,87 @@ HorovodInternalError, every rank restores its last commit, shuts the engine
 down, initializes it again over the same communicator, syncs from rank 0 and
 calls the function again. Each retry is reported on stderr with its cause.
 
-Not provided: elastic membership. There is no driver that adds or removes
-hosts (Horovod's horovodrun --elastic / host discovery), so the ranks after a
-reset are the ranks before it, commit() never raises HostsUpdatedInterrupt,
-and a rank that died stays dead: the re-init then fails with the liveness
-error and that error ends `run`. A mismatch or a program error
-(FailedPreconditionError, ValueError, ...) is not retried: it propagates.
+A mismatch or a program error (FailedPreconditionError, ValueError, ...) is
+not retried: it propagates.
+
+Without nvgrouprun's elastic mode the ranks after a reset are the ranks
+before it, commit() never raises HostsUpdatedInterrupt, and a rank that died
+stays dead: the re-init then fails with the liveness error and that error
+ends `run`.
+
+Under nvgrouprun's elastic mode (--min-np/--max-np/--host-discovery-script;
+the protocol is in nvgroup_tf/runner/elastic_driver.py; the driver sets
+NVGROUP_ELASTIC_JOB) membership changes by relaunching the job:
+  * commit() also writes the committed state (on each host, by its local rank
+    0) to NVGROUP_ELASTIC_DIR/commit: a pickle tagged with the job's identity
+    and the commit counter, written to a temporary name and renamed over the
+    previous one, so a kill at any point leaves a whole commit;
+  * commit() and check_host_updates() then ask rank 0 whether the driver has
+    written NVGROUP_ELASTIC_NOTIFY (one stat) and broadcast the answer, so all
+    ranks raise HostsUpdatedInterrupt at the same commit; `run` then writes
+    the current state and ends the process with EXIT_HOSTS_UPDATED, and the
+    driver relaunches on the new hosts;
+  * an engine failure (a dead peer) ends the process with status 1 after
+    printing the cause; the driver relaunches on the hosts it has;
+  * when a relaunched `run` starts, the ranks gather their hosts' commit
+    counters; when any rank has a commit of this job, the one with the
+    highest counter is broadcast to all, every rank restores it, the reset
+    callbacks run, and the function is called from that point.
 """
 import functools
+import os
+import pickle
 import sys
 
 import tensorflow as tf
 
 from nvgroup_tf import basics
 from nvgroup_tf.exceptions import HorovodInternalError
-from nvgroup_tf.functions import broadcast_object, broadcast_object_fn, broadcast_variables
+from nvgroup_tf.functions import (allgather_object, broadcast_object, broadcast_object_fn,
+                                  broadcast_variables)
 from nvgroup_tf.util import _executing_eagerly
 
 
+# Exit status of a process that leaves for the driver to relaunch it on new
+# hosts; nvgroup_tf/runner/elastic_driver.py uses the same number.
+EXIT_HOSTS_UPDATED = 75
+
+
+def _elastic_job():
+    """The driver's job identity when running under nvgrouprun's elastic mode, else None."""
+    return os.environ.get("NVGROUP_ELASTIC_JOB") or None
+
+
+def _commit_path():
+    return os.path.join(os.environ["NVGROUP_ELASTIC_DIR"], "commit")
+
+
+def _write_commit(job, counter, payload):
+    """Atomic on this host: the file is the previous commit or this one, never a mix."""
+    path = _commit_path()
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    with open(tmp, "wb") as f:
+        pickle.dump({"job": job, "counter": counter, "payload": payload}, f,
+                    protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
+
+
+def _read_commit(job):
+    """(counter, payload) of this host's newest commit of `job`, or (-1, None)."""
+    try:
+        with open(_commit_path(), "rb") as f:
+            record = pickle.load(f)
+    except FileNotFoundError:
+        return -1, None
+    if not isinstance(record, dict) or record.get("job") != job:
+        return -1, None
+    return int(record["counter"]), record["payload"]
+
+
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod raises it from commit() when hosts were added or removed. Kept
-    for code that catches it; nvgroup_tf never raises it (no membership changes)."""
+    """Raised by commit() / check_host_updates() under nvgrouprun's elastic mode
+    when the driver reports new or lost hosts (see the module docstring)."""
 
     def __init__(self, skip_sync=False):
         super().__init__("hosts updated")
@@ -53,6 +113,7 @@ class State:
         self._bcast_object = bcast_object
         self._rank = get_rank
         self._reset_callbacks = []
+        self._commit_counter = 0
 
     def register_reset_callbacks(self, callbacks):
         """Functions called after each reset (e.g. to rescale the learning rate)."""
@@ -63,15 +124,36 @@ class State:
             callback()
 
     def on_hosts_updated(self, timestamp, update_res=None):
-        """Horovod's driver notification; never called here (no driver)."""
+        """Horovod's in-process driver notification; the driver here tells the
+        workers through a file instead (check_host_updates)."""
 
     def commit(self):
-        """Saves the state in host memory: a later failure restores this point."""
+        """Saves the state in host memory (and, in elastic mode, on the host's
+        disk): a later failure restores this point."""
         self.save()
+        self._commit_counter += 1
+        job = _elastic_job()
+        if job is not None and basics.local_rank() == 0:
+            _write_commit(job, self._commit_counter, self._persisted())
         self.check_host_updates()
 
     def check_host_updates(self):
-        """No host changes can happen here (see the module docstring): returns."""
+        """Elastic mode: raises HostsUpdatedInterrupt on every rank when the
+        driver has reported a change of hosts (rank 0 looks, all get its answer).
+        Otherwise membership cannot change: returns."""
+        if _elastic_job() is None:
+            return
+        seen = basics.rank() == 0 and os.path.exists(os.environ["NVGROUP_ELASTIC_NOTIFY"])
+        if self._bcast_object(bool(seen)):
+            raise HostsUpdatedInterrupt(skip_sync=False)
+
+    def _persisted(self):
+        """What a relaunched process needs to restore the last save()."""
+        raise NotImplementedError()
+
+    def _load_persisted(self, payload):
+        """Makes `payload` (from _persisted) the saved state, then restore()s it."""
+        raise NotImplementedError()
 
     def save(self):
         raise NotImplementedError()
@@ -106,6 +188,13 @@ class ObjectState(State):
     def _set_attrs(self):
         for attr, value in self._saved_state.items():
             setattr(self, attr, value)
+
+    def _persisted(self):
+        return {"attrs": dict(self._saved_state)}
+
+    def _load_persisted(self, payload):
+        self._saved_state = dict(payload["attrs"])
+        self.restore()
 
 
 def _optimizer_variables(optimizer):
@@ -174,6 +263,18 @@ class TensorFlowKerasState(ObjectState):
         for variable, value in zip(_optimizer_variables(self.optimizer), self._saved_optimizer_state):
             variable.assign(value)
 
+    def _persisted(self):
+        return dict(super()._persisted(),
+                    model=[v.numpy() for v in self._saved_model_state],
+                    optimizer=[v.numpy() for v in self._saved_optimizer_state])
+
+    def _load_persisted(self, payload):
+        _check_shapes(payload["model"], self._model_variables(), "model")
+        _check_shapes(payload["optimizer"], _optimizer_variables(self.optimizer), "optimizer")
+        self._saved_model_state = [tf.constant(v) for v in payload["model"]]
+        self._saved_optimizer_state = [tf.constant(v) for v in payload["optimizer"]]
+        super()._load_persisted(payload)
+
 
 class TensorFlowState(ObjectState):
     """State of a list of tf.Variables (default: tf.compat.v1.global_variables())
@@ -221,12 +322,53 @@ class TensorFlowState(ObjectState):
         else:
             self._values = self.session.run(self.variables)
 
+    def _persisted(self):
+        return dict(super()._persisted(), variables=list(self._values))
+
+    def _load_persisted(self, payload):
+        _check_shapes(payload["variables"], self.variables, "variables")
+        self._values = list(payload["variables"])
+        super()._load_persisted(payload)
+
     def _load_model(self):
         for variable, value in zip(self.variables, self._values):
             if self._bcast_op is None:
                 variable.assign(value)
             else:
                 variable.load(value, self.session)
+
+
+def _check_shapes(values, variables, what):
+    got = [tuple(v.shape) for v in values]
+    want = [tuple(v.shape) for v in variables]
+    if got != want:
+        raise ValueError("the elastic commit's %s (%d arrays) does not match this program's "
+                         "(%d arrays): first difference %s" % (
+                             what, len(got), len(want),
+                             next(((i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w),
+                                  "in the count")))
+
+
+def _resume_from_commits(state):
+    """After a relaunch: the newest commit of this job among all ranks' hosts,
+    restored on every rank, then the reset callbacks. Returns whether there was one."""
+    job = _elastic_job()
+    counter, payload = _read_commit(job)
+    counters = allgather_object(counter, name="nvg_elastic_counters")
+    newest = max(counters)
+    if newest < 0:
+        return False
+    root = counters.index(newest)
+    payload = broadcast_object(payload if basics.rank() == root else None, root_rank=root,
+                               name="nvg_elastic_commit")
+    state._load_persisted(payload)
+    state._commit_counter = newest
+    print("nvgroup_tf.elastic: rank %d: launch %s resumes from commit %d of rank %d's host (%s)"
+          % (basics.rank(), os.environ.get("NVGROUP_ELASTIC_LAUNCH", "?"), newest, root,
+             ", ".join("%s=%r" % kv for kv in sorted(payload["attrs"].items()))),
+          file=sys.stderr, flush=True)
+    state.on_reset()
+    return True
 
 
 # TF errors of a failed engine (the peer or the engine went away), as opposed
@@ -246,6 +388,8 @@ def _reset():
 def _run_fn(func, reset):
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
+        if _elastic_job() is not None:
+            return _run_relaunched(func, state, args, kwargs)
         skip_sync = False
         while True:
             try:
@@ -263,6 +407,38 @@ def _run_fn(func, reset):
             reset()
             state.on_reset()
     return wrapper
+
+
+def _run_relaunched(func, state, args, kwargs):
+    """One launch under nvgrouprun's elastic mode (see the module docstring)."""
+    _resume_from_commits(state)
+    state.sync()
+    try:
+        return func(state, *args, **kwargs)
+    except HostsUpdatedInterrupt:
+        # The hosts changed: keep what was done since the last commit (as Horovod,
+        # which does not restore on this interrupt), then leave for the relaunch.
+        state.save()
+        state._commit_counter += 1
+        if basics.local_rank() == 0:
+            _write_commit(_elastic_job(), state._commit_counter, state._persisted())
+        print("nvgroup_tf.elastic: rank %d: hosts changed; state written at commit %d, leaving "
+              "for the relaunch" % (basics.rank(), state._commit_counter), file=sys.stderr, flush=True)
+        _leave(EXIT_HOSTS_UPDATED)
+    except HorovodInternalError as e:
+        print("nvgroup_tf.elastic: rank %d: %s; leaving for the driver to relaunch from commit %d"
+              % (basics.rank() if basics.is_initialized() else -1, e, state._commit_counter),
+              file=sys.stderr, flush=True)
+        _leave(1)
+
+
+def _leave(status):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if status == EXIT_HOSTS_UPDATED:
+        basics.shutdown()
+        raise SystemExit(status)
+    os._exit(status)  # a dead peer: MPI_Finalize could wait for it
 
 
 def run(func):

@@ -1,0 +1,55 @@
+"""`horovod` for Horovod's example programs run unchanged by the elastic tests:
+horovod.tensorflow is nvgroup_tf and horovod.tensorflow.keras is
+nvgroup_tf.keras (what `import nvgroup_tf as hvd` promises, under Horovod's
+module names).
+
+Two test-side helpers, both outside the programs' text:
+  * tf.keras.datasets.mnist.load_data reads a stand-in file
+    $KERAS_HOME/datasets/<path> written by the test. Keras's own load_data
+    checks the file's SHA-256 against the real MNIST and downloads it on a
+    mismatch; this machine has no network and no MNIST.
+  * at exit each process prints "ELASTIC_WEIGHTS launch=<L> rank=<r>
+    digest=<sha256>" over the model variables of its elastic states, so the
+    test can check that every rank ends with one model.
+"""
+import atexit
+import gc
+import hashlib
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import nvgroup_tf
+import nvgroup_tf.keras
+
+tensorflow = nvgroup_tf
+sys.modules[__name__ + ".tensorflow"] = nvgroup_tf
+sys.modules[__name__ + ".tensorflow.keras"] = nvgroup_tf.keras
+
+
+def _standin_load_data(path="mnist.npz"):
+    with np.load(os.path.join(os.environ["KERAS_HOME"], "datasets", path)) as f:
+        return (f["x_train"], f["y_train"]), (f["x_test"], f["y_test"])
+
+
+tf.keras.datasets.mnist.load_data = _standin_load_data
+
+
+def _print_weights_digest():
+    from nvgroup_tf.elastic import TensorFlowKerasState
+    states = [o for o in gc.get_objects() if isinstance(o, TensorFlowKerasState)]
+    if not states:
+        return
+    digest = hashlib.sha256()
+    for state in states:
+        for v in state.model.weights:
+            digest.update(np.asarray(v.numpy()).tobytes())
+    print("ELASTIC_WEIGHTS launch=%s rank=%d digest=%s" % (
+        os.environ.get("NVGROUP_ELASTIC_LAUNCH", "-"),
+        int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "-1"))), digest.hexdigest()),
+        flush=True)
+
+
+atexit.register(_print_weights_digest)
