@@ -48,6 +48,7 @@ NVGROUP_ELASTIC_JOB) membership changes by relaunching the job:
 import functools
 import os
 import pickle
+import socket
 import sys
 
 import tensorflow as tf
@@ -64,20 +65,37 @@ from nvgroup_tf.util import _executing_eagerly
 EXIT_HOSTS_UPDATED = 75
 
 
+# The variables nvgrouprun's elastic driver sets for every rank it launches
+# (rows of the settings table, cc/common/env.cc; docs/SETTINGS.md).
+_DRIVER_SETTINGS = ("NVGROUP_ELASTIC_DIR", "NVGROUP_ELASTIC_NOTIFY", "NVGROUP_ELASTIC_LAUNCH")
+
+
 def _elastic_job():
-    """The driver's job identity when running under nvgrouprun's elastic mode, else None."""
-    return os.environ.get("NVGROUP_ELASTIC_JOB") or None
+    """The driver's job identity when running under nvgrouprun's elastic mode, else None.
+    A malformed value, or the identity without the driver's other variables, is a
+    ValueError naming them (they are set together by nvgrouprun, not by hand)."""
+    job = basics.setting_value("NVGROUP_ELASTIC_JOB")
+    if not job:
+        return None
+    missing = [name for name in _DRIVER_SETTINGS if not basics.setting_value(name)]
+    if missing:
+        raise ValueError("NVGROUP_ELASTIC_JOB is set but %s %s not: these variables are set together by "
+                         "nvgrouprun's elastic mode (--min-np/--max-np/--host-discovery-script)"
+                         % (" and ".join(missing), "is" if len(missing) == 1 else "are"))
+    return job
 
 
 def _commit_path():
-    return os.path.join(os.environ["NVGROUP_ELASTIC_DIR"], "commit")
+    return os.path.join(basics.setting_value("NVGROUP_ELASTIC_DIR"), "commit")
 
 
 def _write_commit(job, counter, payload):
-    """Atomic on this host: the file is the previous commit or this one, never a mix."""
+    """Atomic on this host: the file is the previous commit or this one, never a mix.
+    The temporary name holds the host and the pid, so writers on hosts that share
+    the directory never write one temporary file."""
     path = _commit_path()
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    tmp = "%s.tmp.%d" % (path, os.getpid())
+    tmp = "%s.tmp.%s.%d" % (path, socket.gethostname(), os.getpid())
     with open(tmp, "wb") as f:
         pickle.dump({"job": job, "counter": counter, "payload": payload}, f,
                     protocol=pickle.HIGHEST_PROTOCOL)
@@ -143,7 +161,7 @@ class State:
         Otherwise membership cannot change: returns."""
         if _elastic_job() is None:
             return
-        seen = basics.rank() == 0 and os.path.exists(os.environ["NVGROUP_ELASTIC_NOTIFY"])
+        seen = basics.rank() == 0 and os.path.exists(basics.setting_value("NVGROUP_ELASTIC_NOTIFY"))
         if self._bcast_object(bool(seen)):
             raise HostsUpdatedInterrupt(skip_sync=False)
 
@@ -364,7 +382,7 @@ def _resume_from_commits(state):
     state._load_persisted(payload)
     state._commit_counter = newest
     print("nvgroup_tf.elastic: rank %d: launch %s resumes from commit %d of rank %d's host (%s)"
-          % (basics.rank(), os.environ.get("NVGROUP_ELASTIC_LAUNCH", "?"), newest, root,
+          % (basics.rank(), basics.setting_value("NVGROUP_ELASTIC_LAUNCH"), newest, root,
              ", ".join("%s=%r" % kv for kv in sorted(payload["attrs"].items()))),
           file=sys.stderr, flush=True)
     state.on_reset()

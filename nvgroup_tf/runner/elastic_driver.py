@@ -33,6 +33,10 @@ worker side):
   rank), when --reset-limit relaunches have been made, or when fewer than
   --min-np slots have been available for --elastic-timeout seconds.
 
+The driver reads one setting, NVGROUP_ELASTIC_BASE (the directory under which
+it makes the job's directory), through the settings table (cc/common/env.h),
+as the ranks read theirs; the four variables above it only sets.
+
 Hosts: the discovery script prints one host per line, `host:slots` or `host`
 (then --slots-per-host, default 1). It is run every DISCOVERY_INTERVAL_S with a
 timeout of DISCOVERY_TIMEOUT_S; a script that fails or prints garbage is an
@@ -47,6 +51,8 @@ a relaunch begins within STOP_GRACE_S + DISCOVERY_TIMEOUT_S of the failure
 being seen, plus the program's own start-up (importing TensorFlow, building
 the model).
 """
+import glob
+import importlib.util
 import os
 import shlex
 import shutil
@@ -87,6 +93,24 @@ class DriverError(Exception):
     pass
 
 
+def setting_value(name):
+    """`name` as the settings table (cc/common/env.h) parses it from this
+    process's environment: the table nvgroup_tf.basics.setting_value reads,
+    reached through the engine's pybind11 module (cc/python/) loaded from its
+    file, since nvgrouprun imports neither TensorFlow nor the nvgroup_tf package
+    (launch.py also runs as a script). A malformed value raises ValueError
+    naming the variable."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = sorted(glob.glob(os.path.join(package, "_engine*.so")))
+    if not found:
+        raise DriverError("%s/_engine*.so is missing: nvgrouprun's elastic mode needs the built library "
+                          "(python setup.py build_ext --inplace)" % package)
+    spec = importlib.util.spec_from_file_location("_engine", found[0])
+    engine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine)
+    return engine.setting_value(name)
+
+
 def _log(text):
     print("nvgrouprun: elastic: %s" % text, file=sys.stderr, flush=True)
 
@@ -99,7 +123,10 @@ class ElasticDriver:
         self.flavor = flavor
         self.launch = launch  # nvgroup_tf/runner/launch.py (build_command, LaunchError)
         self.job_id = uuid.uuid4().hex
-        base = env.get("NVGROUP_ELASTIC_BASE") or tempfile.gettempdir()
+        try:
+            base = setting_value("NVGROUP_ELASTIC_BASE") or tempfile.gettempdir()
+        except (ValueError, DriverError) as e:
+            raise launch.LaunchError(str(e))
         self.commit_dir = os.path.join(base, "nvgroup_elastic_%s" % self.job_id)
         self.notify_path = os.path.join(self.commit_dir, "hosts_updated")
         self.failures = {}      # host -> failed launches in a row

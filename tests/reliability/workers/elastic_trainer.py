@@ -23,7 +23,11 @@ STEPS = int(sys.argv[1])
 RECORD = os.path.join(sys.argv[2], "%d.rec" % os.getpid())
 phase, f_launch, f_rank, delay = (os.environ.get("CAMPAIGN_FAULT", "none -1 -1 0").split() + ["0"] * 4)[:4]
 f_launch, f_rank, delay = int(f_launch), int(f_rank), float(delay)
-LAUNCH = int(os.environ.get("NVGROUP_ELASTIC_LAUNCH", "0"))
+# The launch's number before TensorFlow is imported (the relaunch fault's clock
+# starts at the process's start): the settings table through the engine's
+# pybind11 module, which `import nvgroup_tf` loads without TensorFlow.
+from nvgroup_tf import _engine  # noqa: E402
+LAUNCH = int(_engine.setting_value("NVGROUP_ELASTIC_LAUNCH") or "0")
 RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", "-1"))
 victim = LAUNCH == f_launch and RANK == f_rank
 # CAMPAIGN_FIRST=1 (the relaunch trials): launch 0 first loses rank 1 one second into training.

@@ -47,7 +47,7 @@ def _print_weights_digest():
         for v in state.model.weights:
             digest.update(np.asarray(v.numpy()).tobytes())
     print("ELASTIC_WEIGHTS launch=%s rank=%d digest=%s" % (
-        os.environ.get("NVGROUP_ELASTIC_LAUNCH", "-"),
+        nvgroup_tf.basics.setting_value("NVGROUP_ELASTIC_LAUNCH") or "-",
         int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "-1"))), digest.hexdigest()),
         flush=True)
 
