@@ -220,6 +220,29 @@ def _optimizer_variables(optimizer):
     return list(variables() if callable(variables) else variables)
 
 
+class _Snapshot:
+    """Copies of the variables' values now (what commit() keeps), made by one
+    call of a traced function over them rather than one eager op per variable:
+    a program that commits every batch (as Horovod's examples do) pays this
+    each batch. The function captures the variables (Keras 3 variables passed
+    as arguments would be converted eagerly at every call) and is traced again
+    when the list changes."""
+
+    def __init__(self):
+        self._variables = None
+        self._copy = None
+
+    def __call__(self, variables):
+        variables = list(variables)
+        if not variables:
+            return []
+        if self._variables is None or len(variables) != len(self._variables) or any(
+                a is not b for a, b in zip(variables, self._variables)):
+            self._variables = variables
+            self._copy = tf.function(lambda: [tf.identity(v) for v in variables], autograph=False)
+        return self._copy()
+
+
 def _eager_object_broadcast():
     return lambda obj: broadcast_object(obj, root_rank=0, name="nvg_elastic_state")
 
@@ -244,6 +267,7 @@ class TensorFlowKerasState(ObjectState):
         if hasattr(self.optimizer, "built") and not self.optimizer.built:
             self.optimizer.build(model.trainable_variables)
         self.backend = backend
+        self._snapshots = (_Snapshot(), _Snapshot())  # the model's variables, the optimizer's
         if not _executing_eagerly():
             raise ValueError("TensorFlowKerasState needs eager execution (TF2); for a TF1 "
                              "graph use TensorFlowState with a session")
@@ -272,8 +296,8 @@ class TensorFlowKerasState(ObjectState):
         super().sync()
 
     def _save_model(self):
-        self._saved_model_state = [tf.identity(v) for v in self._model_variables()]
-        self._saved_optimizer_state = [tf.identity(v) for v in _optimizer_variables(self.optimizer)]
+        self._saved_model_state = self._snapshots[0](self._model_variables())
+        self._saved_optimizer_state = self._snapshots[1](_optimizer_variables(self.optimizer))
 
     def _load_model(self):
         for variable, value in zip(self._model_variables(), self._saved_model_state):

@@ -9,8 +9,11 @@ Two test-side helpers, both outside the programs' text:
     checks the file's SHA-256 against the real MNIST and downloads it on a
     mismatch; this machine has no network and no MNIST.
   * at exit each process prints "ELASTIC_WEIGHTS launch=<L> rank=<r>
-    digest=<sha256>" over the model variables of its elastic states, so the
-    test can check that every rank ends with one model.
+    digest=<sha256>" over the trainable variables of its elastic states'
+    models and their optimizers' variables, so the test can check that every
+    rank ends with one model. Non-trainable variables are left out: batch
+    normalization's moving statistics follow each rank's own batches, as in
+    Horovod (the synthetic benchmark's MobileNet has them).
 """
 import atexit
 import gc
@@ -38,13 +41,13 @@ tf.keras.datasets.mnist.load_data = _standin_load_data
 
 
 def _print_weights_digest():
-    from nvgroup_tf.elastic import TensorFlowKerasState
+    from nvgroup_tf.elastic import TensorFlowKerasState, _optimizer_variables
     states = [o for o in gc.get_objects() if isinstance(o, TensorFlowKerasState)]
     if not states:
         return
     digest = hashlib.sha256()
     for state in states:
-        for v in state.model.weights:
+        for v in list(state.model.trainable_variables) + _optimizer_variables(state.optimizer):
             digest.update(np.asarray(v.numpy()).tobytes())
     print("ELASTIC_WEIGHTS launch=%s rank=%d digest=%s" % (
         nvgroup_tf.basics.setting_value("NVGROUP_ELASTIC_LAUNCH") or "-",
