@@ -391,6 +391,14 @@ def _check_shapes(values, variables, what):
                                   "in the count")))
 
 
+def _report(text):
+    """One line on stderr in one write: print() writes the text and the newline
+    separately, and mpirun, forwarding the ranks' output as it comes, then
+    joins several ranks' lines into one."""
+    sys.stderr.write("nvgroup_tf.elastic: %s\n" % text)
+    sys.stderr.flush()
+
+
 def _resume_from_commits(state):
     """After a relaunch: the newest commit of this job among all ranks' hosts,
     restored on every rank, then the reset callbacks. Returns whether there was one."""
@@ -405,10 +413,9 @@ def _resume_from_commits(state):
                                name="nvg_elastic_commit")
     state._load_persisted(payload)
     state._commit_counter = newest
-    print("nvgroup_tf.elastic: rank %d: launch %s resumes from commit %d of rank %d's host (%s)"
-          % (basics.rank(), basics.setting_value("NVGROUP_ELASTIC_LAUNCH"), newest, root,
-             ", ".join("%s=%r" % kv for kv in sorted(payload["attrs"].items()))),
-          file=sys.stderr, flush=True)
+    _report("rank %d: launch %s resumes from commit %d of rank %d's host (%s)"
+            % (basics.rank(), basics.setting_value("NVGROUP_ELASTIC_LAUNCH"), newest, root,
+               ", ".join("%s=%r" % kv for kv in sorted(payload["attrs"].items()))))
     state.on_reset()
     return True
 
@@ -440,8 +447,7 @@ def _run_fn(func, reset):
                 return func(state, *args, **kwargs)
             except HorovodInternalError as e:
                 who = "rank %d" % basics.rank() if basics.is_initialized() else "a rank"
-                print("nvgroup_tf.elastic: %s: %s; restoring the last commit, re-initializing "
-                      "and retrying" % (who, e), file=sys.stderr, flush=True)
+                _report("%s: %s; restoring the last commit, re-initializing and retrying" % (who, e))
                 state.restore()
                 skip_sync = False
             except HostsUpdatedInterrupt as e:
@@ -464,13 +470,12 @@ def _run_relaunched(func, state, args, kwargs):
         state._commit_counter += 1
         if basics.local_rank() == 0:
             _write_commit(_elastic_job(), state._commit_counter, state._persisted())
-        print("nvgroup_tf.elastic: rank %d: hosts changed; state written at commit %d, leaving "
-              "for the relaunch" % (basics.rank(), state._commit_counter), file=sys.stderr, flush=True)
+        _report("rank %d: hosts changed; state written at commit %d, leaving for the relaunch"
+                % (basics.rank(), state._commit_counter))
         _leave(EXIT_HOSTS_UPDATED)
     except HorovodInternalError as e:
-        print("nvgroup_tf.elastic: rank %d: %s; leaving for the driver to relaunch from commit %d"
-              % (basics.rank() if basics.is_initialized() else -1, e, state._commit_counter),
-              file=sys.stderr, flush=True)
+        _report("rank %d: %s; leaving for the driver to relaunch from commit %d"
+                % (basics.rank() if basics.is_initialized() else -1, e, state._commit_counter))
         _leave(1)
 
 

@@ -112,7 +112,10 @@ def setting_value(name):
 
 
 def _log(text):
-    print("nvgrouprun: elastic: %s" % text, file=sys.stderr, flush=True)
+    # One write per line: the launch's ranks write to the same stderr meanwhile,
+    # and print() would write the text and its newline separately.
+    sys.stderr.write("nvgrouprun: elastic: %s\n" % text)
+    sys.stderr.flush()
 
 
 class ElasticDriver:
@@ -226,7 +229,8 @@ class ElasticDriver:
         try:
             return self._loop()
         except DriverError as e:
-            print("nvgrouprun: error: %s" % e, file=sys.stderr, flush=True)
+            sys.stderr.write("nvgrouprun: error: %s\n" % e)
+            sys.stderr.flush()
             return 2
         finally:
             if self.proc is not None:

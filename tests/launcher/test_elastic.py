@@ -455,6 +455,31 @@ def test_a_worker_with_partial_or_malformed_driver_settings_fails_naming_them(tm
     assert res.returncode == 0 and "ValueError: " + message in res.stdout, res.stdout + res.stderr
 
 
+ONE_WRITE = """
+import sys
+import nvgroup_tf.elastic as elastic
+writes = []
+class Recorder:
+    def write(self, text):
+        writes.append(text)
+    def flush(self):
+        pass
+real, sys.stderr = sys.stderr, Recorder()
+elastic._report("rank 0: launch 1 resumes from commit 3")
+sys.stderr = real
+print(repr(writes))
+"""
+
+
+def test_the_elastic_messages_are_one_write_each(tmp_path):
+    """mpirun joins the ranks' output as it comes: a line written in two parts
+    (print's text, then its newline) ends up glued to other ranks' lines."""
+    res = subprocess.run([sys.executable, "-c", ONE_WRITE], env=_env(tmp_path), capture_output=True, text=True,
+                         timeout=300)
+    assert res.stdout.strip().splitlines()[-1] == repr(
+        ["nvgroup_tf.elastic: rank 0: launch 1 resumes from commit 3\n"]), res.stdout + res.stderr
+
+
 def test_a_host_that_keeps_failing_is_blacklisted(tmp_path):
     script, _ = _discovery_script(tmp_path, 2)
     rc, out = _driver(tmp_path, ["--min-np", "2", "--host-discovery-script", str(script),
