@@ -49,10 +49,11 @@ def _print_weights_digest():
     for state in states:
         for v in list(state.model.trainable_variables) + _optimizer_variables(state.optimizer):
             digest.update(np.asarray(v.numpy()).tobytes())
-    print("ELASTIC_WEIGHTS launch=%s rank=%d digest=%s" % (
+    # One write (text and newline together): mpirun joins the ranks' output as it comes.
+    sys.stdout.write("ELASTIC_WEIGHTS launch=%s rank=%d digest=%s\n" % (
         nvgroup_tf.basics.setting_value("NVGROUP_ELASTIC_LAUNCH") or "-",
-        int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "-1"))), digest.hexdigest()),
-        flush=True)
+        int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "-1"))), digest.hexdigest()))
+    sys.stdout.flush()
 
 
 atexit.register(_print_weights_digest)
