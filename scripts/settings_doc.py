@@ -37,10 +37,12 @@ raises `InvalidArgumentError` on every rank when one rank has a malformed
 value; `DistributedOptimizer` and `DistributedGradientTape` read
 `NVGROUP_BUCKET_CAP_MB` again when they are made and raise `ValueError`.
 
-`nvgrouprun` reads none of these; its Horovod-style flags set the variable
-named in the table for every rank (`--fusion-threshold-mb MB` sets
-`NVGROUP_FUSION_THRESHOLD` to MB * 1048576), and it passes the rest of its
-environment on to the ranks.
+`nvgrouprun` reads only `NVGROUP_ELASTIC_BASE` (in elastic mode, through this
+table); its Horovod-style flags set the variable named in the table for every
+rank (`--fusion-threshold-mb MB` sets `NVGROUP_FUSION_THRESHOLD` to MB *
+1048576), its elastic mode sets `NVGROUP_ELASTIC_JOB`, `NVGROUP_ELASTIC_DIR`,
+`NVGROUP_ELASTIC_NOTIFY` and `NVGROUP_ELASTIC_LAUNCH` for the ranks it
+launches, and it passes the rest of its environment on to the ranks.
 
 This page is generated from the settings table in `cc/common/env.h` by
 `python scripts/settings_doc.py`; `tests/settings/test_settings.py` fails when

@@ -53,6 +53,14 @@ Status PositiveSecondsInto(const char* name, const std::string& value, double* o
   return Status::Ok();
 }
 
+// Paths the elastic driver hands to ranks on other hosts, and that ranks with
+// other working directories use: only absolute ones mean the same everywhere.
+Status AbsolutePathInto(const char* name, const std::string& value, std::string* out) {
+  if (value[0] != '/') return Malformed(name, value, "an absolute path (starting with /)");
+  *out = value;
+  return Status::Ok();
+}
+
 Status BoolInto(const char* name, const std::string& value, bool* out) {
   if (value != "0" && value != "1") return Malformed(name, value, "0 or 1");
   *out = value == "1";
@@ -221,6 +229,46 @@ std::vector<Setting> MakeSettings() {
        +[](const K& k) {
          return std::string(k.xla_start_done < 0 ? "auto" : (k.xla_start_done ? "1" : "0"));
        }},
+      {"NVGROUP_ELASTIC_BASE", S::kPerProcess, "absolute directory path", "unset (the system's temporary "
+       "directory: $TMPDIR, else /tmp)", "nvgrouprun (elastic mode)", "",
+       "Where nvgrouprun's elastic driver makes each job's directory nvgroup_elastic_<job id>: on every host "
+       "the newest commit of that host's ranks, on the driver's host also the file that tells rank 0 of a "
+       "change of hosts. Rank 0 must see the driver's file: list the driver's host first in the discovery "
+       "script, or give a directory shared by the hosts (docs/MIGRATION.md, Elastic training). The driver "
+       "removes the job's directory on its host when it ends.",
+       +[](const char* n, const std::string& v, K* k) { return AbsolutePathInto(n, v, &k->elastic_base); },
+       +[](const K& k) { return k.elastic_base; }},
+      {"NVGROUP_ELASTIC_JOB", S::kPerProcess, "32 lowercase hexadecimal digits", "unset (not elastic)",
+       "Python front end (nvgroup_tf/elastic.py)", "",
+       "Set by nvgrouprun's elastic driver for the ranks it launches, not by hand: the job's identity, "
+       "which tags every commit. When set, hvd.elastic.run keeps commits on disk and resumes from the "
+       "newest after a relaunch, and commit() raises HostsUpdatedInterrupt when the driver reports new "
+       "hosts; NVGROUP_ELASTIC_DIR, NVGROUP_ELASTIC_NOTIFY and NVGROUP_ELASTIC_LAUNCH must be set with it.",
+       +[](const char* n, const std::string& v, K* k) -> Status {
+         if (v.size() != 32 || v.find_first_not_of("0123456789abcdef") != std::string::npos)
+           return Malformed(n, v, "32 lowercase hexadecimal digits (the job identity nvgrouprun sets)");
+         k->elastic_job = v;
+         return Status::Ok();
+       },
+       +[](const K& k) { return k.elastic_job; }},
+      {"NVGROUP_ELASTIC_DIR", S::kPerProcess, "absolute directory path", "unset",
+       "Python front end (nvgroup_tf/elastic.py)", "",
+       "Set by nvgrouprun's elastic driver: the job's directory on each host; each host's local rank 0 "
+       "writes the newest commit there (file commit, written to a temporary name and renamed).",
+       +[](const char* n, const std::string& v, K* k) { return AbsolutePathInto(n, v, &k->elastic_dir); },
+       +[](const K& k) { return k.elastic_dir; }},
+      {"NVGROUP_ELASTIC_NOTIFY", S::kPerProcess, "absolute file path", "unset",
+       "Python front end (nvgroup_tf/elastic.py)", "",
+       "Set by nvgrouprun's elastic driver: the file it writes when the hosts change; rank 0 looks for it "
+       "at every commit() and check_host_updates().",
+       +[](const char* n, const std::string& v, K* k) { return AbsolutePathInto(n, v, &k->elastic_notify); },
+       +[](const K& k) { return k.elastic_notify; }},
+      {"NVGROUP_ELASTIC_LAUNCH", S::kPerProcess, "integer >= 0", "unset",
+       "Python front end (nvgroup_tf/elastic.py)", "",
+       "Set by nvgrouprun's elastic driver: the launch's number (0, then 1, 2, ... after each relaunch), "
+       "printed when a launch resumes from a commit.",
+       +[](const char* n, const std::string& v, K* k) { return IntInto(n, v, &k->elastic_launch); },
+       +[](const K& k) { return k.elastic_launch < 0 ? std::string() : std::to_string(k.elastic_launch); }},
       // ---- tests
       {"NVGROUP_TEST_BUCKET_DELAY_US", S::kTests, "microseconds", "0", "engine", "",
        "Adds this delay to every allreduce bucket on the engine's stream (CUDA: a device-side spin before the "

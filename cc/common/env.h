@@ -86,6 +86,17 @@ struct Knobs {
   // before the bucket's completion; CPU: the loop's thread sleeps), the
   // simulated link of benchmarks/xla_overlap_bench.py. 0 = none.
   double test_bucket_delay_us = 0.0;
+  // nvgrouprun's elastic mode (nvgroup_tf/runner/elastic_driver.py has the
+  // protocol): the directory under which the driver makes each job's
+  // directory ("" = the system's temporary directory), and what the driver
+  // sets for the ranks it launches: the job's identity ("" = not elastic), the
+  // job's directory on each host (the newest commit), the file the driver
+  // writes when the hosts change, and the launch's number (-1 = unset).
+  std::string elastic_base;
+  std::string elastic_job;
+  std::string elastic_dir;
+  std::string elastic_notify;
+  int elastic_launch = -1;
 };
 
 // Who must agree on a variable and who reads it.

@@ -129,6 +129,15 @@ class Options:
     sockets_per_node: int = SUMMIT_SOCKETS_PER_NODE
     slurm_mpi: Optional[str] = None
     cpus_per_task: Optional[int] = None
+    # Elastic mode (nvgroup_tf/runner/elastic_driver.py): set by any of the flags below.
+    elastic: bool = False
+    min_np: Optional[int] = None
+    max_np: Optional[int] = None
+    host_discovery_script: Optional[str] = None
+    slots_per_host: Optional[int] = None
+    elastic_timeout: int = 600
+    reset_limit: Optional[int] = None
+    blacklist_after: int = 3
     command: List[str] = dataclasses.field(default_factory=list)
 
 
@@ -153,18 +162,19 @@ _VALUE_FLAGS = {
     "--gpus-per-node": "gpus_per_node", "--cores-per-node": "cores_per_node",
     "--sockets-per-node": "sockets_per_node",
     "--slurm-mpi": "slurm_mpi", "--cpus-per-task": "cpus_per_task",
+    "--min-np": "min_np", "--max-np": "max_np", "--host-discovery-script": "host_discovery_script",
+    "--slots-per-host": "slots_per_host", "--slots": "slots_per_host",
+    "--elastic-timeout": "elastic_timeout", "--reset-limit": "reset_limit",
+    "--blacklist-after": "blacklist_after",
 }
 _BOOL_FLAGS = {"--dry-run": "dry_run", "--verbose": "verbose", "-v": "verbose",
-               "--check-build": "check_build", "-cb": "check_build"}
+               "--check-build": "check_build", "-cb": "check_build", "--elastic": "elastic"}
 _POSITIVE_INT_FIELDS = ("num_proc", "gpus_per_node", "cores_per_node", "sockets_per_node",
-                        "cpus_per_task")
+                        "cpus_per_task", "min_np", "max_np", "slots_per_host", "elastic_timeout",
+                        "blacklist_after")
 # horovodrun flags that have no meaning here: a clear error instead of "unknown".
 _UNSUPPORTED = {
     "--gloo": "nvgroup_tf has no Gloo controller (MPI only); drop --gloo",
-    "--elastic": "elastic training is not provided by nvgrouprun",
-    "--min-np": "elastic training is not provided by nvgrouprun",
-    "--max-np": "elastic training is not provided by nvgrouprun",
-    "--host-discovery-script": "elastic training is not provided by nvgrouprun",
     "--autotune": "autotuning is not provided; set --fusion-threshold-mb/--cycle-time-ms",
 }
 LAUNCHERS = ("auto", "mpirun", "jsrun", "srun")
@@ -215,13 +225,41 @@ def parse_args(argv: Sequence[str]) -> Options:
     if opts.sockets_per_node > opts.gpus_per_node or opts.gpus_per_node % opts.sockets_per_node:
         raise LaunchError("--gpus-per-node (%d) must be a multiple of --sockets-per-node (%d)"
                           % (opts.gpus_per_node, opts.sockets_per_node))
+    if opts.min_np or opts.max_np or opts.host_discovery_script or opts.reset_limit is not None:
+        opts.elastic = True
+    if opts.elastic:
+        _check_elastic(opts)
     if opts.cores_per_node % opts.gpus_per_node:
         raise LaunchError("--cores-per-node (%d) must split evenly across --gpus-per-node (%d)"
                           % (opts.cores_per_node, opts.gpus_per_node))
     return opts
 
 
+def _check_elastic(opts: Options) -> None:
+    """horovodrun's rules for the elastic flags."""
+    if not opts.host_discovery_script and not (opts.hosts or opts.hostfile):
+        raise LaunchError("elastic mode (--min-np/--max-np/--elastic) needs --host-discovery-script "
+                          "(or fixed hosts with -H/--hostfile)")
+    if opts.num_proc is None:
+        opts.num_proc = opts.min_np or opts.max_np
+    if opts.num_proc is None:
+        raise LaunchError("elastic mode needs -np or --min-np")
+    opts.min_np = opts.min_np or opts.num_proc
+    if opts.max_np is not None and opts.max_np < opts.min_np:
+        raise LaunchError("--max-np (%d) is smaller than --min-np (%d)" % (opts.max_np, opts.min_np))
+    if opts.num_proc < opts.min_np or (opts.max_np is not None and opts.num_proc > opts.max_np):
+        raise LaunchError("-np %d is outside --min-np %d .. --max-np %s"
+                          % (opts.num_proc, opts.min_np, opts.max_np))
+    if opts.dry_run:
+        raise LaunchError("--dry-run does not apply to elastic mode (the command changes with the hosts)")
+
+
 def _set_value(opts: Options, name: str, field: str, text: str) -> None:
+    if field == "reset_limit":
+        if not text.isdigit():
+            raise LaunchError("%s expects a whole number >= 0, got %r" % (name, text))
+        opts.reset_limit = int(text)
+        return
     if field in _POSITIVE_INT_FIELDS:
         try:
             value = int(text)
@@ -574,6 +612,16 @@ def _mpi_flavor(env: Dict[str, str]) -> str:
     return detect_mpi_flavor(out.stdout + out.stderr)
 
 
+def _elastic_driver():
+    """elastic_driver.py, loaded by path: importing the nvgroup_tf package would load TensorFlow."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_driver.py")
+    spec = importlib.util.spec_from_file_location("nvgroup_tf_elastic_driver", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run(argv: Sequence[str], env: Optional[Dict[str, str]] = None) -> int:
     env = dict(os.environ if env is None else env)
     opts = parse_args(argv)
@@ -583,6 +631,8 @@ def run(argv: Sequence[str], env: Optional[Dict[str, str]] = None) -> int:
         return rc
     alloc = detect_allocation(opts, env)
     flavor = _mpi_flavor(env) if alloc.kind == "local" else "openmpi"
+    if opts.elastic:
+        return _elastic_driver().ElasticDriver(opts, alloc, env, flavor, sys.modules[__name__]).run()
     cmd = build_command(opts, alloc, env, flavor, is_root=os.geteuid() == 0)
     if not opts.dry_run and shutil.which(cmd[0], path=env.get("PATH")) is None:
         raise LaunchError("no launcher found: %s is not on PATH" % cmd[0])

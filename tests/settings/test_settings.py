@@ -28,10 +28,12 @@ ROWS = engine.settings_table()
 NAMES = [r["name"] for r in ROWS]
 
 # The table's owner and the launcher (which writes the engine's variables for
-# the ranks from its flags, checked below) are the only files naming them next
-# to an environment access.
+# the ranks from its flags, checked below, and whose elastic driver writes the
+# elastic variables for the ranks it launches) are the only files naming them
+# next to an environment access; the launcher's files may write them, not read
+# them (LAUNCHER_READ).
 TABLE_FILES = {"cc/common/env.cc"}
-LAUNCHER_FILES = {"nvgroup_tf/runner/launch.py"}
+LAUNCHER_FILES = {"nvgroup_tf/runner/launch.py", "nvgroup_tf/runner/elastic_driver.py"}
 # (file, variable) pairs allowed to call getenv themselves: none, the tools of
 # cc/tools too start from ParseKnobsFromEnvironment().
 TOOL_READS = set()
@@ -76,12 +78,22 @@ C_READ = re.compile(r"getenv\s*\(\s*\"NVGROUP_")
 C_READ_NAME = re.compile(r"getenv\s*\(\s*\"(NVGROUP_[A-Z0-9_]+)\"")
 PY_READ = re.compile(r"(environ\s*(\.get\s*\(|\[)|getenv\s*\()\s*[\"']NVGROUP_")
 PY_NAME = re.compile(r"[\"']NVGROUP_[A-Z0-9_]+[\"']")
+# A read of a literal NVGROUP_ name from any mapping (the launcher passes the
+# environment around as a dict): get/pop/setdefault, a subscript that is not
+# assigned to, a membership test.
+LAUNCHER_READ = re.compile(r"(\.get|\.pop|setdefault|getenv)\s*\(\s*[\"']NVGROUP_"
+                           r"|\[\s*[\"']NVGROUP_[A-Z0-9_]+[\"']\s*\](?!\s*=[^=])"
+                           r"|[\"']NVGROUP_[A-Z0-9_]+[\"']\s+(not\s+)?in\b")
 
 
 def test_no_nvgroup_variable_is_read_outside_the_table():
     offenders = []
     for path in _tracked("cc", "ops", "nvgroup_tf"):
-        if path in TABLE_FILES or path in LAUNCHER_FILES:
+        if path in TABLE_FILES:
+            continue
+        if path in LAUNCHER_FILES:
+            if PY_READ.search(text) or LAUNCHER_READ.search(text):
+                offenders.append(path + ": the launcher reads an NVGROUP_ name")
             continue
         text = _text(path)
         if path.endswith((".cc", ".h", ".cu", ".cuh")):
@@ -104,6 +116,11 @@ def test_the_grep_finds_reads():
     assert PY_READ.search("os.environ['NVGROUP_TIMEOUT']")
     assert PY_READ.search('os.getenv("NVGROUP_X")')
     assert not PY_READ.search('env = dict(os.environ)')
+    assert LAUNCHER_READ.search('base = env.get("NVGROUP_ELASTIC_BASE") or tempfile.gettempdir()')
+    assert LAUNCHER_READ.search("if env['NVGROUP_X'] == '1':")
+    assert LAUNCHER_READ.search('if "NVGROUP_X" in env:')
+    assert not LAUNCHER_READ.search('out["NVGROUP_TIMELINE"] = opts.timeline_filename')
+    assert not LAUNCHER_READ.search('env.update({"NVGROUP_ELASTIC_JOB": self.job_id})')
 
 
 def test_every_nvgroup_name_of_the_repository_is_a_row():
@@ -202,6 +219,14 @@ def test_agreed_knobs_are_the_agreed_rows_normalized(monkeypatch):
     ("NVGROUP_ONE_GPU_GROUP", "yes", "0 or 1"),
     ("NVGROUP_XLA_START_DONE", "yes", "auto, 0 or 1"),
     ("NVGROUP_TEST_BUCKET_DELAY_US", "-5", "a number of microseconds >= 0"),
+    ("NVGROUP_ELASTIC_BASE", "commits", "an absolute path (starting with /)"),
+    ("NVGROUP_ELASTIC_DIR", "./job", "an absolute path (starting with /)"),
+    ("NVGROUP_ELASTIC_NOTIFY", "hosts_updated", "an absolute path (starting with /)"),
+    ("NVGROUP_ELASTIC_JOB", "job-1", "32 lowercase hexadecimal digits (the job identity nvgrouprun sets)"),
+    ("NVGROUP_ELASTIC_JOB", "0123456789ABCDEF0123456789abcdef",
+     "32 lowercase hexadecimal digits (the job identity nvgrouprun sets)"),
+    ("NVGROUP_ELASTIC_LAUNCH", "-1", "an integer >= 0"),
+    ("NVGROUP_ELASTIC_LAUNCH", "one", "an integer"),
 ])
 def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):
     monkeypatch.setenv(name, raw)
@@ -221,6 +246,12 @@ def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):
     ("NVGROUP_CYCLE_TIME", "0.5", "0.5"), ("NVGROUP_LOG_LEVEL", "info", "info"),
     ("NVGROUP_XLA_START_DONE", None, "auto"), ("NVGROUP_XLA_START_DONE", "1", "1"),
     ("NVGROUP_TEST_BUCKET_DELAY_US", "2000", "2000"),
+    ("NVGROUP_ELASTIC_BASE", None, ""), ("NVGROUP_ELASTIC_BASE", "/scratch/c", "/scratch/c"),
+    ("NVGROUP_ELASTIC_JOB", None, ""),
+    ("NVGROUP_ELASTIC_JOB", "0123456789abcdef0123456789abcdef", "0123456789abcdef0123456789abcdef"),
+    ("NVGROUP_ELASTIC_DIR", "/tmp/nvgroup_elastic_x", "/tmp/nvgroup_elastic_x"),
+    ("NVGROUP_ELASTIC_NOTIFY", "/tmp/x/hosts_updated", "/tmp/x/hosts_updated"),
+    ("NVGROUP_ELASTIC_LAUNCH", None, ""), ("NVGROUP_ELASTIC_LAUNCH", "02", "2"),
 ])
 def test_values_parse_into_their_fields(monkeypatch, name, raw, value):
     if raw is None:
