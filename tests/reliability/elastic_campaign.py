@@ -154,8 +154,10 @@ def verdict(r):
 def summarize(results):
     rec = [r["recovery_s"] for r in results if "recovery_s" in r]
     lost = [r["work_lost_batches"] for r in results if "work_lost_batches" in r]
-    stat = lambda xs: {"count": len(xs), "median": statistics.median(xs) if xs else None,
-                       "max": max(xs) if xs else None}
+    def stat(xs):
+        return {"count": len(xs), "median": statistics.median(xs) if xs else None,
+                "max": max(xs) if xs else None}
+
     return {"trials": len(results), "faults_delivered": sum(r["fault_delivered"] for r in results),
             "passed": sum(not r["verdict"] for r in results),
             "finished_with_the_result": sum(r["result_ok"] for r in results),
