@@ -1,5 +1,6 @@
 #include "algorithms/cross_exchange.h"
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <string>
@@ -11,6 +12,24 @@ namespace nvgroup {
 namespace {
 
 std::atomic<uint64_t> g_bytes_sent{0};
+
+// The polling schedule of Note [Cross exchange protocol].
+// Back-to-back polls after the last movement: a small collective between
+// ranks of one host completes in 5-30 us (cc/engine/wait_policy.h), so the
+// common hand-off never leaves this phase; then each poll yields the core.
+constexpr double kBackToBackPollS = 50e-6;
+// How long Wait polls before it sleeps, and how long an idle progress thread
+// polls for the next job: a futex wake-up costs tens of microseconds on a
+// quiet VM (more under load, Note [Waiting for a lock-step caller] in
+// cc/engine/wait_policy.h), and the skeleton starts chunk c+2 right after
+// chunk c finished, so both windows cover the next hand-off of a pipeline
+// in flight many times over while bounding the CPU a lone waiter takes.
+constexpr double kWaitSpinS = 250e-6;
+constexpr double kIdleSpinS = 250e-6;
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // The P parts of a slice of `count` elements (part p: peer p).
 ChunkSlices Parts(size_t count, int peers, size_t esize) {
@@ -26,19 +45,23 @@ ChunkSlices Parts(size_t count, int peers, size_t esize) {
 
 // One job and where it stands. Stages advance in this order only.
 struct CrossExchange::Active {
-  enum Stage { kWaitReady, kAlltoall, kAllgather, kFinished };
+  enum Stage { kWaitReady, kFirst, kWaitFold, kSecond, kFinished };
+  enum Kind { kReduceScatterAllgather, kAllgatherFold, kReduceScatterOnly };
   uint64_t ticket = 0;
+  uint64_t ag_index = 0;  // kReduceScatterAllgather: its place in the allgatherv order
+  Kind kind = kReduceScatterAllgather;
   Job job;
   Stage stage = kWaitReady;
-  bool scatter_only = false;  // StartReduceScatter: no allgatherv, result at `result` itself
   MPI_Request request = MPI_REQUEST_NULL;
-  // Byte counts and displacements of the parts (MPI counts are int).
+  // Reduce-scatter kinds: byte counts and displacements of the parts (MPI
+  // counts are int). Allgather + fold: slice_bytes.
   std::vector<int> part_bytes, part_displs, recv_bytes, recv_displs;
+  int slice_bytes = 0;
 };
 
 uint64_t CrossExchange::BytesSent() { return g_bytes_sent.load(std::memory_order_relaxed); }
 
-StatusOr<std::unique_ptr<CrossExchange>> CrossExchange::Create(MPI_Comm cross, bool use_thread) {
+StatusOr<std::unique_ptr<CrossExchange>> CrossExchange::Create(MPI_Comm cross, Options options) {
   std::unique_ptr<CrossExchange> x(new CrossExchange());
   NVG_MPI_CHECK(MPI_Comm_dup(cross, &x->rs_comm_));
   NVG_MPI_CHECK(MPI_Comm_dup(cross, &x->ag_comm_));
@@ -46,9 +69,10 @@ StatusOr<std::unique_ptr<CrossExchange>> CrossExchange::Create(MPI_Comm cross, b
   NVG_MPI_CHECK(MPI_Comm_rank(cross, &x->me_));
   int provided = MPI_THREAD_SINGLE;
   NVG_MPI_CHECK(MPI_Query_thread(&provided));
+  x->allgather_max_bytes_ = options.allgather_max_bytes;
   // Every rank must agree on the mode only for performance, not correctness: the
   // posting order per communicator is the job order in both modes.
-  x->threaded_ = use_thread && provided == MPI_THREAD_MULTIPLE && x->peers_ > 1;
+  x->threaded_ = options.use_thread && provided == MPI_THREAD_MULTIPLE && x->peers_ > 1;
   if (x->threaded_) x->thread_ = std::thread([p = x.get()] { p->ProgressLoop(); });
   return StatusOr<std::unique_ptr<CrossExchange>>(std::move(x));
 }
@@ -59,16 +83,11 @@ CrossExchange::~CrossExchange() {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;  // the loop leaves once no job is in flight (posted requests complete)
     }
-    cv_.notify_all();
+    work_cv_.notify_all();
     thread_.join();
   } else {
-    while (true) {  // complete what was posted: MPI writes into the buffers until then
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (active_.empty()) break;
-      }
-      ProgressOnce();
-    }
+    // complete what was posted: MPI writes into the buffers until then
+    while (!active_.empty() || submitted_.load(std::memory_order_acquire) != taken_) ProgressOnce();
   }
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -78,8 +97,23 @@ CrossExchange::~CrossExchange() {
   }
 }
 
+CrossExchange::Variant CrossExchange::VariantFor(size_t count, size_t element_size) const {
+  const size_t allgather_sends = count * element_size * static_cast<size_t>(peers_ - 1);
+  return allgather_max_bytes_ > 0 && allgather_sends <= allgather_max_bytes_ ? Variant::kAllgatherFold
+                                                                             : Variant::kReduceScatterAllgather;
+}
+
 size_t CrossExchange::RecvBytes(size_t count, size_t element_size) const {
+  if (VariantFor(count, element_size) == Variant::kAllgatherFold) return count * element_size * peers_;
   return Parts(count, peers_, element_size).SliceCount(me_) * element_size * peers_;
+}
+
+size_t CrossExchange::MaxRecvBytes(size_t max_slice_bytes) const {
+  // Reduce-scatter: P parts of at most ceil(n / P) rounded up to 16 bytes.
+  const size_t scatter = max_slice_bytes + 16 * static_cast<size_t>(peers_);
+  const size_t largest_allgather =
+      peers_ > 1 ? std::min(max_slice_bytes, allgather_max_bytes_ / (peers_ - 1)) : max_slice_bytes;
+  return std::max(scatter, largest_allgather * peers_);
 }
 
 Status CrossExchange::Start(Job job, uint64_t* ticket) {
@@ -88,10 +122,15 @@ Status CrossExchange::Start(Job job, uint64_t* ticket) {
                                    std::to_string(job.count * job.element_size) +
                                    " bytes exceeds MPI's int counts");
   if (!job.fold) return Status::InvalidArgument("cross-group exchange without a fold");
-  auto a = std::make_shared<Active>();
+  auto a = std::make_unique<Active>();
   a->job = std::move(job);
-  const ChunkSlices parts = Parts(a->job.count, peers_, a->job.element_size);
   const size_t es = a->job.element_size;
+  if (VariantFor(a->job.count, es) == Variant::kAllgatherFold) {
+    a->kind = Active::kAllgatherFold;
+    a->slice_bytes = static_cast<int>(a->job.count * es);
+    return Enqueue(std::move(a), ticket);
+  }
+  const ChunkSlices parts = Parts(a->job.count, peers_, es);
   const int mine = static_cast<int>(parts.SliceCount(me_) * es);
   a->part_bytes.resize(peers_);
   a->part_displs.resize(peers_);
@@ -115,8 +154,8 @@ Status CrossExchange::StartReduceScatter(ScatterJob sj, uint64_t* ticket) {
   if (send_elems * es > static_cast<size_t>(INT_MAX) || mine * es * peers_ > static_cast<size_t>(INT_MAX))
     return Status::InvalidArgument("cross-group reduce-scatter chunk of " + std::to_string(send_elems * es) +
                                    " bytes exceeds MPI's int counts");
-  auto a = std::make_shared<Active>();
-  a->scatter_only = true;
+  auto a = std::make_unique<Active>();
+  a->kind = Active::kReduceScatterOnly;
   a->job.send = sj.send;
   a->job.recv = sj.recv;
   a->job.result = sj.result;
@@ -124,6 +163,7 @@ Status CrossExchange::StartReduceScatter(ScatterJob sj, uint64_t* ticket) {
   a->job.element_size = es;
   a->job.fold = std::move(sj.fold);
   a->job.ready = std::move(sj.ready);
+  a->job.writable = std::move(sj.writable);
   a->job.done = std::move(sj.done);
   a->part_bytes.resize(peers_);
   a->part_displs.resize(peers_);
@@ -139,40 +179,68 @@ Status CrossExchange::StartReduceScatter(ScatterJob sj, uint64_t* ticket) {
   return Enqueue(std::move(a), ticket);
 }
 
-Status CrossExchange::Enqueue(std::shared_ptr<Active> a, uint64_t* ticket) {
+// See Note [Cross exchange protocol]: caller -> progress thread.
+Status CrossExchange::Enqueue(std::unique_ptr<Active> a, uint64_t* ticket) {
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok()) return failure_;
     a->ticket = next_ticket_++;
+    if (a->kind == Active::kReduceScatterAllgather) a->ag_index = next_ag_index_++;
     *ticket = a->ticket;
-    active_.push_back(std::move(a));
+    incoming_.push_back(std::move(a));
+    submitted_.store(next_ticket_, std::memory_order_release);
+    wake = sleeping_;
   }
-  cv_.notify_all();
+  if (wake) work_cv_.notify_one();
   if (!threaded_) ProgressOnce();  // post what can be posted now
   return Status::Ok();
 }
 
-Status CrossExchange::Wait(uint64_t ticket) {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (finished_below_ <= ticket && failure_.ok()) {
-    if (threaded_) {
-      cv_.wait(lock);
-    } else {
-      lock.unlock();
-      if (!ProgressOnce()) std::this_thread::yield();
-      lock.lock();
-    }
-  }
+bool CrossExchange::Finished(uint64_t ticket) const {
+  return finished_below_.load(std::memory_order_seq_cst) > ticket || failed_.load(std::memory_order_seq_cst);
+}
+
+Status CrossExchange::FailureStatus() {
+  if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
+  std::lock_guard<std::mutex> lock(mu_);
   return failure_;
 }
 
-// Posts and tests; never blocks in MPI. The alltoallv of job k is posted only
-// after that of job k-1 (next_rs_post_), the allgatherv likewise. Once the
-// exchange failed nothing new is posted: requests already posted are tested
-// to completion (MPI keeps writing into their buffers until then).
-Status CrossExchange::Advance(Active& a, bool failed, bool* moved) {
+// See Note [Cross exchange protocol]: progress thread -> caller.
+Status CrossExchange::Wait(uint64_t ticket) {
+  Clock::time_point last = Clock::now();
+  if (!threaded_) {  // this thread progresses: back to back while it moves, then yielding
+    while (!Finished(ticket)) {
+      if (ProgressOnce())
+        last = Clock::now();
+      else if (SecondsSince(last) > kBackToBackPollS)
+        std::this_thread::yield();
+    }
+    return FailureStatus();
+  }
+  while (!Finished(ticket)) {
+    const double waited = SecondsSince(last);
+    if (waited > kWaitSpinS) break;
+    if (waited > kBackToBackPollS) std::this_thread::yield();
+  }
+  if (!Finished(ticket)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    waiters_.fetch_add(1, std::memory_order_seq_cst);
+    done_cv_.wait(lock, [&] { return Finished(ticket); });
+    waiters_.fetch_sub(1, std::memory_order_relaxed);
+  }
+  return FailureStatus();
+}
+
+// Posts and tests; never blocks in MPI. Each job's first collective is posted
+// only after that of job k-1 (next_rs_post_); an allgatherv only after that
+// of the reduce-scatter + allgather job before it (ag_index, next_ag_post_).
+// Once the exchange failed nothing new is posted: requests already posted
+// are tested to completion (MPI keeps writing into their buffers until then).
+Status CrossExchange::Advance(Active& a, bool* moved) {
   Job& j = a.job;
-  if (failed) {
+  if (failed_.load(std::memory_order_relaxed)) {
     int flag = 1;
     if (a.request != MPI_REQUEST_NULL) NVG_MPI_CHECK(MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE));
     if (flag) {
@@ -188,33 +256,52 @@ Status CrossExchange::Advance(Active& a, bool failed, bool* moved) {
       NVG_RETURN_IF_ERROR_CTX(j.ready(&ready), "waiting for the cross-group slice");
       if (!ready) return Status::Ok();
     }
-    NVG_MPI_CHECK(MPI_Ialltoallv(j.send, a.part_bytes.data(), a.part_displs.data(), MPI_BYTE, j.recv,
-                                 a.recv_bytes.data(), a.recv_displs.data(), MPI_BYTE, rs_comm_,
-                                 &a.request));
     uint64_t sent = 0;
-    for (int p = 0; p < peers_; ++p)
-      if (p != me_) sent += a.part_bytes[p];
+    if (a.kind == Active::kAllgatherFold) {
+      NVG_MPI_CHECK(MPI_Iallgather(j.send, a.slice_bytes, MPI_BYTE, j.recv, a.slice_bytes, MPI_BYTE, rs_comm_,
+                                   &a.request));
+      sent = static_cast<uint64_t>(a.slice_bytes) * (peers_ - 1);
+    } else {
+      NVG_MPI_CHECK(MPI_Ialltoallv(j.send, a.part_bytes.data(), a.part_displs.data(), MPI_BYTE, j.recv,
+                                   a.recv_bytes.data(), a.recv_displs.data(), MPI_BYTE, rs_comm_,
+                                   &a.request));
+      for (int p = 0; p < peers_; ++p)
+        if (p != me_) sent += a.part_bytes[p];
+    }
     g_bytes_sent.fetch_add(sent, std::memory_order_relaxed);
     ++next_rs_post_;
-    a.stage = Active::kAlltoall;
+    a.stage = Active::kFirst;
     *moved = true;
   }
-  if (a.stage == Active::kAlltoall) {
+  if (a.stage == Active::kFirst) {
     int flag = 0;
-    NVG_MPI_CHECK(MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE));  // a null request: flag 1
-    if (!flag || a.ticket != next_ag_post_) return Status::Ok();
-    // The alltoallv completed: our parts of `send` are sent (so `result` may
-    // alias it) and the P copies of our part are in `recv`, in peer order.
-    const size_t mine = a.recv_bytes[me_] / j.element_size;
-    if (mine > 0)
-      NVG_RETURN_IF_ERROR_CTX(
-          j.fold(j.recv, peers_, static_cast<char*>(j.result) + (a.scatter_only ? 0 : a.part_displs[me_]), mine),
-          "folding the cross-group parts");
-    if (a.scatter_only) {  // the reduce-scatter half only: done after the fold
-      ++next_ag_post_;     // keeps the allgatherv order of the jobs after this one
-      if (j.done) NVG_RETURN_IF_ERROR_CTX(j.done(), "after the cross-group reduce-scatter");
+    NVG_MPI_CHECK(MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE));
+    if (!flag) return Status::Ok();
+    // The first collective completed: `send` was read (so `result` may alias
+    // it) and `recv` holds the P copies, in peer order.
+    a.stage = Active::kWaitFold;
+    *moved = true;
+  }
+  if (a.stage == Active::kWaitFold) {
+    if (a.kind == Active::kReduceScatterAllgather && a.ag_index != next_ag_post_) return Status::Ok();
+    if (j.writable) {
+      bool writable = false;
+      NVG_RETURN_IF_ERROR_CTX(j.writable(&writable), "waiting for the cross-group result buffer");
+      if (!writable) return Status::Ok();
+    }
+    if (a.kind == Active::kAllgatherFold) {
+      if (j.count > 0) NVG_RETURN_IF_ERROR_CTX(j.fold(j.recv, peers_, j.result, j.count), "folding the cross-group slices");
+    } else {
+      const size_t mine = a.recv_bytes[me_] / j.element_size;
+      const size_t at = a.kind == Active::kReduceScatterOnly ? 0 : a.part_displs[me_];
+      if (mine > 0)
+        NVG_RETURN_IF_ERROR_CTX(j.fold(j.recv, peers_, static_cast<char*>(j.result) + at, mine),
+                                "folding the cross-group parts");
+    }
+    *moved = true;
+    if (a.kind != Active::kReduceScatterAllgather) {  // one round: done after the fold
+      if (j.done) NVG_RETURN_IF_ERROR_CTX(j.done(), "after the cross-group fold");
       a.stage = Active::kFinished;
-      *moved = true;
       return Status::Ok();
     }
     NVG_MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, j.result, a.part_bytes.data(),
@@ -222,10 +309,9 @@ Status CrossExchange::Advance(Active& a, bool failed, bool* moved) {
     g_bytes_sent.fetch_add(static_cast<uint64_t>(a.recv_bytes[me_]) * (peers_ - 1),
                            std::memory_order_relaxed);
     ++next_ag_post_;
-    a.stage = Active::kAllgather;
-    *moved = true;
+    a.stage = Active::kSecond;
   }
-  if (a.stage == Active::kAllgather) {
+  if (a.stage == Active::kSecond) {
     int flag = 0;
     NVG_MPI_CHECK(MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE));
     if (!flag) return Status::Ok();
@@ -237,57 +323,61 @@ Status CrossExchange::Advance(Active& a, bool failed, bool* moved) {
 }
 
 bool CrossExchange::ProgressOnce() {
-  std::vector<std::shared_ptr<Active>> jobs;
-  bool failed = false;
-  {
+  if (submitted_.load(std::memory_order_acquire) != taken_) {
     std::lock_guard<std::mutex> lock(mu_);
-    jobs.assign(active_.begin(), active_.end());
-    failed = !failure_.ok();
+    for (; !incoming_.empty(); incoming_.pop_front(), ++taken_) active_.push_back(std::move(incoming_.front()));
   }
   bool moved = false;
-  for (auto& a : jobs) {
-    Status s = Advance(*a, failed, &moved);
-    if (!s.ok()) {
-      // The call that failed left no request we could complete.
-      a->request = MPI_REQUEST_NULL;
-      a->stage = Active::kFinished;
-      moved = true;
-      std::lock_guard<std::mutex> lock(mu_);
-      if (failure_.ok())
-        failure_ = s.WithContext("cross-group exchange (job " + std::to_string(a->ticket) + ")");
-      failed = true;
-    }
+  for (auto& a : active_) {
+    if (a->stage == Active::kFinished) continue;
+    Status s = Advance(*a, &moved);
+    if (s.ok()) continue;
+    // The call that failed left no request we could complete.
+    a->request = MPI_REQUEST_NULL;
+    a->stage = Active::kFinished;
+    moved = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failure_.ok()) failure_ = s.WithContext("cross-group exchange (job " + std::to_string(a->ticket) + ")");
+    failed_.store(true, std::memory_order_seq_cst);
+    done_cv_.notify_all();
   }
   bool finished_any = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    while (!active_.empty() && active_.front()->stage == Active::kFinished) {
-      finished_below_ = active_.front()->ticket + 1;
-      active_.pop_front();
-      finished_any = true;
+  uint64_t below = 0;
+  for (; !active_.empty() && active_.front()->stage == Active::kFinished; active_.pop_front()) {
+    below = active_.front()->ticket + 1;
+    finished_any = true;
+  }
+  if (finished_any) {
+    // orders: everything the jobs wrote (and `done`) before a waiter's acquire of it
+    finished_below_.store(below, std::memory_order_seq_cst);
+    if (waiters_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_cv_.notify_all();
     }
   }
-  if (finished_any || moved) cv_.notify_all();
   return moved || finished_any;
 }
 
+// See Note [Cross exchange protocol]: never sleeps with a job in flight.
 void CrossExchange::ProgressLoop() {
-  int idle = 0;
+  Clock::time_point last = Clock::now();
   while (true) {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !active_.empty(); });
-      if (active_.empty() && stop_) return;
-    }
     if (ProgressOnce()) {
-      idle = 0;
-    } else if (++idle < 64) {
-      std::this_thread::yield();
-    } else {
-      // Nothing moved for a while (a slow peer or a long transfer): poll less
-      // often so the progress thread does not take a core from the compute.
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      last = Clock::now();
+      continue;
     }
+    const double quiet = SecondsSince(last);
+    if (!active_.empty() || submitted_.load(std::memory_order_acquire) != taken_ || quiet < kIdleSpinS) {
+      if (quiet > kBackToBackPollS) std::this_thread::yield();
+      continue;
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!incoming_.empty()) continue;
+    if (stop_) return;
+    sleeping_ = true;
+    work_cv_.wait(lock, [&] { return stop_ || !incoming_.empty(); });
+    sleeping_ = false;
+    last = Clock::now();
   }
 }
 

@@ -7,40 +7,94 @@
 // s_0 (op) s_1 (op) ... (op) s_{P-1} of the P slices in group_index order (the
 // final Average division included when asked), bitwise identical on all peers.
 //
-// How (bandwidth-optimal: reduce-scatter + allgather). The slice is cut into P
-// *parts* (ChunkSlices geometry: 16-byte aligned, part p owned by peer p).
-//   1. MPI_Ialltoallv: part p of every peer's slice goes to peer p
-//      (`send` -> `recv`, P copies of our part, in peer order);
-//   2. fold: the P copies, in peer order, into our part of `result` (the Fold
-//      callback: ReduceFold on the host, or the device fold kernel when MPI
-//      reads device memory);
-//   3. MPI_Iallgatherv (in place on `result`): every peer gets every part.
-// Each peer sends (P-1)/P of the slice in each collective, 2 (P-1)/P in all,
-// and receives as much (an allgather of whole slices followed by a local fold
-// receives P-1 slices: P/2 times more). BytesSent() counts what was posted.
+// How: one of two variants per slice, chosen from the slice's size alone
+// (VariantFor), so every peer picks the same one for the same job.
+//  * Reduce-scatter + allgather (bandwidth-optimal, two rounds). The slice is
+//    cut into P *parts* (ChunkSlices geometry: 16-byte aligned, part p owned by
+//    peer p).
+//     1. MPI_Ialltoallv: part p of every peer's slice goes to peer p
+//        (`send` -> `recv`, P copies of our part, in peer order);
+//     2. fold: the P copies, in peer order, into our part of `result` (the
+//        Fold callback: ReduceFold on the host, or the device fold kernel when
+//        MPI reads device memory);
+//     3. MPI_Iallgatherv (in place on `result`): every peer gets every part.
+//    Each peer sends (P-1)/P of the slice in each collective, 2 (P-1)/P in all.
+//  * Allgather + fold (latency-optimal, one round), for slices of at most
+//    Options::allgather_max_bytes / (P-1) bytes:
+//     1. MPI_Iallgather: every peer's whole slice to every peer (`send` ->
+//        `recv`, P slices in peer order);
+//     2. fold: the P slices, in peer order, into the whole of `result`.
+//    Each peer sends (P-1) slices: the same bytes as the other variant for
+//    P = 2, P/2 times more above; it folds the whole slice instead of one
+//    part. The fold is the same function on the same operands in the same
+//    order, element for element, so both variants give the same bits.
+// BytesSent() counts what was posted.
 //
-// Pipelining. Start() queues a job and returns at once; Wait() blocks until it
-// finished. Jobs are progressed by one progress thread per exchange (MPI
-// nonblocking collectives completed with MPI_Test), so the caller's thread keeps
-// issuing the next chunk's group step, copies and kernels while this chunk is in
-// flight. Without MPI_THREAD_MULTIPLE there is no thread: Wait() progresses the
-// jobs itself (still nonblocking, still overlapping the jobs in flight).
+// Pipelining. Start() queues a job and returns at once; Wait() returns once it
+// finished. Jobs are progressed by one progress thread per exchange, so the
+// caller's thread keeps issuing the next chunk's group step, copies and kernels
+// while this chunk is in flight. Without MPI_THREAD_MULTIPLE there is no
+// thread: Wait() progresses the jobs itself (still nonblocking, still
+// overlapping the jobs in flight).
+//
+// Note [Cross exchange protocol]
+// Who waits for what:
+//  * Caller -> progress thread (Start). The job goes into `incoming_` under
+//    mu_ and `submitted_` is bumped. A progress thread with jobs in flight
+//    takes it at its next poll (it reads `submitted_`, an atomic, each poll;
+//    mu_ only when it changed). An idle progress thread polls `submitted_` for
+//    kIdleSpinS after its last job, then sleeps on work_cv_ with `sleeping_`
+//    set under mu_; Start notifies only then (the flag is read under the same
+//    mutex that the sleeper checks its predicate under: no lost wake-up).
+//  * Progress thread: MPI. While any job is in flight it polls without
+//    sleeping: MPI_Test on every posted request (Open MPI moves a transfer's
+//    fragments only inside MPI calls, so a poll that sleeps stalls the
+//    transfer itself), `ready` / `writable` of the jobs waiting for them.
+//    For kBusyPollS after anything moved it polls back to back, then it
+//    yields the core between polls (others' threads run; ours keeps polling).
+//    It never sleeps with a job in flight.
+//  * Progress thread -> caller (Wait). finished_below_ (atomic, every ticket
+//    below it finished) is stored after the job's last step (`done`
+//    included), with seq_cst, and then `waiters_` is read; Wait polls
+//    finished_below_ for kWaitSpinS (back to back for kBusyPollS, then
+//    yielding), then sleeps on done_cv_ after raising `waiters_` under mu_.
+//    The progress thread notifies (under mu_) only when it read waiters_ > 0:
+//    with both sides seq_cst either the waiter's check sees the store or the
+//    progress thread sees the waiter (no lost wake-up).
+//  * Failure: failure_ is set under mu_, then failed_; every waiter is
+//    notified; Wait reads failure_ under mu_ once it saw failed_.
+// Memory ordering of the buffers: the caller writes `send` before Start (the
+// mutex of Start orders those writes before the progress thread's MPI call
+// that reads them; the GPU's device-side writes are ordered by `ready`); MPI
+// writes `recv` and `result` on the progress thread, and the fold reads
+// `recv` there after MPI_Test reported completion (MPI's completion
+// semantics); the caller reads `result` after Wait saw finished_below_ with
+// acquire (release by the progress thread's store after `done`).
+// The GPU's streams and host buffers: the device primitives' header
+// (cc/device/device_primitives.h) says which event gates `ready` and
+// `writable` and where the copies run.
 //
 // Ordering across ranks. MPI requires the collectives of a communicator to be
-// posted in the same order on every rank. The alltoallvs run on one duplicate of
-// the cross communicator and the allgathervs on another, each posted strictly in
-// job order, so every rank posts the same sequence on each communicator whatever
-// the timing (an alltoallv of job c+1 may overtake the allgatherv of job c).
+// posted in the same order on every rank. Every job posts its first collective
+// (the alltoallv or the allgather) on rs_comm_, in job order; only
+// reduce-scatter + allgather jobs post an allgatherv, on ag_comm_, in the order
+// of those jobs. The variant and so the sequence of collectives on each
+// communicator depend only on the job sequence and the slices' sizes, the same
+// on every peer, whatever the timing (an alltoallv of job c+1 may overtake the
+// allgatherv of job c; jobs finish in order).
 //
 // Buffers. A job owns its send/recv/result buffers from Start() until Wait()
 // returned: the caller must not touch them (nor free them) in between. The
 // `ready` predicate (polled on the progress thread, may be empty) gates the
-// alltoallv: the GPU uses it for "the copy of the slice into `send` landed";
-// `done` runs on the progress thread after the allgatherv (the GPU enqueues the
-// copy back to the device there). A posted MPI request is always completed,
-// never abandoned (MPI cannot cancel collectives: see Note [Blocking MPI
-// steps] in cc/cpu/cpu_communicator.h): a peer lost mid-exchange is reported by
-// MPI, and the destructor waits for the jobs in flight.
+// first collective: the GPU uses it for "the copy of the slice into `send`
+// landed"; `writable` (may be empty) gates the fold, the first write of
+// `result`: the GPU uses it for "the copy of chunk c - 2 out of this `result`
+// landed". `done` runs on the progress thread after the last collective (the
+// GPU enqueues the copy back to the device there). A posted MPI request is
+// always completed, never abandoned (MPI cannot cancel collectives: see Note
+// [Blocking MPI steps] in cc/cpu/cpu_communicator.h): a peer lost
+// mid-exchange is reported by MPI, and the destructor waits for the jobs in
+// flight.
 #pragma once
 
 #include <mpi.h>
@@ -60,11 +114,22 @@
 
 namespace nvgroup {
 
+struct CrossExchangeOptions {
+  // false forces progress inside Wait() (also chosen when MPI lacks
+  // MPI_THREAD_MULTIPLE).
+  bool use_thread = true;
+  // Slices whose allgather sends at most this many bytes per peer ((P-1)
+  // slices) take the one-round allgather + fold; 0: never
+  // (NVGROUP_CROSS_ALLGATHER_MAX_BYTES; the same on every peer).
+  size_t allgather_max_bytes = 0;
+};
+
 class CrossExchange {
  public:
   // Folds `num_sources` contiguous copies of `count` elements at `sources`
   // (copy k at sources + k * count elements, k = peer order) into `dst`.
   using Fold = std::function<Status(const void* sources, int num_sources, void* dst, size_t count)>;
+  using Predicate = std::function<Status(bool* yes)>;
 
   struct Job {
     const void* send = nullptr;  // our slice (`count` elements)
@@ -73,19 +138,27 @@ class CrossExchange {
     size_t count = 0;            // elements of the slice
     size_t element_size = 4;
     Fold fold;
-    std::function<Status(bool* ready)> ready;  // optional: *ready once `send` holds the slice
-    std::function<Status()> done;  // optional: after the allgatherv, on the progress thread
+    Predicate ready;     // optional: *yes once `send` holds the slice
+    Predicate writable;  // optional: *yes once `result` may be written
+    std::function<Status()> done;  // optional: after the last collective, on the progress thread
   };
 
-  // Duplicates `cross` twice (collective over it). `use_thread` false forces
-  // progress inside Wait() (also chosen when MPI lacks MPI_THREAD_MULTIPLE).
-  static StatusOr<std::unique_ptr<CrossExchange>> Create(MPI_Comm cross, bool use_thread = true);
+  enum class Variant { kReduceScatterAllgather, kAllgatherFold };
+
+  using Options = CrossExchangeOptions;
+
+  // Duplicates `cross` twice (collective over it).
+  static StatusOr<std::unique_ptr<CrossExchange>> Create(MPI_Comm cross, Options options = Options());
   ~CrossExchange();
 
   int peers() const { return peers_; }
   int peer_index() const { return me_; }
+  // The variant of a slice of `count` elements (the same on every peer).
+  Variant VariantFor(size_t count, size_t element_size) const;
   // Scratch `recv` needs for a slice of `count` elements.
   size_t RecvBytes(size_t count, size_t element_size) const;
+  // The most RecvBytes asks for any slice of at most `max_slice_bytes`.
+  size_t MaxRecvBytes(size_t max_slice_bytes) const;
 
   // Queues the exchange of one slice; *ticket identifies it for Wait().
   Status Start(Job job, uint64_t* ticket);
@@ -104,45 +177,60 @@ class CrossExchange {
     void* result = nullptr;
     size_t element_size = 4;
     Fold fold;
-    std::function<Status(bool* ready)> ready;
+    Predicate ready;
+    Predicate writable;
     std::function<Status()> done;
   };
   Status StartReduceScatter(ScatterJob job, uint64_t* ticket);
-  // Blocks until the job of `ticket` finished; its status (the first error of
+  // Returns once the job of `ticket` finished; its status (the first error of
   // any job breaks the exchange: later calls return it).
   Status Wait(uint64_t ticket);
 
   // Bytes this process posted to other ranks in cross exchanges (all
-  // exchanges of the process): per job the alltoallv's parts for the other
-  // peers plus (P-1) times our part in the allgatherv (none for a
-  // reduce-scatter-only job).
+  // exchanges of the process): per reduce-scatter + allgather job the
+  // alltoallv's parts for the other peers plus (P-1) times our part in the
+  // allgatherv (none for a reduce-scatter-only job); per allgather + fold job
+  // (P-1) times the slice.
   static uint64_t BytesSent();
 
  private:
   struct Active;
   CrossExchange() = default;
   void ProgressLoop();
-  // Advances every active job as far as it goes without blocking; returns true
-  // if anything moved. mu_ is held only around the queue, never across MPI.
+  // Takes the submitted jobs and advances every job as far as it goes without
+  // blocking; returns true if anything moved. Only the progressing thread (the
+  // progress thread, or the caller without one) calls it.
   bool ProgressOnce();
-  Status Advance(Active& a, bool failed, bool* moved);
-  Status Enqueue(std::shared_ptr<Active> a, uint64_t* ticket);
+  Status Advance(Active& a, bool* moved);
+  Status Enqueue(std::unique_ptr<Active> a, uint64_t* ticket);
+  bool Finished(uint64_t ticket) const;
+  Status FailureStatus();
 
-  MPI_Comm rs_comm_ = MPI_COMM_NULL;  // alltoallvs, in job order
-  MPI_Comm ag_comm_ = MPI_COMM_NULL;  // allgathervs, in job order
+  MPI_Comm rs_comm_ = MPI_COMM_NULL;  // every job's first collective, in job order
+  MPI_Comm ag_comm_ = MPI_COMM_NULL;  // allgathervs, in the order of their jobs
   int peers_ = 1;
   int me_ = 0;
   bool threaded_ = false;
+  size_t allgather_max_bytes_ = 0;
 
+  // Shared between the callers and the progressing thread.
   std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<Active>> active_;  // in job order
-  uint64_t next_ticket_ = 0;
-  uint64_t finished_below_ = 0;  // every ticket < this finished
-  Status failure_;               // first failure (then every job fails)
-  bool stop_ = false;
+  std::condition_variable work_cv_;  // the idle progress thread sleeps here
+  std::condition_variable done_cv_;  // Wait sleeps here
+  std::deque<std::unique_ptr<Active>> incoming_;  // started, not taken yet (mu_)
+  uint64_t next_ticket_ = 0;                      // mu_
+  uint64_t next_ag_index_ = 0;                    // mu_: allgatherv order
+  Status failure_;                                // mu_: first failure (then every job fails)
+  bool stop_ = false;                             // mu_
+  bool sleeping_ = false;                         // mu_: the progress thread waits on work_cv_
+  std::atomic<uint64_t> submitted_{0};            // tickets handed out
+  std::atomic<uint64_t> finished_below_{0};       // every ticket < this finished
+  std::atomic<bool> failed_{false};
+  std::atomic<int> waiters_{0};                   // callers asleep (or about to be) on done_cv_
   std::thread thread_;
-  // Only the progressing thread touches these (posting order per communicator).
+  // Only the progressing thread touches these.
+  std::deque<std::unique_ptr<Active>> active_;  // taken, in job order
+  uint64_t taken_ = 0;
   uint64_t next_rs_post_ = 0;
   uint64_t next_ag_post_ = 0;
 };

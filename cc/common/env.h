@@ -29,8 +29,15 @@ struct Knobs {
   double cycle_time_ms = 1.0;
   // NV-group size override (0 = detect). Must divide the ranks per node.
   int group_size = 0;
-  // Chunk of the pipelined hierarchical allreduce, bytes.
+  // Chunk of the pipelined hierarchical allreduce, bytes: the largest, and the
+  // smallest one a message is cut into so it has several chunks to overlap
+  // (Note [Chunk size] in cc/algorithms/hierarchical_allreduce.h).
   size_t pipeline_chunk = 4u << 20;
+  size_t pipeline_min_chunk = 256u << 10;
+  // Cross-group slices whose allgather sends at most this many bytes per peer
+  // take the one-round allgather + fold instead of reduce-scatter + allgather
+  // (cc/algorithms/cross_exchange.h); 0 = never.
+  size_t cross_allgather_max_bytes = 1u << 20;
   // "auto" (hierarchical when it applies), "mpi" (flat MPI reference path),
   // "hierarchical" (force the NV-group skeleton even with one group).
   AllreduceAlgorithm algorithm = AllreduceAlgorithm::kAuto;
