@@ -13,19 +13,11 @@ namespace {
 
 std::atomic<uint64_t> g_bytes_sent{0};
 
-// The polling schedule of Note [Cross exchange protocol].
-// Back-to-back polls after the last movement: a small collective between
-// ranks of one host completes in 5-30 us (cc/engine/wait_policy.h), so the
-// common hand-off never leaves this phase; then each poll yields the core.
+// The polling schedule of Note [Cross exchange protocol]: back-to-back polls
+// for this long after the last movement, then each poll yields the core. A
+// small collective between ranks of one host completes in 5-30 us
+// (cc/engine/wait_policy.h), so the common hand-off never leaves this phase.
 constexpr double kBackToBackPollS = 50e-6;
-// How long Wait polls before it sleeps, and how long an idle progress thread
-// polls for the next job: a futex wake-up costs tens of microseconds on a
-// quiet VM (more under load, Note [Waiting for a lock-step caller] in
-// cc/engine/wait_policy.h), and the skeleton starts chunk c+2 right after
-// chunk c finished, so both windows cover the next hand-off of a pipeline
-// in flight many times over while bounding the CPU a lone waiter takes.
-constexpr double kWaitSpinS = 250e-6;
-constexpr double kIdleSpinS = 250e-6;
 
 using Clock = std::chrono::steady_clock;
 
@@ -41,6 +33,45 @@ ChunkSlices Parts(size_t count, int peers, size_t esize) {
   return parts;
 }
 
+// Posts one round of the exchange among the peers on `comm`: the receives
+// (recv_bytes[p] bytes from peer p at recv + recv_displs[p]), then the sends
+// (send_bytes[p] bytes to peer p from send + send_displs[p]), peer me first,
+// then me+1, ... Empty messages are skipped on both sides (both know every
+// size). Point-to-point messages of one (source, tag, communicator) match in
+// posting order, and every peer posts its rounds on a communicator in the same
+// job order, so round k of one peer meets round k of every other.
+Status PostRound(MPI_Comm comm, int peers, int me, const void* send, const int* send_bytes,
+                 const int* send_displs, void* recv, const int* recv_bytes, const int* recv_displs,
+                 std::vector<MPI_Request>* requests) {
+  constexpr int kTag = 0;
+  requests->clear();
+  for (int i = 0; i < peers; ++i) {
+    const int p = (me + i) % peers;
+    if (recv_bytes[p] == 0) continue;
+    requests->push_back(MPI_REQUEST_NULL);
+    NVG_MPI_CHECK(MPI_Irecv(static_cast<char*>(recv) + recv_displs[p], recv_bytes[p], MPI_BYTE, p, kTag, comm,
+                            &requests->back()));
+  }
+  for (int i = 0; i < peers; ++i) {
+    const int p = (me + i) % peers;
+    if (send_bytes[p] == 0) continue;
+    requests->push_back(MPI_REQUEST_NULL);
+    NVG_MPI_CHECK(MPI_Isend(static_cast<const char*>(send) + send_displs[p], send_bytes[p], MPI_BYTE, p, kTag,
+                            comm, &requests->back()));
+  }
+  return Status::Ok();
+}
+
+// *done once every request of the round completed (none: at once).
+Status TestRound(std::vector<MPI_Request>* requests, bool* done) {
+  int flag = 1;
+  if (!requests->empty())
+    NVG_MPI_CHECK(MPI_Testall(static_cast<int>(requests->size()), requests->data(), &flag, MPI_STATUSES_IGNORE));
+  *done = flag != 0;
+  if (*done) requests->clear();
+  return Status::Ok();
+}
+
 }  // namespace
 
 // One job and where it stands. Stages advance in this order only.
@@ -52,11 +83,13 @@ struct CrossExchange::Active {
   Kind kind = kReduceScatterAllgather;
   Job job;
   Stage stage = kWaitReady;
-  MPI_Request request = MPI_REQUEST_NULL;
-  // Reduce-scatter kinds: byte counts and displacements of the parts (MPI
-  // counts are int). Allgather + fold: slice_bytes.
-  std::vector<int> part_bytes, part_displs, recv_bytes, recv_displs;
-  int slice_bytes = 0;
+  std::vector<MPI_Request> requests;  // the round in flight
+  // Byte counts and displacements per peer (MPI counts are int) of the first
+  // round (send_*, recv_*) and, reduce-scatter + allgather, of the allgather
+  // (our part to every other peer: ag_send_*; theirs into `result`: ag_recv_*).
+  std::vector<int> send_bytes, send_displs, recv_bytes, recv_displs;
+  std::vector<int> ag_send_bytes, ag_send_displs, ag_recv_bytes, ag_recv_displs;
+  size_t my_part_offset = 0;  // bytes: where our part of `result` starts
 };
 
 uint64_t CrossExchange::BytesSent() { return g_bytes_sent.load(std::memory_order_relaxed); }
@@ -87,7 +120,7 @@ CrossExchange::~CrossExchange() {
     thread_.join();
   } else {
     // complete what was posted: MPI writes into the buffers until then
-    while (!active_.empty() || submitted_.load(std::memory_order_acquire) != taken_) ProgressOnce();
+    while (HasWork()) ProgressOnce();
   }
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -125,22 +158,39 @@ Status CrossExchange::Start(Job job, uint64_t* ticket) {
   auto a = std::make_unique<Active>();
   a->job = std::move(job);
   const size_t es = a->job.element_size;
+  const int P = peers_;
+  a->send_bytes.resize(P);
+  a->send_displs.resize(P);
+  a->recv_bytes.resize(P);
+  a->recv_displs.resize(P);
   if (VariantFor(a->job.count, es) == Variant::kAllgatherFold) {
     a->kind = Active::kAllgatherFold;
-    a->slice_bytes = static_cast<int>(a->job.count * es);
+    const int slice = static_cast<int>(a->job.count * es);
+    for (int p = 0; p < P; ++p) {
+      a->send_bytes[p] = slice;
+      a->send_displs[p] = 0;
+      a->recv_bytes[p] = slice;
+      a->recv_displs[p] = p * slice;
+    }
     return Enqueue(std::move(a), ticket);
   }
-  const ChunkSlices parts = Parts(a->job.count, peers_, es);
+  const ChunkSlices parts = Parts(a->job.count, P, es);
   const int mine = static_cast<int>(parts.SliceCount(me_) * es);
-  a->part_bytes.resize(peers_);
-  a->part_displs.resize(peers_);
-  a->recv_bytes.assign(peers_, mine);
-  a->recv_displs.resize(peers_);
-  for (int p = 0; p < peers_; ++p) {
-    a->part_bytes[p] = static_cast<int>(parts.SliceCount(p) * es);
-    a->part_displs[p] = static_cast<int>(parts.SliceOffset(p) * es);
+  a->ag_send_bytes.assign(P, mine);
+  a->ag_send_displs.assign(P, static_cast<int>(parts.SliceOffset(me_) * es));
+  a->ag_recv_bytes.resize(P);
+  a->ag_recv_displs.resize(P);
+  for (int p = 0; p < P; ++p) {
+    a->send_bytes[p] = static_cast<int>(parts.SliceCount(p) * es);
+    a->send_displs[p] = static_cast<int>(parts.SliceOffset(p) * es);
+    a->recv_bytes[p] = mine;
     a->recv_displs[p] = p * mine;
+    a->ag_recv_bytes[p] = a->send_bytes[p];
+    a->ag_recv_displs[p] = a->send_displs[p];
   }
+  a->ag_send_bytes[me_] = 0;  // in place: our part is in `result` already
+  a->ag_recv_bytes[me_] = 0;
+  a->my_part_offset = parts.SliceOffset(me_) * es;
   return Enqueue(std::move(a), ticket);
 }
 
@@ -165,14 +215,14 @@ Status CrossExchange::StartReduceScatter(ScatterJob sj, uint64_t* ticket) {
   a->job.ready = std::move(sj.ready);
   a->job.writable = std::move(sj.writable);
   a->job.done = std::move(sj.done);
-  a->part_bytes.resize(peers_);
-  a->part_displs.resize(peers_);
+  a->send_bytes.resize(peers_);
+  a->send_displs.resize(peers_);
   a->recv_bytes.assign(peers_, static_cast<int>(mine * es));
   a->recv_displs.resize(peers_);
   size_t displ = 0;
   for (int p = 0; p < peers_; ++p) {
-    a->part_bytes[p] = static_cast<int>(sj.part_counts[p] * es);
-    a->part_displs[p] = static_cast<int>(displ);
+    a->send_bytes[p] = static_cast<int>(sj.part_counts[p] * es);
+    a->send_displs[p] = static_cast<int>(displ);
     displ += sj.part_counts[p] * es;
     a->recv_displs[p] = static_cast<int>(p * mine * es);
   }
@@ -181,7 +231,6 @@ Status CrossExchange::StartReduceScatter(ScatterJob sj, uint64_t* ticket) {
 
 // See Note [Cross exchange protocol]: caller -> progress thread.
 Status CrossExchange::Enqueue(std::unique_ptr<Active> a, uint64_t* ticket) {
-  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok()) return failure_;
@@ -189,16 +238,18 @@ Status CrossExchange::Enqueue(std::unique_ptr<Active> a, uint64_t* ticket) {
     if (a->kind == Active::kReduceScatterAllgather) a->ag_index = next_ag_index_++;
     *ticket = a->ticket;
     incoming_.push_back(std::move(a));
-    submitted_.store(next_ticket_, std::memory_order_release);
-    wake = sleeping_;
+    submitted_.store(next_ticket_, std::memory_order_seq_cst);
   }
-  if (wake) work_cv_.notify_one();
-  if (!threaded_) ProgressOnce();  // post what can be posted now
+  TryProgress();  // post what can be posted now; a sleeping progress thread is left asleep
   return Status::Ok();
 }
 
+bool CrossExchange::HasWork() const {
+  return submitted_.load(std::memory_order_seq_cst) != finished_below_.load(std::memory_order_seq_cst);
+}
+
 bool CrossExchange::Finished(uint64_t ticket) const {
-  return finished_below_.load(std::memory_order_seq_cst) > ticket || failed_.load(std::memory_order_seq_cst);
+  return finished_below_.load(std::memory_order_acquire) > ticket || failed_.load(std::memory_order_acquire);
 }
 
 Status CrossExchange::FailureStatus() {
@@ -207,29 +258,32 @@ Status CrossExchange::FailureStatus() {
   return failure_;
 }
 
-// See Note [Cross exchange protocol]: progress thread -> caller.
+bool CrossExchange::TryProgress() {
+  if (progressing_.exchange(true, std::memory_order_acquire)) return false;  // the other side progresses
+  const bool moved = ProgressOnce();
+  progressing_.store(false, std::memory_order_release);
+  return moved;
+}
+
+// See Note [Cross exchange protocol]: the caller progresses its own wait.
 Status CrossExchange::Wait(uint64_t ticket) {
+  waiting_callers_.fetch_add(1, std::memory_order_seq_cst);
   Clock::time_point last = Clock::now();
-  if (!threaded_) {  // this thread progresses: back to back while it moves, then yielding
-    while (!Finished(ticket)) {
-      if (ProgressOnce())
-        last = Clock::now();
-      else if (SecondsSince(last) > kBackToBackPollS)
-        std::this_thread::yield();
-    }
-    return FailureStatus();
-  }
   while (!Finished(ticket)) {
-    const double waited = SecondsSince(last);
-    if (waited > kWaitSpinS) break;
-    if (waited > kBackToBackPollS) std::this_thread::yield();
+    if (TryProgress())
+      last = Clock::now();
+    else if (SecondsSince(last) > kBackToBackPollS)
+      std::this_thread::yield();
   }
-  if (!Finished(ticket)) {
-    std::unique_lock<std::mutex> lock(mu_);
-    waiters_.fetch_add(1, std::memory_order_seq_cst);
-    done_cv_.wait(lock, [&] { return Finished(ticket); });
-    waiters_.fetch_sub(1, std::memory_order_relaxed);
+  bool wake = false;
+  if (threaded_) {
+    std::lock_guard<std::mutex> lock(mu_);
+    waiting_callers_.fetch_sub(1, std::memory_order_seq_cst);
+    wake = sleeping_ && HasWork();  // jobs left in flight: the progress thread takes them over
+  } else {
+    waiting_callers_.fetch_sub(1, std::memory_order_seq_cst);
   }
+  if (wake) work_cv_.notify_one();
   return FailureStatus();
 }
 
@@ -241,9 +295,9 @@ Status CrossExchange::Wait(uint64_t ticket) {
 Status CrossExchange::Advance(Active& a, bool* moved) {
   Job& j = a.job;
   if (failed_.load(std::memory_order_relaxed)) {
-    int flag = 1;
-    if (a.request != MPI_REQUEST_NULL) NVG_MPI_CHECK(MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE));
-    if (flag) {
+    bool done = true;
+    NVG_RETURN_IF_ERROR(TestRound(&a.requests, &done));
+    if (done) {
       a.stage = Active::kFinished;
       *moved = true;
     }
@@ -256,29 +310,24 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
       NVG_RETURN_IF_ERROR_CTX(j.ready(&ready), "waiting for the cross-group slice");
       if (!ready) return Status::Ok();
     }
+    NVG_RETURN_IF_ERROR_CTX(PostRound(rs_comm_, peers_, me_, j.send, a.send_bytes.data(), a.send_displs.data(),
+                                      j.recv, a.recv_bytes.data(), a.recv_displs.data(), &a.requests),
+                            a.kind == Active::kAllgatherFold ? "posting the cross-group allgather"
+                                                             : "posting the cross-group reduce-scatter");
     uint64_t sent = 0;
-    if (a.kind == Active::kAllgatherFold) {
-      NVG_MPI_CHECK(MPI_Iallgather(j.send, a.slice_bytes, MPI_BYTE, j.recv, a.slice_bytes, MPI_BYTE, rs_comm_,
-                                   &a.request));
-      sent = static_cast<uint64_t>(a.slice_bytes) * (peers_ - 1);
-    } else {
-      NVG_MPI_CHECK(MPI_Ialltoallv(j.send, a.part_bytes.data(), a.part_displs.data(), MPI_BYTE, j.recv,
-                                   a.recv_bytes.data(), a.recv_displs.data(), MPI_BYTE, rs_comm_,
-                                   &a.request));
-      for (int p = 0; p < peers_; ++p)
-        if (p != me_) sent += a.part_bytes[p];
-    }
+    for (int p = 0; p < peers_; ++p)
+      if (p != me_) sent += a.send_bytes[p];
     g_bytes_sent.fetch_add(sent, std::memory_order_relaxed);
     ++next_rs_post_;
     a.stage = Active::kFirst;
     *moved = true;
   }
   if (a.stage == Active::kFirst) {
-    int flag = 0;
-    NVG_MPI_CHECK(MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE));
-    if (!flag) return Status::Ok();
-    // The first collective completed: `send` was read (so `result` may alias
-    // it) and `recv` holds the P copies, in peer order.
+    bool done = false;
+    NVG_RETURN_IF_ERROR(TestRound(&a.requests, &done));
+    if (!done) return Status::Ok();
+    // The first round completed: `send` was read (so `result` may alias it)
+    // and `recv` holds the P copies, in peer order.
     a.stage = Active::kWaitFold;
     *moved = true;
   }
@@ -289,32 +338,28 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
       NVG_RETURN_IF_ERROR_CTX(j.writable(&writable), "waiting for the cross-group result buffer");
       if (!writable) return Status::Ok();
     }
-    if (a.kind == Active::kAllgatherFold) {
-      if (j.count > 0) NVG_RETURN_IF_ERROR_CTX(j.fold(j.recv, peers_, j.result, j.count), "folding the cross-group slices");
-    } else {
-      const size_t mine = a.recv_bytes[me_] / j.element_size;
-      const size_t at = a.kind == Active::kReduceScatterOnly ? 0 : a.part_displs[me_];
-      if (mine > 0)
-        NVG_RETURN_IF_ERROR_CTX(j.fold(j.recv, peers_, static_cast<char*>(j.result) + at, mine),
-                                "folding the cross-group parts");
-    }
+    const size_t mine = a.recv_bytes[me_] / j.element_size;  // the slice (allgather) or our part
+    if (mine > 0)
+      NVG_RETURN_IF_ERROR_CTX(j.fold(j.recv, peers_, static_cast<char*>(j.result) + a.my_part_offset, mine),
+                              "folding the cross-group copies");
     *moved = true;
     if (a.kind != Active::kReduceScatterAllgather) {  // one round: done after the fold
       if (j.done) NVG_RETURN_IF_ERROR_CTX(j.done(), "after the cross-group fold");
       a.stage = Active::kFinished;
       return Status::Ok();
     }
-    NVG_MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, j.result, a.part_bytes.data(),
-                                  a.part_displs.data(), MPI_BYTE, ag_comm_, &a.request));
-    g_bytes_sent.fetch_add(static_cast<uint64_t>(a.recv_bytes[me_]) * (peers_ - 1),
-                           std::memory_order_relaxed);
+    NVG_RETURN_IF_ERROR_CTX(PostRound(ag_comm_, peers_, me_, j.result, a.ag_send_bytes.data(),
+                                      a.ag_send_displs.data(), j.result, a.ag_recv_bytes.data(),
+                                      a.ag_recv_displs.data(), &a.requests),
+                            "posting the cross-group allgather of the parts");
+    g_bytes_sent.fetch_add(static_cast<uint64_t>(a.recv_bytes[me_]) * (peers_ - 1), std::memory_order_relaxed);
     ++next_ag_post_;
     a.stage = Active::kSecond;
   }
   if (a.stage == Active::kSecond) {
-    int flag = 0;
-    NVG_MPI_CHECK(MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE));
-    if (!flag) return Status::Ok();
+    bool done = false;
+    NVG_RETURN_IF_ERROR(TestRound(&a.requests, &done));
+    if (!done) return Status::Ok();
     if (j.done) NVG_RETURN_IF_ERROR_CTX(j.done(), "after the cross-group allgather");
     a.stage = Active::kFinished;
     *moved = true;
@@ -333,13 +378,12 @@ bool CrossExchange::ProgressOnce() {
     Status s = Advance(*a, &moved);
     if (s.ok()) continue;
     // The call that failed left no request we could complete.
-    a->request = MPI_REQUEST_NULL;
+    a->requests.clear();
     a->stage = Active::kFinished;
     moved = true;
     std::lock_guard<std::mutex> lock(mu_);
     if (failure_.ok()) failure_ = s.WithContext("cross-group exchange (job " + std::to_string(a->ticket) + ")");
     failed_.store(true, std::memory_order_seq_cst);
-    done_cv_.notify_all();
   }
   bool finished_any = false;
   uint64_t below = 0;
@@ -347,37 +391,30 @@ bool CrossExchange::ProgressOnce() {
     below = active_.front()->ticket + 1;
     finished_any = true;
   }
-  if (finished_any) {
-    // orders: everything the jobs wrote (and `done`) before a waiter's acquire of it
-    finished_below_.store(below, std::memory_order_seq_cst);
-    if (waiters_.load(std::memory_order_seq_cst) > 0) {
-      std::lock_guard<std::mutex> lock(mu_);
-      done_cv_.notify_all();
-    }
-  }
+  // orders: everything the jobs wrote (and `done`) before a waiter's acquire of it
+  if (finished_any) finished_below_.store(below, std::memory_order_seq_cst);
   return moved || finished_any;
 }
 
-// See Note [Cross exchange protocol]: never sleeps with a job in flight.
+// See Note [Cross exchange protocol]: progresses the jobs in flight while no
+// caller waits for one, never sleeping with a job in flight; sleeps otherwise.
 void CrossExchange::ProgressLoop() {
   Clock::time_point last = Clock::now();
   while (true) {
-    if (ProgressOnce()) {
+    if (waiting_callers_.load(std::memory_order_seq_cst) > 0 || !HasWork()) {
+      std::unique_lock<std::mutex> lock(mu_);
+      sleeping_ = true;
+      work_cv_.wait(lock, [&] {
+        return (stop_ && !HasWork()) || (HasWork() && waiting_callers_.load(std::memory_order_seq_cst) == 0);
+      });
+      sleeping_ = false;
+      if (stop_ && !HasWork()) return;
       last = Clock::now();
-      continue;
     }
-    const double quiet = SecondsSince(last);
-    if (!active_.empty() || submitted_.load(std::memory_order_acquire) != taken_ || quiet < kIdleSpinS) {
-      if (quiet > kBackToBackPollS) std::this_thread::yield();
-      continue;
-    }
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!incoming_.empty()) continue;
-    if (stop_) return;
-    sleeping_ = true;
-    work_cv_.wait(lock, [&] { return stop_ || !incoming_.empty(); });
-    sleeping_ = false;
-    last = Clock::now();
+    if (TryProgress())
+      last = Clock::now();
+    else if (SecondsSince(last) > kBackToBackPollS)
+      std::this_thread::yield();
   }
 }
 

@@ -31,45 +31,56 @@
 // BytesSent() counts what was posted.
 //
 // Pipelining. Start() queues a job and returns at once; Wait() returns once it
-// finished. Jobs are progressed by one progress thread per exchange, so the
-// caller's thread keeps issuing the next chunk's group step, copies and kernels
-// while this chunk is in flight. Without MPI_THREAD_MULTIPLE there is no
-// thread: Wait() progresses the jobs itself (still nonblocking, still
+// finished. While no caller waits, the jobs are progressed by one progress
+// thread per exchange, so the caller's thread keeps issuing the next chunk's
+// group step, copies and kernels while this chunk is in flight; a caller in
+// Wait() progresses them itself. Without MPI_THREAD_MULTIPLE there is no
+// thread: Start() and Wait() progress the jobs (still nonblocking, still
 // overlapping the jobs in flight).
 //
 // Note [Cross exchange protocol]
-// Who waits for what:
-//  * Caller -> progress thread (Start). The job goes into `incoming_` under
-//    mu_ and `submitted_` is bumped. A progress thread with jobs in flight
-//    takes it at its next poll (it reads `submitted_`, an atomic, each poll;
-//    mu_ only when it changed). An idle progress thread polls `submitted_` for
-//    kIdleSpinS after its last job, then sleeps on work_cv_ with `sleeping_`
-//    set under mu_; Start notifies only then (the flag is read under the same
-//    mutex that the sleeper checks its predicate under: no lost wake-up).
-//  * Progress thread: MPI. While any job is in flight it polls without
-//    sleeping: MPI_Test on every posted request (Open MPI moves a transfer's
+// Who waits for what. The jobs' state (the taken jobs, the posting counters)
+// is advanced by ProgressOnce under `progressing_`, an atomic try-lock
+// (acquire on taking it, release on leaving it, so whoever takes it next sees
+// the jobs as the last holder left them); the caller and the progress thread
+// both take it, never blocking on it.
+//  * Caller -> jobs (Start). The job goes into `incoming_` under mu_ and
+//    `submitted_` is bumped there; then the caller progresses once itself, so
+//    a round that can be posted at once is posted on the caller's thread. A
+//    sleeping progress thread is not woken: the skeletons wait for every
+//    chunk they start after at most one more Start (which progresses again),
+//    and Wait hands what is left in flight to the thread (below). Waking it
+//    here cost the fixed cost of a small exchange several times over on the
+//    2-core VM (cc/tools/cross_exchange_cost: a woken thread competes with
+//    the polling ranks for a core).
+//  * Polling MPI. Whoever progresses polls without sleeping while any job is
+//    in flight: MPI_Testall on every posted round (Open MPI moves a transfer's
 //    fragments only inside MPI calls, so a poll that sleeps stalls the
-//    transfer itself), `ready` / `writable` of the jobs waiting for them.
-//    For kBusyPollS after anything moved it polls back to back, then it
-//    yields the core between polls (others' threads run; ours keeps polling).
-//    It never sleeps with a job in flight.
-//  * Progress thread -> caller (Wait). finished_below_ (atomic, every ticket
-//    below it finished) is stored after the job's last step (`done`
-//    included), with seq_cst, and then `waiters_` is read; Wait polls
-//    finished_below_ for kWaitSpinS (back to back for kBusyPollS, then
-//    yielding), then sleeps on done_cv_ after raising `waiters_` under mu_.
-//    The progress thread notifies (under mu_) only when it read waiters_ > 0:
-//    with both sides seq_cst either the waiter's check sees the store or the
-//    progress thread sees the waiter (no lost wake-up).
-//  * Failure: failure_ is set under mu_, then failed_; every waiter is
-//    notified; Wait reads failure_ under mu_ once it saw failed_.
-// Memory ordering of the buffers: the caller writes `send` before Start (the
-// mutex of Start orders those writes before the progress thread's MPI call
-// that reads them; the GPU's device-side writes are ordered by `ready`); MPI
-// writes `recv` and `result` on the progress thread, and the fold reads
-// `recv` there after MPI_Test reported completion (MPI's completion
-// semantics); the caller reads `result` after Wait saw finished_below_ with
-// acquire (release by the progress thread's store after `done`).
+//    transfer itself), `ready` / `writable` of the jobs waiting for them;
+//    back to back for kBackToBackPollS after anything moved, then yielding
+//    the core between polls.
+//  * Caller waits (Wait). It raises `waiting_callers_` and progresses the jobs
+//    itself until its ticket is below finished_below_ (or the exchange
+//    failed): the completion is seen by the thread that polled it, with no
+//    condition-variable wake-up on the path. The progress thread, seeing a
+//    waiting caller, sleeps on work_cv_ (one thread per rank polls, not two:
+//    ranks may outnumber cores). Leaving Wait, the caller lowers the count
+//    under mu_ and notifies a sleeping progress thread if jobs are left in
+//    flight (the next chunk's), which it takes over.
+//  * The progress thread sleeps (`sleeping_`, set under mu_) while no job is
+//    in flight or a caller waits, and until it is woken: by a caller leaving
+//    Wait with jobs in flight, or the destructor's stop. Its predicate (stop,
+//    jobs in flight, callers waiting) is read under mu_ and both wakers change
+//    it under mu_ before they notify: no lost wake-up.
+//  * Failure: failure_ is set under mu_, then failed_; Wait returns once it
+//    saw failed_, with failure_ read under mu_.
+// Memory ordering of the buffers: the caller writes `send` before Start (mu_
+// and progressing_ order those writes before the MPI call that reads them;
+// the GPU's device-side writes are ordered by `ready`); MPI writes `recv` and
+// `result`, and the fold reads `recv` after MPI_Test reported completion
+// (MPI's completion semantics); the caller reads `result` after Wait saw
+// finished_below_ with acquire (stored after the job's `done` by whoever
+// progressed it).
 // The GPU's streams and host buffers: the device primitives' header
 // (cc/device/device_primitives.h) says which event gates `ready` and
 // `writable` and where the copies run.
@@ -198,11 +209,13 @@ class CrossExchange {
   CrossExchange() = default;
   void ProgressLoop();
   // Takes the submitted jobs and advances every job as far as it goes without
-  // blocking; returns true if anything moved. Only the progressing thread (the
-  // progress thread, or the caller without one) calls it.
+  // blocking; returns true if anything moved. Called only under progressing_.
   bool ProgressOnce();
+  // ProgressOnce if progressing_ is free (false when it is not).
+  bool TryProgress();
   Status Advance(Active& a, bool* moved);
   Status Enqueue(std::unique_ptr<Active> a, uint64_t* ticket);
+  bool HasWork() const;  // a job started and not finished
   bool Finished(uint64_t ticket) const;
   Status FailureStatus();
 
@@ -213,10 +226,9 @@ class CrossExchange {
   bool threaded_ = false;
   size_t allgather_max_bytes_ = 0;
 
-  // Shared between the callers and the progressing thread.
+  // Shared between the callers and the progress thread.
   std::mutex mu_;
-  std::condition_variable work_cv_;  // the idle progress thread sleeps here
-  std::condition_variable done_cv_;  // Wait sleeps here
+  std::condition_variable work_cv_;  // the progress thread sleeps here
   std::deque<std::unique_ptr<Active>> incoming_;  // started, not taken yet (mu_)
   uint64_t next_ticket_ = 0;                      // mu_
   uint64_t next_ag_index_ = 0;                    // mu_: allgatherv order
@@ -226,9 +238,10 @@ class CrossExchange {
   std::atomic<uint64_t> submitted_{0};            // tickets handed out
   std::atomic<uint64_t> finished_below_{0};       // every ticket < this finished
   std::atomic<bool> failed_{false};
-  std::atomic<int> waiters_{0};                   // callers asleep (or about to be) on done_cv_
+  std::atomic<int> waiting_callers_{0};           // callers inside Wait
+  std::atomic<bool> progressing_{false};          // held while ProgressOnce runs
   std::thread thread_;
-  // Only the progressing thread touches these.
+  // Only under progressing_.
   std::deque<std::unique_ptr<Active>> active_;  // taken, in job order
   uint64_t taken_ = 0;
   uint64_t next_rs_post_ = 0;

@@ -36,8 +36,11 @@ struct Knobs {
   size_t pipeline_min_chunk = 256u << 10;
   // Cross-group slices whose allgather sends at most this many bytes per peer
   // take the one-round allgather + fold instead of reduce-scatter + allgather
-  // (cc/algorithms/cross_exchange.h); 0 = never.
-  size_t cross_allgather_max_bytes = 1u << 20;
+  // (cc/algorithms/cross_exchange.h); 0 = never. Default 16 KiB: the crossover
+  // measured on the 2-core VM (cc/tools/cross_exchange_cost, 2-4 ranks: the
+  // allgather even or ahead up to 16 KiB, behind from 64 KiB, where folding
+  // the whole slice instead of one part costs more than the round it saves).
+  size_t cross_allgather_max_bytes = 16u << 10;
   // "auto" (hierarchical when it applies), "mpi" (flat MPI reference path),
   // "hierarchical" (force the NV-group skeleton even with one group).
   AllreduceAlgorithm algorithm = AllreduceAlgorithm::kAuto;
