@@ -79,7 +79,7 @@ struct CrossExchange::Active {
   enum Stage { kWaitReady, kFirst, kWaitFold, kSecond, kFinished };
   enum Kind { kReduceScatterAllgather, kAllgatherFold, kReduceScatterOnly };
   uint64_t ticket = 0;
-  uint64_t ag_index = 0;  // kReduceScatterAllgather: its place in the allgatherv order
+  uint64_t ag_index = 0;  // kReduceScatterAllgather: its place in the order of second rounds
   Kind kind = kReduceScatterAllgather;
   Job job;
   Stage stage = kWaitReady;
@@ -287,9 +287,9 @@ Status CrossExchange::Wait(uint64_t ticket) {
   return FailureStatus();
 }
 
-// Posts and tests; never blocks in MPI. Each job's first collective is posted
-// only after that of job k-1 (next_rs_post_); an allgatherv only after that
-// of the reduce-scatter + allgather job before it (ag_index, next_ag_post_).
+// Posts and tests; never blocks in MPI. Each job's first round is posted only
+// after that of job k-1 (next_rs_post_); a second round only after that of the
+// reduce-scatter + allgather job before it (ag_index, next_ag_post_).
 // Once the exchange failed nothing new is posted: requests already posted
 // are tested to completion (MPI keeps writing into their buffers until then).
 Status CrossExchange::Advance(Active& a, bool* moved) {

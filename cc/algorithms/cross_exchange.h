@@ -8,20 +8,26 @@
 // final Average division included when asked), bitwise identical on all peers.
 //
 // How: one of two variants per slice, chosen from the slice's size alone
-// (VariantFor), so every peer picks the same one for the same job.
+// (VariantFor), so every peer picks the same one for the same job. Each
+// *round* is point-to-point: every peer posts its receives from all peers,
+// then its sends to all peers (itself included, so MPI also does the copy of
+// our own share, on device memory too when MPI is CUDA-aware), and the round
+// is complete when all of them are (MPI_Testall). Rounds of all peers run at
+// once: no schedule of a nonblocking collective to step through.
 //  * Reduce-scatter + allgather (bandwidth-optimal, two rounds). The slice is
 //    cut into P *parts* (ChunkSlices geometry: 16-byte aligned, part p owned by
 //    peer p).
-//     1. MPI_Ialltoallv: part p of every peer's slice goes to peer p
+//     1. reduce-scatter round: part p of every peer's slice goes to peer p
 //        (`send` -> `recv`, P copies of our part, in peer order);
 //     2. fold: the P copies, in peer order, into our part of `result` (the
 //        Fold callback: ReduceFold on the host, or the device fold kernel when
 //        MPI reads device memory);
-//     3. MPI_Iallgatherv (in place on `result`): every peer gets every part.
-//    Each peer sends (P-1)/P of the slice in each collective, 2 (P-1)/P in all.
-//  * Allgather + fold (latency-optimal, one round), for slices of at most
-//    Options::allgather_max_bytes / (P-1) bytes:
-//     1. MPI_Iallgather: every peer's whole slice to every peer (`send` ->
+//     3. allgather round (in place on `result`): our part to every other
+//        peer, theirs into their place.
+//    Each peer sends (P-1)/P of the slice in each round, 2 (P-1)/P in all.
+//  * Allgather + fold (latency-optimal, one round), for slices whose (P-1)
+//    copies are at most Options::allgather_max_bytes:
+//     1. allgather round: every peer's whole slice to every peer (`send` ->
 //        `recv`, P slices in peer order);
 //     2. fold: the P slices, in peer order, into the whole of `result`.
 //    Each peer sends (P-1) slices: the same bytes as the other variant for
@@ -85,25 +91,27 @@
 // (cc/device/device_primitives.h) says which event gates `ready` and
 // `writable` and where the copies run.
 //
-// Ordering across ranks. MPI requires the collectives of a communicator to be
-// posted in the same order on every rank. Every job posts its first collective
-// (the alltoallv or the allgather) on rs_comm_, in job order; only
-// reduce-scatter + allgather jobs post an allgatherv, on ag_comm_, in the order
-// of those jobs. The variant and so the sequence of collectives on each
-// communicator depend only on the job sequence and the slices' sizes, the same
-// on every peer, whatever the timing (an alltoallv of job c+1 may overtake the
-// allgatherv of job c; jobs finish in order).
+// Ordering across ranks. Messages of one (source, tag, communicator) match in
+// the order they were posted. Every job posts its first round (reduce-scatter
+// or allgather) on rs_comm_, in job order; only reduce-scatter + allgather
+// jobs post a second round, on ag_comm_, in the order of those jobs. The
+// variant, and so the sequence of rounds and their sizes on each
+// communicator, depend only on the job sequence and the slices' sizes, the
+// same on every peer, so round k of one peer meets round k of every other
+// whatever the timing (the first round of job c+1 may overtake the second of
+// job c; jobs finish in order). An empty message is skipped by both sides.
 //
 // Buffers. A job owns its send/recv/result buffers from Start() until Wait()
 // returned: the caller must not touch them (nor free them) in between. The
-// `ready` predicate (polled on the progress thread, may be empty) gates the
-// first collective: the GPU uses it for "the copy of the slice into `send`
+// `ready` predicate (polled by whoever progresses, may be empty) gates the
+// first round: the GPU uses it for "the copy of the slice into `send`
 // landed"; `writable` (may be empty) gates the fold, the first write of
 // `result`: the GPU uses it for "the copy of chunk c - 2 out of this `result`
-// landed". `done` runs on the progress thread after the last collective (the
-// GPU enqueues the copy back to the device there). A posted MPI request is
-// always completed, never abandoned (MPI cannot cancel collectives: see Note
-// [Blocking MPI steps] in cc/cpu/cpu_communicator.h): a peer lost
+// landed". `done` runs after the last round, on the thread that completed it
+// (the GPU enqueues the copy back to the device there). A posted MPI request
+// is always completed, never abandoned (see Note [Blocking MPI steps] in
+// cc/cpu/cpu_communicator.h: a request left behind writes into freed memory
+// once the late peer arrives): a peer lost
 // mid-exchange is reported by MPI, and the destructor waits for the jobs in
 // flight.
 #pragma once
@@ -151,7 +159,7 @@ class CrossExchange {
     Fold fold;
     Predicate ready;     // optional: *yes once `send` holds the slice
     Predicate writable;  // optional: *yes once `result` may be written
-    std::function<Status()> done;  // optional: after the last collective, on the progress thread
+    std::function<Status()> done;  // optional: after the last round, on the thread that completed it
   };
 
   enum class Variant { kReduceScatterAllgather, kAllgatherFold };
@@ -179,7 +187,7 @@ class CrossExchange {
   // part p for peer p (part_counts[p] elements), consecutive in peer order;
   // the P copies of our part arrive in `recv` (P * part_counts[me] elements,
   // peer order) and `fold` folds them into `result` (part_counts[me]
-  // elements). Stage 3 (the allgatherv) is left out: `done` runs after the
+  // elements). Step 3 (the allgather round) is left out: `done` runs after the
   // fold. Same queue, posting order and buffer rules as Start().
   struct ScatterJob {
     const void* send = nullptr;
@@ -198,10 +206,10 @@ class CrossExchange {
   Status Wait(uint64_t ticket);
 
   // Bytes this process posted to other ranks in cross exchanges (all
-  // exchanges of the process): per reduce-scatter + allgather job the
-  // alltoallv's parts for the other peers plus (P-1) times our part in the
-  // allgatherv (none for a reduce-scatter-only job); per allgather + fold job
-  // (P-1) times the slice.
+  // exchanges of the process): per reduce-scatter + allgather job the parts
+  // for the other peers plus (P-1) times our part in the allgather round
+  // (none for a reduce-scatter-only job); per allgather + fold job (P-1)
+  // times the slice.
   static uint64_t BytesSent();
 
  private:
@@ -219,8 +227,8 @@ class CrossExchange {
   bool Finished(uint64_t ticket) const;
   Status FailureStatus();
 
-  MPI_Comm rs_comm_ = MPI_COMM_NULL;  // every job's first collective, in job order
-  MPI_Comm ag_comm_ = MPI_COMM_NULL;  // allgathervs, in the order of their jobs
+  MPI_Comm rs_comm_ = MPI_COMM_NULL;  // every job's first round, in job order
+  MPI_Comm ag_comm_ = MPI_COMM_NULL;  // second rounds (allgather of the parts), in the order of their jobs
   int peers_ = 1;
   int me_ = 0;
   bool threaded_ = false;
@@ -231,7 +239,7 @@ class CrossExchange {
   std::condition_variable work_cv_;  // the progress thread sleeps here
   std::deque<std::unique_ptr<Active>> incoming_;  // started, not taken yet (mu_)
   uint64_t next_ticket_ = 0;                      // mu_
-  uint64_t next_ag_index_ = 0;                    // mu_: allgatherv order
+  uint64_t next_ag_index_ = 0;                    // mu_: order of the second rounds
   Status failure_;                                // mu_: first failure (then every job fails)
   bool stop_ = false;                             // mu_
   bool sleeping_ = false;                         // mu_: the progress thread waits on work_cv_

@@ -15,22 +15,22 @@
 //   CrossStart: cross_stream (the D2H stream) waits for reduce_scattered[k]
 //     (the RS kernel of c), copies the slice into pinned host_send[k],
 //     records staged[k]; queues the job.
-//   progress thread (Note [Cross exchange protocol] in
-//     cc/algorithms/cross_exchange.h): once staged[k] completed (`ready`):
-//     the first collective host_send[k] -> host_recv[k] (MPI_Ialltoallv, or
-//     MPI_Iallgather for a small slice); once returned[k] (the H2D of chunk
-//     c-2 out of host_result[k]) completed too (`writable`): the host fold
-//     (ReduceFold, the same contract as the CPU path) into host_result[k],
-//     then (reduce-scatter + allgather) MPI_Iallgatherv in place on it; then
-//     (`done`) enqueues the H2D host_result[k] -> slice on h2d_stream and
-//     records returned[k].
+//   the exchange (Note [Cross exchange protocol] in
+//     cc/algorithms/cross_exchange.h; progressed by the caller inside
+//     CrossFinish, else by the progress thread): once staged[k] completed
+//     (`ready`): the first round host_send[k] -> host_recv[k] (reduce-scatter
+//     parts, or whole slices for a small slice); once returned[k] (the H2D of
+//     chunk c-2 out of host_result[k]) completed too (`writable`): the host
+//     fold (ReduceFold, the same contract as the CPU path) into
+//     host_result[k], then (reduce-scatter + allgather) the allgather round in
+//     place on it; then (`done`) enqueues the H2D host_result[k] -> slice on
+//     h2d_stream and records returned[k].
 //   CrossFinish: waits for the job, then the caller's stream waits for
 //     returned[k], so the AG kernel of c (whose start barrier is what lets the
 //     peers read our slice) runs after the copy landed.
 // Each event is recorded by one thread and polled or waited by the others
 // only after that record: staged[k] is recorded in CrossStart before the job
-// is queued (the queue's mutex orders the record before the progress thread's
-// first query), returned[k] in `done` before the job finishes (Wait's acquire
+// is queued (the queue's mutex orders the record before the first query), returned[k] in `done` before the job finishes (Wait's acquire
 // of finished_below_ orders it before CrossFinish's cudaStreamWaitEvent, and
 // chunk c+2's `writable` polls it only after CrossStart(c+2), which follows
 // CrossFinish(c)). The host buffers of parity k: host_send[k] is written by the
@@ -39,7 +39,7 @@
 // at a time for the same reason.
 // With chunks of a quarter of the message (Note [Chunk size] in
 // hierarchical_allreduce.h), D2H(c+1), MPI(c) and H2D(c-1) are in flight
-// together on the two copy streams and the progress thread, while the caller's
+// together on the two copy streams and in MPI, while the caller's
 // thread only issues work. The
 // device side of that job (staging, readiness, fold, copy back) is written
 // once for both primitives types (StageCrossJob in device_primitives_cuda.cc);
@@ -47,7 +47,7 @@
 // CUDA-aware MPI (MPIX_Query_cuda_support): the same job on device memory:
 // send = result = the slice, recv = device_recv[k]; ready = reduce_scattered[k]
 // completed; the fold is the device fold kernel on fold_stream, synchronized
-// before the allgatherv; nothing to copy back.
+// before the allgather round; nothing to copy back.
 // The kernels run on the communicator's own stream (Note [Internal stream] in
 // cuda_communicator_setup_cuda.cc).
 #pragma once

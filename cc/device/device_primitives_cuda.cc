@@ -113,7 +113,7 @@ Status EventDone(cudaEvent_t e, bool* done) {
 //    recv = device_recv[k], result = device_result; ready once
 //    reduce_scattered[k] (the kernel that wrote device_send) completed; the
 //    fold is the device fold kernel on fold_stream, synchronized before the
-//    job goes on (allreduce: the allgatherv reads the fold's result;
+//    job goes on (allreduce: the allgather round sends the fold's result;
 //    reduce-scatter: `out` is final when the job finished).
 //  * Host-staged: cross_stream waits for reduce_scattered[k], copies
 //    device_send into pinned host_send[k] and records staged[k]; the job
