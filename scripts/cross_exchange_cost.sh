@@ -19,7 +19,7 @@ rename='s/CrossExchange/BaseCrossExchange/g; s/CrossJobs/BaseCrossJobs/g'
 git show "$BASE:cc/algorithms/cross_exchange.h" | sed "$rename" > "$GEN/base_cross_exchange.h"
 git show "$BASE:cc/algorithms/cross_exchange.cc" | sed "$rename; s#\"algorithms/cross_exchange.h\"#\"base_cross_exchange.h\"#" \
   > "$GEN/base_cross_exchange.cc"
-mpicxx -O2 -std=c++17 -Wall -DOMPI_SKIP_MPICXX=1 -DNVGROUP_BASE_CROSS=1 -Icc/include -Icc -I"$GEN" \
+mpicxx -O2 -std=c++17 -Wall -DOMPI_SKIP_MPICXX=1 -DNVG_WITH_BASE_CROSS_EXCHANGE=1 -Icc/include -Icc -I"$GEN" \
   -o "$BUILD/cross_exchange_cost" cc/tools/cross_exchange_cost.cc "$GEN/base_cross_exchange.cc" \
   cc/algorithms/cross_exchange.cc cc/cpu/host_reduce.cc cc/common/env.cc cc/common/status.cc cc/common/types.cc \
   -lpthread

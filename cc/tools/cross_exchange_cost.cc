@@ -31,7 +31,7 @@
 #include "common/checks.h"
 #include "common/env.h"
 #include "cpu/host_reduce.h"
-#if NVGROUP_BASE_CROSS
+#if NVG_WITH_BASE_CROSS_EXCHANGE
 #include "base_cross_exchange.h"
 #endif
 
@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
   caller_only.use_thread = false;
   auto x_caller = CrossExchange::Create(MPI_COMM_WORLD, caller_only);
   Check(x_caller.status(), "CrossExchange::Create");
-#if NVGROUP_BASE_CROSS
+#if NVG_WITH_BASE_CROSS_EXCHANGE
   auto x_base = BaseCrossExchange::Create(MPI_COMM_WORLD);
   Check(x_base.status(), "BaseCrossExchange::Create");
 #endif
@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
                         Check(ExchangeOnce(*x_caller.value(), send.data(), recv.data(), result.data(), n, fold),
                               "no-thread");
                       }, {}});
-#if NVGROUP_BASE_CROSS
+#if NVG_WITH_BASE_CROSS_EXCHANGE
   variants.push_back({"base", [&](size_t n) {
                         Check(ExchangeOnce(*x_base.value(), send.data(), recv.data(), result.data(), n, fold),
                               "base");
@@ -215,7 +215,7 @@ int main(int argc, char** argv) {
   x_ag.value().reset();
   x_rs.value().reset();
   x_caller.value().reset();
-#if NVGROUP_BASE_CROSS
+#if NVG_WITH_BASE_CROSS_EXCHANGE
   x_base.value().reset();
 #endif
   MPI_Finalize();
