@@ -202,6 +202,8 @@ def test_agreed_knobs_are_the_agreed_rows_normalized(monkeypatch):
     ("NVGROUP_ONE_GPU_GROUP", "yes", "0 or 1"),
     ("NVGROUP_XLA_START_DONE", "yes", "auto, 0 or 1"),
     ("NVGROUP_TEST_BUCKET_DELAY_US", "-5", "a number of microseconds >= 0"),
+    ("NVGROUP_PIPELINE_MIN_CHUNK", "0", "a positive byte count"),
+    ("NVGROUP_CROSS_ALLGATHER_MAX_BYTES", "16k", "an integer"),
 ])
 def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):
     monkeypatch.setenv(name, raw)
@@ -221,6 +223,8 @@ def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):
     ("NVGROUP_CYCLE_TIME", "0.5", "0.5"), ("NVGROUP_LOG_LEVEL", "info", "info"),
     ("NVGROUP_XLA_START_DONE", None, "auto"), ("NVGROUP_XLA_START_DONE", "1", "1"),
     ("NVGROUP_TEST_BUCKET_DELAY_US", "2000", "2000"),
+    ("NVGROUP_PIPELINE_MIN_CHUNK", None, "262144"), ("NVGROUP_PIPELINE_MIN_CHUNK", "0001024", "1024"),
+    ("NVGROUP_CROSS_ALLGATHER_MAX_BYTES", None, "16384"), ("NVGROUP_CROSS_ALLGATHER_MAX_BYTES", "0", "0"),
 ])
 def test_values_parse_into_their_fields(monkeypatch, name, raw, value):
     if raw is None:
