@@ -30,6 +30,16 @@ Status SizeInto(const char* name, const std::string& value, size_t* out) {
   return Status::Ok();
 }
 
+// The settings table's range "bytes (> 0)".
+Status PositiveSizeInto(const char* name, const std::string& value, size_t* out) {
+  size_t bytes = 0;
+  Status s = SizeInto(name, value, &bytes);
+  if (!s.ok()) return s;
+  if (bytes == 0) return Malformed(name, value, "a positive byte count");
+  *out = bytes;
+  return Status::Ok();
+}
+
 Status IntInto(const char* name, const std::string& value, int* out) {
   StatusOr<int64_t> r = ParseInt64Knob(name, value, 0);
   if (!r.ok()) return r.status();
@@ -94,27 +104,13 @@ std::vector<Setting> MakeSettings() {
        +[](const K& k) { return std::string(kAlgorithms[static_cast<int>(k.algorithm)]); }},
       {"NVGROUP_PIPELINE_CHUNK", S::kAgreed, "bytes (> 0)", "4194304 (4 MiB)", "engine", "",
        "Chunk of the pipelined hierarchical allreduce.",
-       +[](const char* n, const std::string& v, K* k) -> Status {
-         size_t chunk = 0;
-         Status s = SizeInto(n, v, &chunk);
-         if (!s.ok()) return s;
-         if (chunk == 0) return Malformed(n, v, "a positive byte count");
-         k->pipeline_chunk = chunk;
-         return Status::Ok();
-       },
+       +[](const char* n, const std::string& v, K* k) { return PositiveSizeInto(n, v, &k->pipeline_chunk); },
        +[](const K& k) { return std::to_string(k.pipeline_chunk); }},
       {"NVGROUP_PIPELINE_MIN_CHUNK", S::kAgreed, "bytes (> 0)", "262144 (256 KiB)", "engine", "",
        "Smallest chunk of the pipelined hierarchical allreduce: a message is cut into 4 chunks, but none "
        "smaller than this nor larger than NVGROUP_PIPELINE_CHUNK, so the copies and the MPI exchange of "
        "consecutive chunks overlap (a value above NVGROUP_PIPELINE_CHUNK means NVGROUP_PIPELINE_CHUNK).",
-       +[](const char* n, const std::string& v, K* k) -> Status {
-         size_t chunk = 0;
-         Status s = SizeInto(n, v, &chunk);
-         if (!s.ok()) return s;
-         if (chunk == 0) return Malformed(n, v, "a positive byte count");
-         k->pipeline_min_chunk = chunk;
-         return Status::Ok();
-       },
+       +[](const char* n, const std::string& v, K* k) { return PositiveSizeInto(n, v, &k->pipeline_min_chunk); },
        +[](const K& k) { return std::to_string(k.pipeline_min_chunk); }},
       {"NVGROUP_CROSS_ALLGATHER_MAX_BYTES", S::kAgreed, "bytes", "16384 (16 KiB)", "engine", "",
        "Cross-group step between NV-groups: a slice whose allgather sends at most this many bytes to each "
