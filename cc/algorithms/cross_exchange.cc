@@ -229,7 +229,7 @@ Status CrossExchange::StartReduceScatter(ScatterJob sj, uint64_t* ticket) {
   return Enqueue(std::move(a), ticket);
 }
 
-// See Note [Cross exchange protocol]: caller -> progress thread.
+// See Note [Cross exchange protocol]: caller -> jobs.
 Status CrossExchange::Enqueue(std::unique_ptr<Active> a, uint64_t* ticket) {
   {
     std::lock_guard<std::mutex> lock(mu_);
