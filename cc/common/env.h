@@ -36,10 +36,13 @@ struct Knobs {
   size_t pipeline_min_chunk = 256u << 10;
   // Cross-group slices whose allgather sends at most this many bytes per peer
   // take the one-round allgather + fold instead of reduce-scatter + allgather
-  // (cc/algorithms/cross_exchange.h); 0 = never. Default 16 KiB: the crossover
-  // measured on the 2-core VM (cc/tools/cross_exchange_cost, 2-4 ranks: the
-  // allgather even or ahead up to 16 KiB, behind from 64 KiB, where folding
-  // the whole slice instead of one part costs more than the round it saves).
+  // (cc/algorithms/cross_exchange.h); 0 = never. Default 16 KiB, from the
+  // 2-core VM (scripts/cross_exchange_cost.sh, host buffers, 2 ranks, load
+  // 5-8): the one round saved 2-3 us at 16 KiB, lost 1-2 us at 4 KiB, was
+  // even at 64 KiB and lost from 256 KiB (folding the whole slice instead of
+  // one part); at 3-4 ranks (oversubscribed) it was 1-5 us behind up to
+  // 16 KiB. A weak choice: cross_step_bench's allgather and rsag columns
+  // measure it on a GPU host.
   size_t cross_allgather_max_bytes = 16u << 10;
   // "auto" (hierarchical when it applies), "mpi" (flat MPI reference path),
   // "hierarchical" (force the NV-group skeleton even with one group).

@@ -14,6 +14,8 @@
 //   nvgroup        the settings as given (NVGROUP_CROSS_ALLGATHER_MAX_BYTES,
 //                  NVGROUP_PIPELINE_MIN_CHUNK, NVGROUP_PIPELINE_CHUNK)
 //   rsag           the same, reduce-scatter + allgather at every size
+//   allgather      the same, allgather + fold at every size (with rsag: where
+//                  the one round pays, to set NVGROUP_CROSS_ALLGATHER_MAX_BYTES)
 //   whole-chunks   the same, chunks of NVGROUP_PIPELINE_CHUNK (no quarter
 //                  chunks: a message up to the chunk is one serial chunk)
 // random inputs regenerated from a hash, the result checked EVERY element
@@ -150,6 +152,8 @@ int main(int argc, char** argv) {
   configs.push_back({"nvgroup", knobs, nullptr});
   configs.push_back({"rsag", knobs, nullptr});
   configs.back().knobs.cross_allgather_max_bytes = 0;
+  configs.push_back({"allgather", knobs, nullptr});
+  configs.back().knobs.cross_allgather_max_bytes = 1u << 30;
   configs.push_back({"whole-chunks", knobs, nullptr});
   configs.back().knobs.pipeline_min_chunk = knobs.pipeline_chunk;
   for (Config& c : configs) {
