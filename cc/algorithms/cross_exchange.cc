@@ -1,5 +1,6 @@
 #include "algorithms/cross_exchange.h"
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <string>
@@ -12,6 +13,16 @@ namespace {
 
 std::atomic<uint64_t> g_bytes_sent{0};
 
+// The polling schedule of Note [Cross exchange protocol]: back-to-back polls
+// for this long after the last movement, then each poll yields the core. A
+// small collective between ranks of one host completes in 5-30 us
+// (cc/engine/wait_policy.h), so the common hand-off never leaves this phase.
+constexpr double kBackToBackPollS = 50e-6;
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
 // The P parts of a slice of `count` elements (part p: peer p).
 ChunkSlices Parts(size_t count, int peers, size_t esize) {
   ChunkSlices parts;
@@ -22,23 +33,68 @@ ChunkSlices Parts(size_t count, int peers, size_t esize) {
   return parts;
 }
 
+// Posts one round of the exchange among the peers on `comm`: the receives
+// (recv_bytes[p] bytes from peer p at recv + recv_displs[p]), then the sends
+// (send_bytes[p] bytes to peer p from send + send_displs[p]), peer me first,
+// then me+1, ... Empty messages are skipped on both sides (both know every
+// size). Point-to-point messages of one (source, tag, communicator) match in
+// posting order, and every peer posts its rounds on a communicator in the same
+// job order, so round k of one peer meets round k of every other.
+Status PostRound(MPI_Comm comm, int peers, int me, const void* send, const int* send_bytes,
+                 const int* send_displs, void* recv, const int* recv_bytes, const int* recv_displs,
+                 std::vector<MPI_Request>* requests) {
+  constexpr int kTag = 0;
+  requests->clear();
+  for (int i = 0; i < peers; ++i) {
+    const int p = (me + i) % peers;
+    if (recv_bytes[p] == 0) continue;
+    requests->push_back(MPI_REQUEST_NULL);
+    NVG_MPI_CHECK(MPI_Irecv(static_cast<char*>(recv) + recv_displs[p], recv_bytes[p], MPI_BYTE, p, kTag, comm,
+                            &requests->back()));
+  }
+  for (int i = 0; i < peers; ++i) {
+    const int p = (me + i) % peers;
+    if (send_bytes[p] == 0) continue;
+    requests->push_back(MPI_REQUEST_NULL);
+    NVG_MPI_CHECK(MPI_Isend(static_cast<const char*>(send) + send_displs[p], send_bytes[p], MPI_BYTE, p, kTag,
+                            comm, &requests->back()));
+  }
+  return Status::Ok();
+}
+
+// *done once every request of the round completed (none: at once).
+Status TestRound(std::vector<MPI_Request>* requests, bool* done) {
+  int flag = 1;
+  if (!requests->empty())
+    NVG_MPI_CHECK(MPI_Testall(static_cast<int>(requests->size()), requests->data(), &flag, MPI_STATUSES_IGNORE));
+  *done = flag != 0;
+  if (*done) requests->clear();
+  return Status::Ok();
+}
+
 }  // namespace
 
 // One job and where it stands. Stages advance in this order only.
 struct CrossExchange::Active {
-  enum Stage { kWaitReady, kAlltoall, kAllgather, kFinished };
+  enum Stage { kWaitReady, kFirst, kWaitFold, kSecond, kFinished };
+  enum Kind { kReduceScatterAllgather, kAllgatherFold, kReduceScatterOnly };
   uint64_t ticket = 0;
+  uint64_t ag_index = 0;  // kReduceScatterAllgather: its place in the order of second rounds
+  Kind kind = kReduceScatterAllgather;
   Job job;
   Stage stage = kWaitReady;
-  bool scatter_only = false;  // StartReduceScatter: no allgatherv, result at `result` itself
-  MPI_Request request = MPI_REQUEST_NULL;
-  // Byte counts and displacements of the parts (MPI counts are int).
-  std::vector<int> part_bytes, part_displs, recv_bytes, recv_displs;
+  std::vector<MPI_Request> requests;  // the round in flight
+  // Byte counts and displacements per peer (MPI counts are int) of the first
+  // round (send_*, recv_*) and, reduce-scatter + allgather, of the allgather
+  // (our part to every other peer: ag_send_*; theirs into `result`: ag_recv_*).
+  std::vector<int> send_bytes, send_displs, recv_bytes, recv_displs;
+  std::vector<int> ag_send_bytes, ag_send_displs, ag_recv_bytes, ag_recv_displs;
+  size_t my_part_offset = 0;  // bytes: where our part of `result` starts
 };
 
 uint64_t CrossExchange::BytesSent() { return g_bytes_sent.load(std::memory_order_relaxed); }
 
-StatusOr<std::unique_ptr<CrossExchange>> CrossExchange::Create(MPI_Comm cross, bool use_thread) {
+StatusOr<std::unique_ptr<CrossExchange>> CrossExchange::Create(MPI_Comm cross, Options options) {
   std::unique_ptr<CrossExchange> x(new CrossExchange());
   NVG_MPI_CHECK(MPI_Comm_dup(cross, &x->rs_comm_));
   NVG_MPI_CHECK(MPI_Comm_dup(cross, &x->ag_comm_));
@@ -46,9 +102,10 @@ StatusOr<std::unique_ptr<CrossExchange>> CrossExchange::Create(MPI_Comm cross, b
   NVG_MPI_CHECK(MPI_Comm_rank(cross, &x->me_));
   int provided = MPI_THREAD_SINGLE;
   NVG_MPI_CHECK(MPI_Query_thread(&provided));
+  x->allgather_max_bytes_ = options.allgather_max_bytes;
   // Every rank must agree on the mode only for performance, not correctness: the
   // posting order per communicator is the job order in both modes.
-  x->threaded_ = use_thread && provided == MPI_THREAD_MULTIPLE && x->peers_ > 1;
+  x->threaded_ = options.use_thread && provided == MPI_THREAD_MULTIPLE && x->peers_ > 1;
   if (x->threaded_) x->thread_ = std::thread([p = x.get()] { p->ProgressLoop(); });
   return StatusOr<std::unique_ptr<CrossExchange>>(std::move(x));
 }
@@ -59,16 +116,11 @@ CrossExchange::~CrossExchange() {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;  // the loop leaves once no job is in flight (posted requests complete)
     }
-    cv_.notify_all();
+    work_cv_.notify_all();
     thread_.join();
   } else {
-    while (true) {  // complete what was posted: MPI writes into the buffers until then
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (active_.empty()) break;
-      }
-      ProgressOnce();
-    }
+    // complete what was posted: MPI writes into the buffers until then
+    while (HasWork()) ProgressOnce();
   }
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -78,8 +130,23 @@ CrossExchange::~CrossExchange() {
   }
 }
 
+CrossExchange::Variant CrossExchange::VariantFor(size_t count, size_t element_size) const {
+  const size_t allgather_sends = count * element_size * static_cast<size_t>(peers_ - 1);
+  return allgather_max_bytes_ > 0 && allgather_sends <= allgather_max_bytes_ ? Variant::kAllgatherFold
+                                                                             : Variant::kReduceScatterAllgather;
+}
+
 size_t CrossExchange::RecvBytes(size_t count, size_t element_size) const {
+  if (VariantFor(count, element_size) == Variant::kAllgatherFold) return count * element_size * peers_;
   return Parts(count, peers_, element_size).SliceCount(me_) * element_size * peers_;
+}
+
+size_t CrossExchange::MaxRecvBytes(size_t max_slice_bytes) const {
+  // Reduce-scatter: P parts of at most ceil(n / P) rounded up to 16 bytes.
+  const size_t scatter = max_slice_bytes + 16 * static_cast<size_t>(peers_);
+  const size_t largest_allgather =
+      peers_ > 1 ? std::min(max_slice_bytes, allgather_max_bytes_ / (peers_ - 1)) : max_slice_bytes;
+  return std::max(scatter, largest_allgather * peers_);
 }
 
 Status CrossExchange::Start(Job job, uint64_t* ticket) {
@@ -88,20 +155,42 @@ Status CrossExchange::Start(Job job, uint64_t* ticket) {
                                    std::to_string(job.count * job.element_size) +
                                    " bytes exceeds MPI's int counts");
   if (!job.fold) return Status::InvalidArgument("cross-group exchange without a fold");
-  auto a = std::make_shared<Active>();
+  auto a = std::make_unique<Active>();
   a->job = std::move(job);
-  const ChunkSlices parts = Parts(a->job.count, peers_, a->job.element_size);
   const size_t es = a->job.element_size;
-  const int mine = static_cast<int>(parts.SliceCount(me_) * es);
-  a->part_bytes.resize(peers_);
-  a->part_displs.resize(peers_);
-  a->recv_bytes.assign(peers_, mine);
-  a->recv_displs.resize(peers_);
-  for (int p = 0; p < peers_; ++p) {
-    a->part_bytes[p] = static_cast<int>(parts.SliceCount(p) * es);
-    a->part_displs[p] = static_cast<int>(parts.SliceOffset(p) * es);
-    a->recv_displs[p] = p * mine;
+  const int P = peers_;
+  a->send_bytes.resize(P);
+  a->send_displs.resize(P);
+  a->recv_bytes.resize(P);
+  a->recv_displs.resize(P);
+  if (VariantFor(a->job.count, es) == Variant::kAllgatherFold) {
+    a->kind = Active::kAllgatherFold;
+    const int slice = static_cast<int>(a->job.count * es);
+    for (int p = 0; p < P; ++p) {
+      a->send_bytes[p] = slice;
+      a->send_displs[p] = 0;
+      a->recv_bytes[p] = slice;
+      a->recv_displs[p] = p * slice;
+    }
+    return Enqueue(std::move(a), ticket);
   }
+  const ChunkSlices parts = Parts(a->job.count, P, es);
+  const int mine = static_cast<int>(parts.SliceCount(me_) * es);
+  a->ag_send_bytes.assign(P, mine);
+  a->ag_send_displs.assign(P, static_cast<int>(parts.SliceOffset(me_) * es));
+  a->ag_recv_bytes.resize(P);
+  a->ag_recv_displs.resize(P);
+  for (int p = 0; p < P; ++p) {
+    a->send_bytes[p] = static_cast<int>(parts.SliceCount(p) * es);
+    a->send_displs[p] = static_cast<int>(parts.SliceOffset(p) * es);
+    a->recv_bytes[p] = mine;
+    a->recv_displs[p] = p * mine;
+    a->ag_recv_bytes[p] = a->send_bytes[p];
+    a->ag_recv_displs[p] = a->send_displs[p];
+  }
+  a->ag_send_bytes[me_] = 0;  // in place: our part is in `result` already
+  a->ag_recv_bytes[me_] = 0;
+  a->my_part_offset = parts.SliceOffset(me_) * es;
   return Enqueue(std::move(a), ticket);
 }
 
@@ -115,8 +204,8 @@ Status CrossExchange::StartReduceScatter(ScatterJob sj, uint64_t* ticket) {
   if (send_elems * es > static_cast<size_t>(INT_MAX) || mine * es * peers_ > static_cast<size_t>(INT_MAX))
     return Status::InvalidArgument("cross-group reduce-scatter chunk of " + std::to_string(send_elems * es) +
                                    " bytes exceeds MPI's int counts");
-  auto a = std::make_shared<Active>();
-  a->scatter_only = true;
+  auto a = std::make_unique<Active>();
+  a->kind = Active::kReduceScatterOnly;
   a->job.send = sj.send;
   a->job.recv = sj.recv;
   a->job.result = sj.result;
@@ -124,58 +213,91 @@ Status CrossExchange::StartReduceScatter(ScatterJob sj, uint64_t* ticket) {
   a->job.element_size = es;
   a->job.fold = std::move(sj.fold);
   a->job.ready = std::move(sj.ready);
+  a->job.writable = std::move(sj.writable);
   a->job.done = std::move(sj.done);
-  a->part_bytes.resize(peers_);
-  a->part_displs.resize(peers_);
+  a->send_bytes.resize(peers_);
+  a->send_displs.resize(peers_);
   a->recv_bytes.assign(peers_, static_cast<int>(mine * es));
   a->recv_displs.resize(peers_);
   size_t displ = 0;
   for (int p = 0; p < peers_; ++p) {
-    a->part_bytes[p] = static_cast<int>(sj.part_counts[p] * es);
-    a->part_displs[p] = static_cast<int>(displ);
+    a->send_bytes[p] = static_cast<int>(sj.part_counts[p] * es);
+    a->send_displs[p] = static_cast<int>(displ);
     displ += sj.part_counts[p] * es;
     a->recv_displs[p] = static_cast<int>(p * mine * es);
   }
   return Enqueue(std::move(a), ticket);
 }
 
-Status CrossExchange::Enqueue(std::shared_ptr<Active> a, uint64_t* ticket) {
+// See Note [Cross exchange protocol]: caller -> jobs.
+Status CrossExchange::Enqueue(std::unique_ptr<Active> a, uint64_t* ticket) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok()) return failure_;
     a->ticket = next_ticket_++;
+    if (a->kind == Active::kReduceScatterAllgather) a->ag_index = next_ag_index_++;
     *ticket = a->ticket;
-    active_.push_back(std::move(a));
+    incoming_.push_back(std::move(a));
+    submitted_.store(next_ticket_, std::memory_order_seq_cst);
   }
-  cv_.notify_all();
-  if (!threaded_) ProgressOnce();  // post what can be posted now
+  TryProgress();  // post what can be posted now; a sleeping progress thread is left asleep
   return Status::Ok();
 }
 
-Status CrossExchange::Wait(uint64_t ticket) {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (finished_below_ <= ticket && failure_.ok()) {
-    if (threaded_) {
-      cv_.wait(lock);
-    } else {
-      lock.unlock();
-      if (!ProgressOnce()) std::this_thread::yield();
-      lock.lock();
-    }
-  }
+bool CrossExchange::HasWork() const {
+  return submitted_.load(std::memory_order_seq_cst) != finished_below_.load(std::memory_order_seq_cst);
+}
+
+bool CrossExchange::Finished(uint64_t ticket) const {
+  return finished_below_.load(std::memory_order_acquire) > ticket || failed_.load(std::memory_order_acquire);
+}
+
+Status CrossExchange::FailureStatus() {
+  if (!failed_.load(std::memory_order_acquire)) return Status::Ok();
+  std::lock_guard<std::mutex> lock(mu_);
   return failure_;
 }
 
-// Posts and tests; never blocks in MPI. The alltoallv of job k is posted only
-// after that of job k-1 (next_rs_post_), the allgatherv likewise. Once the
-// exchange failed nothing new is posted: requests already posted are tested
-// to completion (MPI keeps writing into their buffers until then).
-Status CrossExchange::Advance(Active& a, bool failed, bool* moved) {
+bool CrossExchange::TryProgress() {
+  if (progressing_.exchange(true, std::memory_order_acquire)) return false;  // the other side progresses
+  const bool moved = ProgressOnce();
+  progressing_.store(false, std::memory_order_release);
+  return moved;
+}
+
+// See Note [Cross exchange protocol]: the caller progresses its own wait.
+Status CrossExchange::Wait(uint64_t ticket) {
+  waiting_callers_.fetch_add(1, std::memory_order_seq_cst);
+  Clock::time_point last = Clock::now();
+  while (!Finished(ticket)) {
+    if (TryProgress())
+      last = Clock::now();
+    else if (SecondsSince(last) > kBackToBackPollS)
+      std::this_thread::yield();
+  }
+  bool wake = false;
+  if (threaded_) {
+    std::lock_guard<std::mutex> lock(mu_);
+    waiting_callers_.fetch_sub(1, std::memory_order_seq_cst);
+    wake = sleeping_ && HasWork();  // jobs left in flight: the progress thread takes them over
+  } else {
+    waiting_callers_.fetch_sub(1, std::memory_order_seq_cst);
+  }
+  if (wake) work_cv_.notify_one();
+  return FailureStatus();
+}
+
+// Posts and tests; never blocks in MPI. Each job's first round is posted only
+// after that of job k-1 (next_rs_post_); a second round only after that of the
+// reduce-scatter + allgather job before it (ag_index, next_ag_post_).
+// Once the exchange failed nothing new is posted: requests already posted
+// are tested to completion (MPI keeps writing into their buffers until then).
+Status CrossExchange::Advance(Active& a, bool* moved) {
   Job& j = a.job;
-  if (failed) {
-    int flag = 1;
-    if (a.request != MPI_REQUEST_NULL) NVG_MPI_CHECK(MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE));
-    if (flag) {
+  if (failed_.load(std::memory_order_relaxed)) {
+    bool done = true;
+    NVG_RETURN_IF_ERROR(TestRound(&a.requests, &done));
+    if (done) {
       a.stage = Active::kFinished;
       *moved = true;
     }
@@ -188,47 +310,56 @@ Status CrossExchange::Advance(Active& a, bool failed, bool* moved) {
       NVG_RETURN_IF_ERROR_CTX(j.ready(&ready), "waiting for the cross-group slice");
       if (!ready) return Status::Ok();
     }
-    NVG_MPI_CHECK(MPI_Ialltoallv(j.send, a.part_bytes.data(), a.part_displs.data(), MPI_BYTE, j.recv,
-                                 a.recv_bytes.data(), a.recv_displs.data(), MPI_BYTE, rs_comm_,
-                                 &a.request));
+    NVG_RETURN_IF_ERROR_CTX(PostRound(rs_comm_, peers_, me_, j.send, a.send_bytes.data(), a.send_displs.data(),
+                                      j.recv, a.recv_bytes.data(), a.recv_displs.data(), &a.requests),
+                            a.kind == Active::kAllgatherFold ? "posting the cross-group allgather"
+                                                             : "posting the cross-group reduce-scatter");
     uint64_t sent = 0;
     for (int p = 0; p < peers_; ++p)
-      if (p != me_) sent += a.part_bytes[p];
+      if (p != me_) sent += a.send_bytes[p];
     g_bytes_sent.fetch_add(sent, std::memory_order_relaxed);
     ++next_rs_post_;
-    a.stage = Active::kAlltoall;
+    a.stage = Active::kFirst;
     *moved = true;
   }
-  if (a.stage == Active::kAlltoall) {
-    int flag = 0;
-    NVG_MPI_CHECK(MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE));  // a null request: flag 1
-    if (!flag || a.ticket != next_ag_post_) return Status::Ok();
-    // The alltoallv completed: our parts of `send` are sent (so `result` may
-    // alias it) and the P copies of our part are in `recv`, in peer order.
-    const size_t mine = a.recv_bytes[me_] / j.element_size;
+  if (a.stage == Active::kFirst) {
+    bool done = false;
+    NVG_RETURN_IF_ERROR(TestRound(&a.requests, &done));
+    if (!done) return Status::Ok();
+    // The first round completed: `send` was read (so `result` may alias it)
+    // and `recv` holds the P copies, in peer order.
+    a.stage = Active::kWaitFold;
+    *moved = true;
+  }
+  if (a.stage == Active::kWaitFold) {
+    if (a.kind == Active::kReduceScatterAllgather && a.ag_index != next_ag_post_) return Status::Ok();
+    if (j.writable) {
+      bool writable = false;
+      NVG_RETURN_IF_ERROR_CTX(j.writable(&writable), "waiting for the cross-group result buffer");
+      if (!writable) return Status::Ok();
+    }
+    const size_t mine = a.recv_bytes[me_] / j.element_size;  // the slice (allgather) or our part
     if (mine > 0)
-      NVG_RETURN_IF_ERROR_CTX(
-          j.fold(j.recv, peers_, static_cast<char*>(j.result) + (a.scatter_only ? 0 : a.part_displs[me_]), mine),
-          "folding the cross-group parts");
-    if (a.scatter_only) {  // the reduce-scatter half only: done after the fold
-      ++next_ag_post_;     // keeps the allgatherv order of the jobs after this one
-      if (j.done) NVG_RETURN_IF_ERROR_CTX(j.done(), "after the cross-group reduce-scatter");
+      NVG_RETURN_IF_ERROR_CTX(j.fold(j.recv, peers_, static_cast<char*>(j.result) + a.my_part_offset, mine),
+                              "folding the cross-group copies");
+    *moved = true;
+    if (a.kind != Active::kReduceScatterAllgather) {  // one round: done after the fold
+      if (j.done) NVG_RETURN_IF_ERROR_CTX(j.done(), "after the cross-group fold");
       a.stage = Active::kFinished;
-      *moved = true;
       return Status::Ok();
     }
-    NVG_MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, j.result, a.part_bytes.data(),
-                                  a.part_displs.data(), MPI_BYTE, ag_comm_, &a.request));
-    g_bytes_sent.fetch_add(static_cast<uint64_t>(a.recv_bytes[me_]) * (peers_ - 1),
-                           std::memory_order_relaxed);
+    NVG_RETURN_IF_ERROR_CTX(PostRound(ag_comm_, peers_, me_, j.result, a.ag_send_bytes.data(),
+                                      a.ag_send_displs.data(), j.result, a.ag_recv_bytes.data(),
+                                      a.ag_recv_displs.data(), &a.requests),
+                            "posting the cross-group allgather of the parts");
+    g_bytes_sent.fetch_add(static_cast<uint64_t>(a.recv_bytes[me_]) * (peers_ - 1), std::memory_order_relaxed);
     ++next_ag_post_;
-    a.stage = Active::kAllgather;
-    *moved = true;
+    a.stage = Active::kSecond;
   }
-  if (a.stage == Active::kAllgather) {
-    int flag = 0;
-    NVG_MPI_CHECK(MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE));
-    if (!flag) return Status::Ok();
+  if (a.stage == Active::kSecond) {
+    bool done = false;
+    NVG_RETURN_IF_ERROR(TestRound(&a.requests, &done));
+    if (!done) return Status::Ok();
     if (j.done) NVG_RETURN_IF_ERROR_CTX(j.done(), "after the cross-group allgather");
     a.stage = Active::kFinished;
     *moved = true;
@@ -237,57 +368,53 @@ Status CrossExchange::Advance(Active& a, bool failed, bool* moved) {
 }
 
 bool CrossExchange::ProgressOnce() {
-  std::vector<std::shared_ptr<Active>> jobs;
-  bool failed = false;
-  {
+  if (submitted_.load(std::memory_order_acquire) != taken_) {
     std::lock_guard<std::mutex> lock(mu_);
-    jobs.assign(active_.begin(), active_.end());
-    failed = !failure_.ok();
+    for (; !incoming_.empty(); incoming_.pop_front(), ++taken_) active_.push_back(std::move(incoming_.front()));
   }
   bool moved = false;
-  for (auto& a : jobs) {
-    Status s = Advance(*a, failed, &moved);
-    if (!s.ok()) {
-      // The call that failed left no request we could complete.
-      a->request = MPI_REQUEST_NULL;
-      a->stage = Active::kFinished;
-      moved = true;
-      std::lock_guard<std::mutex> lock(mu_);
-      if (failure_.ok())
-        failure_ = s.WithContext("cross-group exchange (job " + std::to_string(a->ticket) + ")");
-      failed = true;
-    }
+  for (auto& a : active_) {
+    if (a->stage == Active::kFinished) continue;
+    Status s = Advance(*a, &moved);
+    if (s.ok()) continue;
+    // The call that failed left no request we could complete.
+    a->requests.clear();
+    a->stage = Active::kFinished;
+    moved = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failure_.ok()) failure_ = s.WithContext("cross-group exchange (job " + std::to_string(a->ticket) + ")");
+    failed_.store(true, std::memory_order_seq_cst);
   }
   bool finished_any = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    while (!active_.empty() && active_.front()->stage == Active::kFinished) {
-      finished_below_ = active_.front()->ticket + 1;
-      active_.pop_front();
-      finished_any = true;
-    }
+  uint64_t below = 0;
+  for (; !active_.empty() && active_.front()->stage == Active::kFinished; active_.pop_front()) {
+    below = active_.front()->ticket + 1;
+    finished_any = true;
   }
-  if (finished_any || moved) cv_.notify_all();
+  // orders: everything the jobs wrote (and `done`) before a waiter's acquire of it
+  if (finished_any) finished_below_.store(below, std::memory_order_seq_cst);
   return moved || finished_any;
 }
 
+// See Note [Cross exchange protocol]: progresses the jobs in flight while no
+// caller waits for one, never sleeping with a job in flight; sleeps otherwise.
 void CrossExchange::ProgressLoop() {
-  int idle = 0;
+  Clock::time_point last = Clock::now();
   while (true) {
-    {
+    if (waiting_callers_.load(std::memory_order_seq_cst) > 0 || !HasWork()) {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !active_.empty(); });
-      if (active_.empty() && stop_) return;
+      sleeping_ = true;
+      work_cv_.wait(lock, [&] {
+        return (stop_ && !HasWork()) || (HasWork() && waiting_callers_.load(std::memory_order_seq_cst) == 0);
+      });
+      sleeping_ = false;
+      if (stop_ && !HasWork()) return;
+      last = Clock::now();
     }
-    if (ProgressOnce()) {
-      idle = 0;
-    } else if (++idle < 64) {
+    if (TryProgress())
+      last = Clock::now();
+    else if (SecondsSince(last) > kBackToBackPollS)
       std::this_thread::yield();
-    } else {
-      // Nothing moved for a while (a slow peer or a long transfer): poll less
-      // often so the progress thread does not take a core from the compute.
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
   }
 }
 

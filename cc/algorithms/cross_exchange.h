@@ -7,40 +7,113 @@
 // s_0 (op) s_1 (op) ... (op) s_{P-1} of the P slices in group_index order (the
 // final Average division included when asked), bitwise identical on all peers.
 //
-// How (bandwidth-optimal: reduce-scatter + allgather). The slice is cut into P
-// *parts* (ChunkSlices geometry: 16-byte aligned, part p owned by peer p).
-//   1. MPI_Ialltoallv: part p of every peer's slice goes to peer p
-//      (`send` -> `recv`, P copies of our part, in peer order);
-//   2. fold: the P copies, in peer order, into our part of `result` (the Fold
-//      callback: ReduceFold on the host, or the device fold kernel when MPI
-//      reads device memory);
-//   3. MPI_Iallgatherv (in place on `result`): every peer gets every part.
-// Each peer sends (P-1)/P of the slice in each collective, 2 (P-1)/P in all,
-// and receives as much (an allgather of whole slices followed by a local fold
-// receives P-1 slices: P/2 times more). BytesSent() counts what was posted.
+// How: one of two variants per slice, chosen from the slice's size alone
+// (VariantFor), so every peer picks the same one for the same job. Each
+// *round* is point-to-point: every peer posts its receives from all peers,
+// then its sends to all peers (itself included, so MPI also does the copy of
+// our own share, on device memory too when MPI is CUDA-aware), and the round
+// is complete when all of them are (MPI_Testall). Rounds of all peers run at
+// once: no schedule of a nonblocking collective to step through.
+//  * Reduce-scatter + allgather (bandwidth-optimal, two rounds). The slice is
+//    cut into P *parts* (ChunkSlices geometry: 16-byte aligned, part p owned by
+//    peer p).
+//     1. reduce-scatter round: part p of every peer's slice goes to peer p
+//        (`send` -> `recv`, P copies of our part, in peer order);
+//     2. fold: the P copies, in peer order, into our part of `result` (the
+//        Fold callback: ReduceFold on the host, or the device fold kernel when
+//        MPI reads device memory);
+//     3. allgather round (in place on `result`): our part to every other
+//        peer, theirs into their place.
+//    Each peer sends (P-1)/P of the slice in each round, 2 (P-1)/P in all.
+//  * Allgather + fold (latency-optimal, one round), for slices whose (P-1)
+//    copies are at most Options::allgather_max_bytes:
+//     1. allgather round: every peer's whole slice to every peer (`send` ->
+//        `recv`, P slices in peer order);
+//     2. fold: the P slices, in peer order, into the whole of `result`.
+//    Each peer sends (P-1) slices: the same bytes as the other variant for
+//    P = 2, P/2 times more above; it folds the whole slice instead of one
+//    part. The fold is the same function on the same operands in the same
+//    order, element for element, so both variants give the same bits.
+// BytesSent() counts what was posted.
 //
-// Pipelining. Start() queues a job and returns at once; Wait() blocks until it
-// finished. Jobs are progressed by one progress thread per exchange (MPI
-// nonblocking collectives completed with MPI_Test), so the caller's thread keeps
-// issuing the next chunk's group step, copies and kernels while this chunk is in
-// flight. Without MPI_THREAD_MULTIPLE there is no thread: Wait() progresses the
-// jobs itself (still nonblocking, still overlapping the jobs in flight).
+// Pipelining. Start() queues a job and returns at once; Wait() returns once it
+// finished. While no caller waits, the jobs are progressed by one progress
+// thread per exchange, so the caller's thread keeps issuing the next chunk's
+// group step, copies and kernels while this chunk is in flight; a caller in
+// Wait() progresses them itself. Without MPI_THREAD_MULTIPLE there is no
+// thread: Start() and Wait() progress the jobs (still nonblocking, still
+// overlapping the jobs in flight).
 //
-// Ordering across ranks. MPI requires the collectives of a communicator to be
-// posted in the same order on every rank. The alltoallvs run on one duplicate of
-// the cross communicator and the allgathervs on another, each posted strictly in
-// job order, so every rank posts the same sequence on each communicator whatever
-// the timing (an alltoallv of job c+1 may overtake the allgatherv of job c).
+// Note [Cross exchange protocol]
+// Who waits for what. The jobs' state (the taken jobs, the posting counters)
+// is advanced by ProgressOnce under `progressing_`, an atomic try-lock
+// (acquire on taking it, release on leaving it, so whoever takes it next sees
+// the jobs as the last holder left them); the caller and the progress thread
+// both take it, never blocking on it.
+//  * Caller -> jobs (Start). The job goes into `incoming_` under mu_ and
+//    `submitted_` is bumped there; then the caller progresses once itself, so
+//    a round that can be posted at once is posted on the caller's thread. A
+//    sleeping progress thread is not woken: the skeletons wait for every
+//    chunk they start after at most one more Start (which progresses again),
+//    and Wait hands what is left in flight to the thread (below). Waking it
+//    here cost the fixed cost of a small exchange several times over on the
+//    2-core VM (cc/tools/cross_exchange_cost: a woken thread competes with
+//    the polling ranks for a core).
+//  * Polling MPI. Whoever progresses polls without sleeping while any job is
+//    in flight: MPI_Testall on every posted round (Open MPI moves a transfer's
+//    fragments only inside MPI calls, so a poll that sleeps stalls the
+//    transfer itself), `ready` / `writable` of the jobs waiting for them;
+//    back to back for kBackToBackPollS after anything moved, then yielding
+//    the core between polls.
+//  * Caller waits (Wait). It raises `waiting_callers_` and progresses the jobs
+//    itself until its ticket is below finished_below_ (or the exchange
+//    failed): the completion is seen by the thread that polled it, with no
+//    condition-variable wake-up on the path. The progress thread, seeing a
+//    waiting caller, sleeps on work_cv_ (one thread per rank polls, not two:
+//    ranks may outnumber cores). Leaving Wait, the caller lowers the count
+//    under mu_ and notifies a sleeping progress thread if jobs are left in
+//    flight (the next chunk's), which it takes over.
+//  * The progress thread sleeps (`sleeping_`, set under mu_) while no job is
+//    in flight or a caller waits, and until it is woken: by a caller leaving
+//    Wait with jobs in flight, or the destructor's stop. Its predicate (stop,
+//    jobs in flight, callers waiting) is read under mu_ and both wakers change
+//    it under mu_ before they notify: no lost wake-up.
+//  * Failure: failure_ is set under mu_, then failed_; Wait returns once it
+//    saw failed_, with failure_ read under mu_.
+// Memory ordering of the buffers: the caller writes `send` before Start (mu_
+// and progressing_ order those writes before the MPI call that reads them;
+// the GPU's device-side writes are ordered by `ready`); MPI writes `recv` and
+// `result`, and the fold reads `recv` after MPI_Test reported completion
+// (MPI's completion semantics); the caller reads `result` after Wait saw
+// finished_below_ with acquire (stored after the job's `done` by whoever
+// progressed it).
+// The GPU's streams and host buffers: the device primitives' header
+// (cc/device/device_primitives.h) says which event gates `ready` and
+// `writable` and where the copies run.
+//
+// Ordering across ranks. Messages of one (source, tag, communicator) match in
+// the order they were posted. Every job posts its first round (reduce-scatter
+// or allgather) on rs_comm_, in job order; only reduce-scatter + allgather
+// jobs post a second round, on ag_comm_, in the order of those jobs. The
+// variant, and so the sequence of rounds and their sizes on each
+// communicator, depend only on the job sequence and the slices' sizes, the
+// same on every peer, so round k of one peer meets round k of every other
+// whatever the timing (the first round of job c+1 may overtake the second of
+// job c; jobs finish in order). An empty message is skipped by both sides.
 //
 // Buffers. A job owns its send/recv/result buffers from Start() until Wait()
 // returned: the caller must not touch them (nor free them) in between. The
-// `ready` predicate (polled on the progress thread, may be empty) gates the
-// alltoallv: the GPU uses it for "the copy of the slice into `send` landed";
-// `done` runs on the progress thread after the allgatherv (the GPU enqueues the
-// copy back to the device there). A posted MPI request is always completed,
-// never abandoned (MPI cannot cancel collectives: see Note [Blocking MPI
-// steps] in cc/cpu/cpu_communicator.h): a peer lost mid-exchange is reported by
-// MPI, and the destructor waits for the jobs in flight.
+// `ready` predicate (polled by whoever progresses, may be empty) gates the
+// first round: the GPU uses it for "the copy of the slice into `send`
+// landed"; `writable` (may be empty) gates the fold, the first write of
+// `result`: the GPU uses it for "the copy of chunk c - 2 out of this `result`
+// landed". `done` runs after the last round, on the thread that completed it
+// (the GPU enqueues the copy back to the device there). A posted MPI request
+// is always completed, never abandoned (see Note [Blocking MPI steps] in
+// cc/cpu/cpu_communicator.h: a request left behind writes into freed memory
+// once the late peer arrives): a peer lost
+// mid-exchange is reported by MPI, and the destructor waits for the jobs in
+// flight.
 #pragma once
 
 #include <mpi.h>
@@ -60,11 +133,22 @@
 
 namespace nvgroup {
 
+struct CrossExchangeOptions {
+  // false forces progress inside Wait() (also chosen when MPI lacks
+  // MPI_THREAD_MULTIPLE).
+  bool use_thread = true;
+  // Slices whose allgather sends at most this many bytes per peer ((P-1)
+  // slices) take the one-round allgather + fold; 0: never
+  // (NVGROUP_CROSS_ALLGATHER_MAX_BYTES; the same on every peer).
+  size_t allgather_max_bytes = 0;
+};
+
 class CrossExchange {
  public:
   // Folds `num_sources` contiguous copies of `count` elements at `sources`
   // (copy k at sources + k * count elements, k = peer order) into `dst`.
   using Fold = std::function<Status(const void* sources, int num_sources, void* dst, size_t count)>;
+  using Predicate = std::function<Status(bool* yes)>;
 
   struct Job {
     const void* send = nullptr;  // our slice (`count` elements)
@@ -73,19 +157,27 @@ class CrossExchange {
     size_t count = 0;            // elements of the slice
     size_t element_size = 4;
     Fold fold;
-    std::function<Status(bool* ready)> ready;  // optional: *ready once `send` holds the slice
-    std::function<Status()> done;  // optional: after the allgatherv, on the progress thread
+    Predicate ready;     // optional: *yes once `send` holds the slice
+    Predicate writable;  // optional: *yes once `result` may be written
+    std::function<Status()> done;  // optional: after the last round, on the thread that completed it
   };
 
-  // Duplicates `cross` twice (collective over it). `use_thread` false forces
-  // progress inside Wait() (also chosen when MPI lacks MPI_THREAD_MULTIPLE).
-  static StatusOr<std::unique_ptr<CrossExchange>> Create(MPI_Comm cross, bool use_thread = true);
+  enum class Variant { kReduceScatterAllgather, kAllgatherFold };
+
+  using Options = CrossExchangeOptions;
+
+  // Duplicates `cross` twice (collective over it).
+  static StatusOr<std::unique_ptr<CrossExchange>> Create(MPI_Comm cross, Options options = Options());
   ~CrossExchange();
 
   int peers() const { return peers_; }
   int peer_index() const { return me_; }
+  // The variant of a slice of `count` elements (the same on every peer).
+  Variant VariantFor(size_t count, size_t element_size) const;
   // Scratch `recv` needs for a slice of `count` elements.
   size_t RecvBytes(size_t count, size_t element_size) const;
+  // The most RecvBytes asks for any slice of at most `max_slice_bytes`.
+  size_t MaxRecvBytes(size_t max_slice_bytes) const;
 
   // Queues the exchange of one slice; *ticket identifies it for Wait().
   Status Start(Job job, uint64_t* ticket);
@@ -95,7 +187,7 @@ class CrossExchange {
   // part p for peer p (part_counts[p] elements), consecutive in peer order;
   // the P copies of our part arrive in `recv` (P * part_counts[me] elements,
   // peer order) and `fold` folds them into `result` (part_counts[me]
-  // elements). Stage 3 (the allgatherv) is left out: `done` runs after the
+  // elements). Step 3 (the allgather round) is left out: `done` runs after the
   // fold. Same queue, posting order and buffer rules as Start().
   struct ScatterJob {
     const void* send = nullptr;
@@ -104,45 +196,62 @@ class CrossExchange {
     void* result = nullptr;
     size_t element_size = 4;
     Fold fold;
-    std::function<Status(bool* ready)> ready;
+    Predicate ready;
+    Predicate writable;
     std::function<Status()> done;
   };
   Status StartReduceScatter(ScatterJob job, uint64_t* ticket);
-  // Blocks until the job of `ticket` finished; its status (the first error of
+  // Returns once the job of `ticket` finished; its status (the first error of
   // any job breaks the exchange: later calls return it).
   Status Wait(uint64_t ticket);
 
   // Bytes this process posted to other ranks in cross exchanges (all
-  // exchanges of the process): per job the alltoallv's parts for the other
-  // peers plus (P-1) times our part in the allgatherv (none for a
-  // reduce-scatter-only job).
+  // exchanges of the process): per reduce-scatter + allgather job the parts
+  // for the other peers plus (P-1) times our part in the allgather round
+  // (none for a reduce-scatter-only job); per allgather + fold job (P-1)
+  // times the slice.
   static uint64_t BytesSent();
 
  private:
   struct Active;
   CrossExchange() = default;
   void ProgressLoop();
-  // Advances every active job as far as it goes without blocking; returns true
-  // if anything moved. mu_ is held only around the queue, never across MPI.
+  // Takes the submitted jobs and advances every job as far as it goes without
+  // blocking; returns true if anything moved. Called only under progressing_.
   bool ProgressOnce();
-  Status Advance(Active& a, bool failed, bool* moved);
-  Status Enqueue(std::shared_ptr<Active> a, uint64_t* ticket);
+  // ProgressOnce if progressing_ is free (false when it is not).
+  bool TryProgress();
+  Status Advance(Active& a, bool* moved);
+  Status Enqueue(std::unique_ptr<Active> a, uint64_t* ticket);
+  bool HasWork() const;  // a job started and not finished
+  bool Finished(uint64_t ticket) const;
+  Status FailureStatus();
 
-  MPI_Comm rs_comm_ = MPI_COMM_NULL;  // alltoallvs, in job order
-  MPI_Comm ag_comm_ = MPI_COMM_NULL;  // allgathervs, in job order
+  MPI_Comm rs_comm_ = MPI_COMM_NULL;  // every job's first round, in job order
+  MPI_Comm ag_comm_ = MPI_COMM_NULL;  // second rounds (allgather of the parts), in the order of their jobs
   int peers_ = 1;
   int me_ = 0;
   bool threaded_ = false;
+  size_t allgather_max_bytes_ = 0;
 
+  // Shared between the callers and the progress thread.
   std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<Active>> active_;  // in job order
-  uint64_t next_ticket_ = 0;
-  uint64_t finished_below_ = 0;  // every ticket < this finished
-  Status failure_;               // first failure (then every job fails)
-  bool stop_ = false;
+  std::condition_variable work_cv_;  // the progress thread sleeps here
+  std::deque<std::unique_ptr<Active>> incoming_;  // started, not taken yet (mu_)
+  uint64_t next_ticket_ = 0;                      // mu_
+  uint64_t next_ag_index_ = 0;                    // mu_: order of the second rounds
+  Status failure_;                                // mu_: first failure (then every job fails)
+  bool stop_ = false;                             // mu_
+  bool sleeping_ = false;                         // mu_: the progress thread waits on work_cv_
+  std::atomic<uint64_t> submitted_{0};            // tickets handed out
+  std::atomic<uint64_t> finished_below_{0};       // every ticket < this finished
+  std::atomic<bool> failed_{false};
+  std::atomic<int> waiting_callers_{0};           // callers inside Wait
+  std::atomic<bool> progressing_{false};          // held while ProgressOnce runs
   std::thread thread_;
-  // Only the progressing thread touches these (posting order per communicator).
+  // Only under progressing_.
+  std::deque<std::unique_ptr<Active>> active_;  // taken, in job order
+  uint64_t taken_ = 0;
   uint64_t next_rs_post_ = 0;
   uint64_t next_ag_post_ = 0;
 };

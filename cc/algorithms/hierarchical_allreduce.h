@@ -2,9 +2,9 @@
 //
 // How it works. The ranks form groups of G members (see communicator.h). The
 // message (the `count` elements of one Allreduce call, already in this rank's
-// registered buffer) is cut into *chunks* of at most `chunk_bytes`; each chunk is
-// cut into G *slices*, slice r owned by group rank r. Every chunk goes through
-// three *steps*:
+// registered buffer) is cut into *chunks* (PipelineChunking, Note [Chunk
+// size]); each chunk is cut into G *slices*, slice r owned by group rank r.
+// Every chunk goes through three *steps*:
 //
 //   1. GroupReduceScatter(chunk): group rank r reduces slice r of the chunk over
 //      all G members' registered buffers (direct loads: NVLink peer reads via
@@ -12,7 +12,8 @@
 //      result in slice r of its own registered buffer.
 //   2. CrossStart(chunk) / CrossFinish(chunk): slice r is allreduced with the
 //      rank of group rank r in every other group (the *peers*), in group_index
-//      order: a reduce-scatter + allgather among the peers (CrossExchange,
+//      order: a reduce-scatter + allgather among the peers, or for small
+//      slices one allgather and a local fold (CrossExchange,
 //      cc/algorithms/cross_exchange.h; through pinned host memory when MPI is
 //      not CUDA-aware). Each rank sends 1/G of the chunk to the cross step, and
 //      2 (P-1)/P of that over the network (P = group_count), so every GPU and
@@ -87,17 +88,42 @@ struct ChunkSlices {
   }
 };
 
+// Note [Chunk size]
+// Two chunks are in the cross step at a time, so a message of one chunk has
+// nothing to overlap: its copy to the host, its MPI exchange and its copy back
+// run one after the other. A message of B bytes is therefore cut into chunks
+// of ceil(B / kMinPipelineChunks) bytes, but at least min_bytes (each chunk
+// pays the cross step's fixed cost: its jobs, events and MPI calls) and at most
+// max_bytes (NVGROUP_PIPELINE_MIN_CHUNK, NVGROUP_PIPELINE_CHUNK; a minimum
+// above the maximum is the maximum), in whole 16-byte units per slice
+// (rounded up from the quarter, down from the maximum). With 4 chunks the
+// copy of chunk c+1 to the host, the exchange of chunk c and the copy back of
+// chunk c-1 are in flight together for two of them; the geometry is the same
+// on every rank (the knobs are agreed).
+struct PipelineChunking {
+  static constexpr size_t kMinPipelineChunks = 4;
+  size_t max_bytes = 4u << 20;
+  size_t min_bytes = 256u << 10;
+
+  // Elements per chunk of a message of `count` elements.
+  size_t ChunkElements(size_t count, size_t element_size, int group_size) const {
+    const size_t unit = std::max<size_t>(1, ChunkSlices::kSliceAlignBytes / element_size) * group_size;
+    const size_t most = std::max(unit, (max_bytes / element_size) / unit * unit);
+    const size_t least = std::min(most, (std::min(min_bytes, max_bytes) / element_size + unit - 1) / unit * unit);
+    const size_t quarter = ((count + kMinPipelineChunks - 1) / kMinPipelineChunks + unit - 1) / unit * unit;
+    return std::max(unit, std::min(most, std::max(least, quarter)));
+  }
+};
+
 template <class Primitives>
-Status RunHierarchicalAllreduce(Primitives& prims, size_t count, void* out, size_t chunk_bytes,
+Status RunHierarchicalAllreduce(Primitives& prims, size_t count, void* out, const PipelineChunking& chunking,
                                 bool force_hierarchy) {
   const Topology& topo = prims.topology();
   if (count == 0) return Status::Ok();
   if (topo.group_count == 1 && !force_hierarchy) return prims.GroupAllreduce(count, out);
 
   const size_t esize = prims.element_size();
-  // Chunks hold a whole number of 16-byte units per slice: round down to G*16 bytes.
-  size_t unit = std::max<size_t>(1, ChunkSlices::kSliceAlignBytes / esize) * topo.group_size;
-  size_t chunk_elems = std::max(unit, (chunk_bytes / esize) / unit * unit);
+  const size_t chunk_elems = chunking.ChunkElements(count, esize, topo.group_size);
   const size_t num_chunks = (count + chunk_elems - 1) / chunk_elems;
 
   auto chunk_at = [&](size_t c) {

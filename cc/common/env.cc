@@ -30,6 +30,16 @@ Status SizeInto(const char* name, const std::string& value, size_t* out) {
   return Status::Ok();
 }
 
+// The settings table's range "bytes (> 0)".
+Status PositiveSizeInto(const char* name, const std::string& value, size_t* out) {
+  size_t bytes = 0;
+  Status s = SizeInto(name, value, &bytes);
+  if (!s.ok()) return s;
+  if (bytes == 0) return Malformed(name, value, "a positive byte count");
+  *out = bytes;
+  return Status::Ok();
+}
+
 Status IntInto(const char* name, const std::string& value, int* out) {
   StatusOr<int64_t> r = ParseInt64Knob(name, value, 0);
   if (!r.ok()) return r.status();
@@ -102,15 +112,21 @@ std::vector<Setting> MakeSettings() {
        +[](const K& k) { return std::string(kAlgorithms[static_cast<int>(k.algorithm)]); }},
       {"NVGROUP_PIPELINE_CHUNK", S::kAgreed, "bytes (> 0)", "4194304 (4 MiB)", "engine", "",
        "Chunk of the pipelined hierarchical allreduce.",
-       +[](const char* n, const std::string& v, K* k) -> Status {
-         size_t chunk = 0;
-         Status s = SizeInto(n, v, &chunk);
-         if (!s.ok()) return s;
-         if (chunk == 0) return Malformed(n, v, "a positive byte count");
-         k->pipeline_chunk = chunk;
-         return Status::Ok();
-       },
+       +[](const char* n, const std::string& v, K* k) { return PositiveSizeInto(n, v, &k->pipeline_chunk); },
        +[](const K& k) { return std::to_string(k.pipeline_chunk); }},
+      {"NVGROUP_PIPELINE_MIN_CHUNK", S::kAgreed, "bytes (> 0)", "262144 (256 KiB)", "engine", "",
+       "Smallest chunk of the pipelined hierarchical allreduce: a message is cut into 4 chunks, but none "
+       "smaller than this nor larger than NVGROUP_PIPELINE_CHUNK, so the copies and the MPI exchange of "
+       "consecutive chunks overlap (a value above NVGROUP_PIPELINE_CHUNK means NVGROUP_PIPELINE_CHUNK).",
+       +[](const char* n, const std::string& v, K* k) { return PositiveSizeInto(n, v, &k->pipeline_min_chunk); },
+       +[](const K& k) { return std::to_string(k.pipeline_min_chunk); }},
+      {"NVGROUP_CROSS_ALLGATHER_MAX_BYTES", S::kAgreed, "bytes", "16384 (16 KiB)", "engine", "",
+       "Cross-group step between NV-groups: a slice whose allgather sends at most this many bytes to each "
+       "peer ((groups - 1) x the slice) is exchanged in one allgather and folded locally; larger ones by "
+       "reduce-scatter + allgather. 0 always takes reduce-scatter + allgather. Results are the same bits "
+       "either way.",
+       +[](const char* n, const std::string& v, K* k) { return SizeInto(n, v, &k->cross_allgather_max_bytes); },
+       +[](const K& k) { return std::to_string(k.cross_allgather_max_bytes); }},
       {"NVGROUP_ONESHOT_MAX_BYTES", S::kAgreed, "bytes", "0 (the measured default)", "engine (CUDA)", "",
        "CUDA: allreduces up to this size use the one-shot kernel, larger ones the two-shot kernel; 0 keeps "
        "the measured default (docs/PERFORMANCE.md).",

@@ -29,8 +29,21 @@ struct Knobs {
   double cycle_time_ms = 1.0;
   // NV-group size override (0 = detect). Must divide the ranks per node.
   int group_size = 0;
-  // Chunk of the pipelined hierarchical allreduce, bytes.
+  // Chunk of the pipelined hierarchical allreduce, bytes: the largest, and the
+  // smallest one a message is cut into so it has several chunks to overlap
+  // (Note [Chunk size] in cc/algorithms/hierarchical_allreduce.h).
   size_t pipeline_chunk = 4u << 20;
+  size_t pipeline_min_chunk = 256u << 10;
+  // Cross-group slices whose allgather sends at most this many bytes per peer
+  // take the one-round allgather + fold instead of reduce-scatter + allgather
+  // (cc/algorithms/cross_exchange.h); 0 = never. Default 16 KiB, from the
+  // 2-core VM (scripts/cross_exchange_cost.sh, host buffers, 2 ranks, load
+  // 5-8): the one round saved 2-3 us at 16 KiB, lost 1-2 us at 4 KiB, was
+  // even at 64 KiB and lost from 256 KiB (folding the whole slice instead of
+  // one part); at 3-4 ranks (oversubscribed) it was 1-5 us behind up to
+  // 16 KiB. A weak choice: cross_step_bench's allgather and rsag columns
+  // measure it on a GPU host.
+  size_t cross_allgather_max_bytes = 16u << 10;
   // "auto" (hierarchical when it applies), "mpi" (flat MPI reference path),
   // "hierarchical" (force the NV-group skeleton even with one group).
   AllreduceAlgorithm algorithm = AllreduceAlgorithm::kAuto;

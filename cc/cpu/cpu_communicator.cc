@@ -89,7 +89,8 @@ class CpuCommunicator final : public Communicator {
   Topology topo_;
   TopologyComms comms_;
   AllreduceAlgorithm algorithm_ = AllreduceAlgorithm::kAuto;
-  size_t chunk_bytes_ = 0;
+  size_t chunk_bytes_ = 0;     // the flat path's pieces, the reduce-scatter's chunks
+  PipelineChunking chunking_;  // the hierarchical allreduce's chunks
   std::atomic<bool> aborted_{false};  // before shm_, which holds a pointer to it
   std::unique_ptr<ShmGroup> shm_;
   std::string first_failure_;        // non-empty once a collective failed mid-way
@@ -115,6 +116,8 @@ Status CpuCommunicator::Init(MPI_Comm comm, const Knobs& knobs, const Communicat
   NVG_RETURN_IF_ERROR(SplitGroups(comm_, knobs.group_size, "NVGROUP_GROUP_SIZE", &topo_, &comms_));
   algorithm_ = knobs.algorithm;
   chunk_bytes_ = knobs.pipeline_chunk;
+  chunking_.max_bytes = knobs.pipeline_chunk;
+  chunking_.min_bytes = knobs.pipeline_min_chunk;
   const size_t registered_bytes = RegisteredBytes(options, knobs);
   // One float64 element at least, so every dtype can move through it in pieces.
   if (registered_bytes < sizeof(double))
@@ -128,7 +131,9 @@ Status CpuCommunicator::Init(MPI_Comm comm, const Knobs& knobs, const Communicat
   shm_ = shm.consume();
   if (topo_.group_count > 1) {
     NVG_RETURN_IF_ERROR_CTX(RowOwners::Gather(comm_, topo_, &row_owners_), "placing the ranks in their groups");
-    StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(comms_.cross);
+    CrossExchange::Options cross_options;
+    cross_options.allgather_max_bytes = knobs.cross_allgather_max_bytes;
+    StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(comms_.cross, cross_options);
     if (!cross.ok()) return cross.status().WithContext("setting up the cross-group exchange");
     cross_ = cross.consume();
   }
@@ -208,7 +213,7 @@ Status CpuCommunicator::RunPieces(const void* in, void* out, size_t count, DataT
     NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: inputs in place"));
     HostPrimitives prims(topo_, shm_.get(), cross_.get(), dtype, op, cross_scratch_);
     NVG_RETURN_IF_ERROR(RunHierarchicalAllreduce(prims, n, static_cast<char*>(out) + offset * esize,
-                                                 chunk_bytes_, force));
+                                                 chunking_, force));
     NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: reads done"));
   }
   return Status::Ok();

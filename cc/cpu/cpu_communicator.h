@@ -22,8 +22,9 @@
 // algorithm: OrderedAllreduce, then this rank's rows.
 // Allgatherv and Broadcast are plain MPI (after a cross-rank argument check).
 // Settings, from the Knobs it is created with (cc/common/env.h; nothing else
-// is read): group_size, algorithm, pipeline_chunk (chunk of the skeleton and
-// piece of the flat path), peer_timeout_s (the shared-memory waits) and
+// is read): group_size, algorithm, pipeline_chunk and pipeline_min_chunk
+// (chunks of the skeleton; pipeline_chunk is also the piece of the flat path),
+// cross_allgather_max_bytes (the cross step's variant), peer_timeout_s (the shared-memory waits) and
 // fusion_threshold (the default registered size; CommunicatorOptions::
 // registered_bytes sets it instead).
 // Threads: one thread at a time calls the collectives (the engine's background

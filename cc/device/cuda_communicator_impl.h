@@ -124,7 +124,7 @@ class CudaCommunicator final : public Communicator {
   int dead_member_ = -1;            // a member found gone (sticky)
   cudaStream_t work_ = nullptr;     // Note [Internal stream]
   cudaEvent_t enter_ = nullptr, leave_ = nullptr, sync_ = nullptr;
-  size_t chunk_bytes_ = 0;
+  PipelineChunking chunking_;  // the hierarchical allreduce's chunks (Note [Chunk size])
   bool force_hierarchy_ = false;
   int row_scatter_block_cap_ = 1;  // grid cap of the row reduce-scatter kernel (Init)
   std::atomic<bool> aborted_{false};

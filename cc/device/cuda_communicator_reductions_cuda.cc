@@ -125,7 +125,7 @@ Status CudaCommunicator::AllreducePiece(const void* in, void* out, size_t count,
     in_registered = true;
   }
   DevicePrimitives prims(&group_, in, in_registered, offset, dtype, op, work_);
-  NVG_RETURN_IF_ERROR(RunHierarchicalAllreduce(prims, count, out, chunk_bytes_, force_hierarchy_));
+  NVG_RETURN_IF_ERROR(RunHierarchicalAllreduce(prims, count, out, chunking_, force_hierarchy_));
   return Status::Ok();
 }
 

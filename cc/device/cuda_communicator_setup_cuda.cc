@@ -142,7 +142,8 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Knobs& k,
   int cuda_aware = MpiIsCudaAware() ? 1 : 0, all_cuda_aware = 0;
   NVG_MPI_CHECK(MPI_Allreduce(&cuda_aware, &all_cuda_aware, 1, MPI_INT, MPI_MIN, comm_));
   group_.cuda_aware_mpi = all_cuda_aware == 1;
-  chunk_bytes_ = k.pipeline_chunk;
+  chunking_.max_bytes = k.pipeline_chunk;
+  chunking_.min_bytes = k.pipeline_min_chunk;
   force_hierarchy_ = k.algorithm == AllreduceAlgorithm::kHierarchical;
 
   const size_t registered = RegisteredBytes(options, k);
@@ -171,10 +172,18 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Knobs& k,
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
 
   if (topo.group_count > 1) {
+    CrossExchange::Options cross_options;
+    cross_options.allgather_max_bytes = k.cross_allgather_max_bytes;
+    StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(group_.comms.cross, cross_options);
+    if (!cross.ok()) return cross.status().WithContext("setting up the cross-group exchange");
+    group_.cross = cross.consume();
     // A slice is at most ceil(chunk / G) rounded up to 16 bytes; the receive
-    // buffer holds group_count parts of it, each rounded up to 16 bytes.
-    group_.slice_capacity = (chunk_bytes_ / topo.group_size + 16 + 255) / 256 * 256;
-    const size_t recv = group_.slice_capacity + 16 * static_cast<size_t>(topo.group_count);
+    // buffer holds what either variant of the exchange receives for it
+    // (CrossExchange::MaxRecvBytes: group_count parts, or group_count slices
+    // when it is small enough for the allgather).
+    group_.slice_capacity = (chunking_.max_bytes / topo.group_size + 16 + 255) / 256 * 256;
+    const size_t recv = group_.cross->MaxRecvBytes(group_.slice_capacity);
+    group_.recv_capacity = recv;
     for (int k2 = 0; k2 < 2; ++k2) {
       if (group_.cuda_aware_mpi) {
         NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&group_.device_recv[k2]), recv));
@@ -186,9 +195,6 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Knobs& k,
       NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&group_.row_send[k2]), group_.slice_capacity));
     }
     NVG_RETURN_IF_ERROR_CTX(RowOwners::Gather(comm_, topo, &group_.row_owners), "placing the ranks in their groups");
-    StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(group_.comms.cross);
-    if (!cross.ok()) return cross.status().WithContext("setting up the cross-group exchange");
-    group_.cross = cross.consume();
   }
   return Status::Ok();
 }

@@ -12,25 +12,42 @@
 //   GroupAllgather      two-shot kernel, allgather phase, chunk -> out.
 //
 // Cross step, host-staged (MPI not CUDA-aware), chunk c with k = c % 2:
-//   CrossStart: d2h_stream waits for reduce_scattered[k] (the RS kernel of c),
-//     copies the slice into pinned send[k], records staged[k]; queues the job.
-//   progress thread: once staged[k] and returned[k] (the previous H2D out of
-//     result[k], chunk c-2) completed: MPI_Ialltoallv send[k] -> recv[k], host
-//     fold (ReduceFold, the same contract as the CPU path) into result[k],
-//     MPI_Iallgatherv in place on result[k]; then enqueues the H2D result[k] ->
-//     slice on h2d_stream and records returned[k].
+//   CrossStart: cross_stream (the D2H stream) waits for reduce_scattered[k]
+//     (the RS kernel of c), copies the slice into pinned host_send[k],
+//     records staged[k]; queues the job.
+//   the exchange (Note [Cross exchange protocol] in
+//     cc/algorithms/cross_exchange.h; progressed by the caller inside
+//     CrossFinish, else by the progress thread): once staged[k] completed
+//     (`ready`): the first round host_send[k] -> host_recv[k] (reduce-scatter
+//     parts, or whole slices for a small slice); once returned[k] (the H2D of
+//     chunk c-2 out of host_result[k]) completed too (`writable`): the host
+//     fold (ReduceFold, the same contract as the CPU path) into
+//     host_result[k], then (reduce-scatter + allgather) the allgather round in
+//     place on it; then (`done`) enqueues the H2D host_result[k] -> slice on
+//     h2d_stream and records returned[k].
 //   CrossFinish: waits for the job, then the caller's stream waits for
 //     returned[k], so the AG kernel of c (whose start barrier is what lets the
 //     peers read our slice) runs after the copy landed.
-// So D2H(c+1), MPI(c) and H2D(c-1) are in flight together on two copy streams
-// and the progress thread, while the caller's thread only issues work. The
+// Each event is recorded by one thread and polled or waited by the others
+// only after that record: staged[k] is recorded in CrossStart before the job
+// is queued (the queue's mutex orders the record before the first query), returned[k] in `done` before the job finishes (Wait's acquire
+// of finished_below_ orders it before CrossFinish's cudaStreamWaitEvent, and
+// chunk c+2's `writable` polls it only after CrossStart(c+2), which follows
+// CrossFinish(c)). The host buffers of parity k: host_send[k] is written by the
+// D2H of c+2 only after job c finished (CrossStart(c+2) follows CrossFinish(c));
+// host_recv[k] and host_result[k] are written by MPI and the fold of one job
+// at a time for the same reason.
+// With chunks of a quarter of the message (Note [Chunk size] in
+// hierarchical_allreduce.h), D2H(c+1), MPI(c) and H2D(c-1) are in flight
+// together on the two copy streams and in MPI, while the caller's
+// thread only issues work. The
 // device side of that job (staging, readiness, fold, copy back) is written
 // once for both primitives types (StageCrossJob in device_primitives_cuda.cc);
 // the jobs in flight are kept by CrossJobs (cc/algorithms/cross_exchange.h).
 // CUDA-aware MPI (MPIX_Query_cuda_support): the same job on device memory:
 // send = result = the slice, recv = device_recv[k]; ready = reduce_scattered[k]
 // completed; the fold is the device fold kernel on fold_stream, synchronized
-// before the allgatherv; nothing to copy back.
+// before the allgather round; nothing to copy back.
 // The kernels run on the communicator's own stream (Note [Internal stream] in
 // cuda_communicator_setup_cuda.cc).
 #pragma once
@@ -85,12 +102,14 @@ struct DeviceGroup {
   bool call_started = false;
 
   // Cross step (group_count > 1), see the header comment. Buffers by chunk
-  // parity k; slice_capacity bytes each (recv: plus group_count * 16).
+  // parity k; slice_capacity bytes each (recv: recv_capacity, what either
+  // variant of the exchange receives, CrossExchange::MaxRecvBytes).
   std::unique_ptr<CrossExchange> cross;
   cudaStream_t cross_stream = nullptr;  // D2H of the slices
   cudaStream_t h2d_stream = nullptr;    // H2D of the reduced slices
   cudaStream_t fold_stream = nullptr;   // CUDA-aware: the device fold
   size_t slice_capacity = 0;
+  size_t recv_capacity = 0;
   char* host_send[2] = {nullptr, nullptr};    // pinned
   char* host_recv[2] = {nullptr, nullptr};    // pinned
   char* host_result[2] = {nullptr, nullptr};  // pinned
@@ -159,11 +178,11 @@ class DevicePrimitives {
 //     row_send[k]); after, it records reduce_scattered[k].
 //   CrossStart, host-staged (MPI not CUDA-aware): cross_stream waits for
 //     reduce_scattered[k], copies row_send[k] into pinned host_send[k],
-//     records staged[k]; the CrossExchange reduce-scatter job (ready: staged[k]
-//     and returned[k], the copy of chunk c - 2 out of host_result[k]) folds the
-//     P copies of our part on the host (ReduceFold, divisor size for Average)
-//     into host_result[k], then copies it into `out` on h2d_stream and records
-//     returned[k]. CUDA-aware: the job sends row_send[k] itself (ready:
+//     records staged[k]; the CrossExchange reduce-scatter job (ready:
+//     staged[k]; writable: returned[k], the copy of chunk c - 2 out of
+//     host_result[k]) folds the P copies of our part on the host (ReduceFold,
+//     divisor size for Average) into host_result[k], then copies it into
+//     `out` on h2d_stream and records returned[k]. CUDA-aware: the job sends row_send[k] itself (ready:
 //     reduce_scattered[k]), receives into device_recv[k] and the device fold
 //     writes `out` on fold_stream, synchronized before the job finishes.
 //   CrossFinish: waits for the job.

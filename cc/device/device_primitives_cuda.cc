@@ -113,15 +113,15 @@ Status EventDone(cudaEvent_t e, bool* done) {
 //    recv = device_recv[k], result = device_result; ready once
 //    reduce_scattered[k] (the kernel that wrote device_send) completed; the
 //    fold is the device fold kernel on fold_stream, synchronized before the
-//    job goes on (allreduce: the allgatherv reads the fold's result;
+//    job goes on (allreduce: the allgather round sends the fold's result;
 //    reduce-scatter: `out` is final when the job finished).
 //  * Host-staged: cross_stream waits for reduce_scattered[k], copies
 //    device_send into pinned host_send[k] and records staged[k]; the job
 //    runs on host_send[k] / host_recv[k] / host_result[k], ready once
-//    staged[k] and returned[k] (the copy of chunk c - 2 out of
-//    host_result[k]) completed, with the host fold (ReduceFold, the CPU
-//    path's contract); when it is done, h2d_stream copies host_result[k]
-//    into device_result and records returned[k].
+//    staged[k] completed and writable once returned[k] (the copy of chunk
+//    c - 2 out of host_result[k]) completed, with the host fold (ReduceFold,
+//    the CPU path's contract); when it is done, h2d_stream copies
+//    host_result[k] into device_result and records returned[k].
 template <class CrossJob>
 Status StageCrossJob(DeviceGroup* g, int k, const char* device_send, size_t send_bytes, char* device_result,
                      size_t result_bytes, DataType dtype, ReduceOp op, int divisor, CrossJob* job) {
@@ -153,13 +153,13 @@ Status StageCrossJob(DeviceGroup* g, int k, const char* device_send, size_t send
   job->recv = g->host_recv[k];
   job->result = g->host_result[k];
   cudaEvent_t staged = g->staged[k], returned = g->returned[k];
-  job->ready = [device, staged, returned](bool* ready) {
+  job->ready = [device, staged](bool* ready) {
     NVG_CUDA_CHECK(cudaSetDevice(device));
-    // orders: host_send[k] holds what the job sends, and host_result[k]
-    // (which this job writes) was copied out for chunk index-2
-    NVG_RETURN_IF_ERROR(EventDone(staged, ready));
-    if (*ready) NVG_RETURN_IF_ERROR(EventDone(returned, ready));
-    return Status::Ok();
+    return EventDone(staged, ready);  // orders: host_send[k] holds what the job sends
+  };
+  job->writable = [device, returned](bool* writable) {
+    NVG_CUDA_CHECK(cudaSetDevice(device));
+    return EventDone(returned, writable);  // orders: host_result[k] was copied out for chunk index-2
   };
   job->fold = ContiguousHostFold(dtype, op, divisor);
   char* host_result = g->host_result[k];
@@ -189,10 +189,12 @@ Status DevicePrimitives::CrossStart(const ChunkSlices& chunk) {
                : Status::Ok();
 
   const size_t bytes = n * esize_;
-  if (bytes > group_->slice_capacity || group_->cross == nullptr)
+  if (group_->cross == nullptr || bytes > group_->slice_capacity ||
+      group_->cross->RecvBytes(n, esize_) > group_->recv_capacity)
     return Status::Internal("cross-group slice of " + std::to_string(bytes) +
-                            " bytes exceeds the exchange buffer of " +
-                            std::to_string(group_->slice_capacity));
+                            " bytes exceeds the exchange buffers of " +
+                            std::to_string(group_->slice_capacity) + " / " +
+                            std::to_string(group_->recv_capacity) + " bytes");
   NVG_RETURN_IF_ERROR(jobs_.CheckFree(chunk.index));
   CrossExchange::Job job;
   job.count = n;

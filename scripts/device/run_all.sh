@@ -20,7 +20,8 @@
 #   peerexit  a rank exits with its memory mapped by the others: kUnavailable
 #           naming it on every survivor
 #   engine1 the engine's full path on 1 rank (per tensor, grouped, grouped in place)
-#   cross   the cross-group step (cross_step_bench) on 2-4 ranks as groups of 1
+#   cross   the cross-group step (cross_step_bench) on 2-4 ranks as groups of 1,
+#           64 KiB..256 MiB; COMMIT=rev names the code in the JSON (default: git HEAD)
 #   groups  (one GPU) quick check as groups of 3, 4 and 8 ranks on the one GPU
 #   newcoll the collectives added for Horovod parity through the pybind module
 #           (scripts/device/new_collectives_check.py: reducescatter, grouped
@@ -177,11 +178,12 @@ for stage in "$@"; do
       run timeout 120 env NVGROUP_ONE_GPU_GROUP=0 mpirun -np 1 --bind-to none build/tools/engine_perf benchmarks/resnet50_gradients.txt 50 grouped
       run timeout 120 env NVGROUP_ONE_GPU_GROUP=0 mpirun -np 1 --bind-to none build/tools/engine_perf benchmarks/resnet50_gradients.txt 50 grouped inplace ;;
     cross)
-      step "cross-group step: 2, 3, 4 ranks on the GPU as groups of 1 (host-staged) vs D2H + MPI_Allreduce + H2D"
+      step "cross-group step: 2, 3, 4 ranks on the GPU as groups of 1 (host-staged), 64 KiB..256 MiB, vs D2H + MPI_Allreduce + H2D"
+      COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
       for np in 2 3 4; do
-        run timeout 150 env NVGROUP_ONE_GPU_GROUP=0 NVGROUP_GROUP_SIZE=1 mpirun -np $np --bind-to none \
-          -x NVGROUP_ONE_GPU_GROUP -x NVGROUP_GROUP_SIZE build/tools/cross_step_bench --max_bytes 67108864 \
-          --json "$OUT/cross_step_np$np.json"
+        run timeout 300 env NVGROUP_ONE_GPU_GROUP=0 NVGROUP_GROUP_SIZE=1 mpirun -np $np --bind-to none \
+          -x NVGROUP_ONE_GPU_GROUP -x NVGROUP_GROUP_SIZE build/tools/cross_step_bench --max_bytes 268435456 \
+          --commit "$COMMIT" --json "$OUT/cross_step_np$np.json"
       done ;;
     pytest)
       step "pybind module with CUDA + tests/gpu"

@@ -86,14 +86,27 @@ def test_hierarchical_equals_flat_on_dyadic_data():
 @pytest.mark.parametrize("threads", ["multiple", "serialized"])
 def test_cross_step_groups_of_one_and_two_match_flat_and_send_rs_ag_bytes(threads):
     """4 ranks as 4 groups of 1 and as 2 groups of 2: the cross-group step
-    (reduce-scatter + allgather among peers) gives the flat result bit for bit on
-    dyadic data, float64-close on random data, and posts exactly the
-    reduce-scatter + allgather byte count (workers/comm_cross_step.py); with
-    MPI_THREAD_MULTIPLE (progress thread) and without (progress in Wait)."""
+    (reduce-scatter + allgather among peers, allgather + fold for small slices)
+    gives the flat result bit for bit on dyadic data, float64-close on random
+    data, and posts exactly the byte count of each chunk's variant
+    (workers/comm_cross_step.py); with MPI_THREAD_MULTIPLE (progress thread)
+    and without (progress in Start and Wait)."""
     res = run("comm_cross_step.py", 4, args=["--serialized"] if threads == "serialized" else [],
               timeout=400)
     assert "g1: " in res.output and "g2: " in res.output, res.output
     assert "MPI thread level: %s" % threads in res.output, res.output
+
+
+@pytest.mark.parametrize("np_,args", [(2, []), (3, []), (4, []), (4, ["--group-size", "2"]), (3, ["--serialized"])])
+def test_cross_step_variants_and_chunks_match_the_ordered_fold_bitwise(np_, args):
+    """Reduce-scatter + allgather, allgather + fold, both in one message, and
+    quarter-message chunks against whole chunks (workers/comm_cross_variants.py):
+    every rank's result bitwise the fold in the documented order and within the
+    float64 (exact) reference, counts 0..100003 not divisible by the peers, and
+    the bytes of each chunk's variant posted (3 and 4 peers tell the variants
+    apart by their bytes)."""
+    res = run("comm_cross_variants.py", np_, args=args, timeout=300)
+    assert "cross variants checked on %d ranks" % np_ in res.output, res.output
 
 
 @pytest.mark.parametrize("np_", [2, 3, 4])

@@ -85,7 +85,8 @@ def test_one_rank_runs_without_agreement_allreduce_and_buffer():
 @pytest.mark.parametrize("np", [2, 3])
 def test_every_algorithm_knob_must_agree_across_ranks(np):
     """One rank with a different NVGROUP_ONESHOT_MAX_BYTES, _PIPELINE_CHUNK,
-    _ALLREDUCE_ALGORITHM, _FUSION_THRESHOLD, _CACHE_CAPACITY or _BUCKET_CAP_MB
+    _PIPELINE_MIN_CHUNK, _CROSS_ALLGATHER_MAX_BYTES, _ALLREDUCE_ALGORITHM,
+    _FUSION_THRESHOLD, _CACHE_CAPACITY or _BUCKET_CAP_MB
     (in turn, one launch): init fails on every rank naming the knob and the values."""
     assert_all_ranks_ok(run_mpi(worker("engine_bad_env.py"), np, args=["knobs"], timeout=90), np)
 

@@ -227,6 +227,8 @@ def test_agreed_knobs_are_the_agreed_rows_normalized(monkeypatch):
      "32 lowercase hexadecimal digits (the job identity nvgrouprun sets)"),
     ("NVGROUP_ELASTIC_LAUNCH", "-1", "an integer >= 0"),
     ("NVGROUP_ELASTIC_LAUNCH", "one", "an integer"),
+    ("NVGROUP_PIPELINE_MIN_CHUNK", "0", "a positive byte count"),
+    ("NVGROUP_CROSS_ALLGATHER_MAX_BYTES", "16k", "an integer"),
 ])
 def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):
     monkeypatch.setenv(name, raw)
@@ -252,6 +254,8 @@ def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):
     ("NVGROUP_ELASTIC_DIR", "/tmp/nvgroup_elastic_x", "/tmp/nvgroup_elastic_x"),
     ("NVGROUP_ELASTIC_NOTIFY", "/tmp/x/hosts_updated", "/tmp/x/hosts_updated"),
     ("NVGROUP_ELASTIC_LAUNCH", None, ""), ("NVGROUP_ELASTIC_LAUNCH", "02", "2"),
+    ("NVGROUP_PIPELINE_MIN_CHUNK", None, "262144"), ("NVGROUP_PIPELINE_MIN_CHUNK", "0001024", "1024"),
+    ("NVGROUP_CROSS_ALLGATHER_MAX_BYTES", None, "16384"), ("NVGROUP_CROSS_ALLGATHER_MAX_BYTES", "0", "0"),
 ])
 def test_values_parse_into_their_fields(monkeypatch, name, raw, value):
     if raw is None:
