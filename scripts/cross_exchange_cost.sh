@@ -3,7 +3,7 @@
 # exchange of this tree, call by call alternated with a baseline commit's
 # (its cc/algorithms/cross_exchange.{h,cc}, CrossExchange renamed
 # BaseCrossExchange) and with MPI_Allreduce, on host buffers.
-# Usage: scripts/cross_exchange_cost.sh [BASE_REV (default: merge-base with main)] [extra flags]
+# Usage: scripts/cross_exchange_cost.sh [BASE_REV (default: merge-base with main)] [flags passed to the tool]
 #   NP=2 (ranks), OUT=dir (JSON: $OUT/cross_exchange_cost_np$NP.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -53,13 +53,13 @@ PID_SAMPLE_S = 0.3   # how often the workers' pids are collected (each lives for
 STOP_S = 30          # a stopped driver's grace (its own is 10 s per launch, elastic_driver.py)
 
 
-def _env(tmp, extra=None):
+def _env(tmp, overrides=None):
     env = dict(os.environ)
     env.update(MPI_ENV)
     env["PYTHONPATH"] = EXAMPLES + os.pathsep + REPO
     env["KERAS_HOME"] = str(tmp / "keras")
     env["NVGROUP_ELASTIC_BASE"] = str(tmp / "commits")
-    env.update(extra or {})
+    env.update(overrides or {})
     return env
 
 
@@ -390,11 +390,11 @@ TINY = ("import os, sys\n"
         "sys.exit(int(os.environ.get('TINY_EXIT', '0')))\n")
 
 
-def _driver(tmp, args, extra_env=None, timeout=120):
+def _driver(tmp, args, env_overrides=None, timeout=120):
     prog = tmp / "tiny.py"
     prog.write_text(TINY)
     res = subprocess.run([sys.executable, LAUNCH] + args + [sys.executable, str(prog)],
-                         env=_env(tmp, extra_env), capture_output=True, text=True, timeout=timeout)
+                         env=_env(tmp, env_overrides), capture_output=True, text=True, timeout=timeout)
     return res.returncode, res.stdout + res.stderr
 
 
