@@ -15,7 +15,7 @@ if [ ! -x "$CLANG_FORMAT" ]; then
   exit 2
 fi
 
-# The files that conform. cc/algorithms/cross_exchange.h, cc/engine/controller.h,
+# The files that conform. cc/algorithms/cross_exchange.h, cc/engine/coordinator.h,
 # cc/engine/wire_format.h and cc/device/cuda_communicator.h conform too but are
 # left out while other branches rewrite them.
 CONFORMING=(
@@ -30,7 +30,7 @@ CONFORMING=(
   cc/device/ipc.h
   cc/engine/averaging.cc
   cc/engine/averaging.h
-  cc/engine/background_loop.h
+  cc/engine/engine.h
   cc/engine/completion.cc
   cc/engine/completion.h
   cc/engine/completion_events.cc

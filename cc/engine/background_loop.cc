@@ -4,7 +4,7 @@
 // through rank 0 when some rank needs it, and executes; also the engine's
 // start, stop and abort. The plan cache is in plan_cache.cc, execution in
 // executor.cc, completion in completion.cc.
-#include "engine/background_loop.h"
+#include "engine/engine.h"
 
 #include <algorithm>
 #include <chrono>

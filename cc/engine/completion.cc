@@ -5,7 +5,7 @@
 
 #include "common/checks.h"
 #include "common/logging.h"
-#include "engine/background_loop.h"
+#include "engine/engine.h"
 #include "common/thread_setup.h"
 
 namespace nvgroup {

@@ -8,7 +8,7 @@
 #include <algorithm>
 
 #include "common/checks.h"
-#include "engine/background_loop.h"
+#include "engine/engine.h"
 
 namespace nvgroup {
 

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "common/env.h"
-#include "engine/background_loop.h"
+#include "engine/engine.h"
 #include "nvgroup/engine.h"
 
 namespace nvgroup {

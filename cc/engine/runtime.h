@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "common/env.h"
-#include "engine/background_loop.h"
+#include "engine/engine.h"
 #include "engine/process_set_registry.h"
 #include "nvgroup/engine.h"
 

@@ -4,7 +4,7 @@
 #include <chrono>
 #include <thread>
 
-#include "engine/controller.h"
+#include "engine/coordinator.h"
 
 namespace nvgroup {
 

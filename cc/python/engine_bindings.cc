@@ -30,7 +30,7 @@
 #include <cuda_runtime.h>
 #endif
 
-#include "engine/controller.h"
+#include "engine/coordinator.h"
 #include "engine/engine_control.h"
 #include "engine/fusion.h"
 #include "engine/init_watchdog.h"

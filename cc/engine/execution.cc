@@ -29,7 +29,7 @@
 #include "common/checks.h"
 #include "common/logging.h"
 #include "engine/averaging.h"
-#include "engine/background_loop.h"
+#include "engine/engine.h"
 
 namespace nvgroup {
 

@@ -1,4 +1,4 @@
-#include "engine/controller.h"
+#include "engine/coordinator.h"
 
 #include <algorithm>
 #include <functional>

@@ -56,7 +56,7 @@
 #include "common/env.h"
 #include "engine/completion.h"
 #include "engine/completion_events.h"
-#include "engine/controller.h"
+#include "engine/coordinator.h"
 #include "engine/counters.h"
 #include "engine/fusion.h"
 #include "engine/mpi_wait.h"
