@@ -18,7 +18,7 @@ momentum wrapped in hvd.DistributedOptimizer, compiled with jit_compile=True),
 warms up, then for ROUNDS rounds and for each delay D of --delays (in order)
 sets the engine's simulated link delay (op_library.set_bucket_delay_for_testing:
 every bucket's communicator stream is held D us after its data moved,
-cc/engine/executor.cc DelayBucket), runs one untimed step and STEPS timed
+cc/engine/execution.cc DelayBucket), runs one untimed step and STEPS timed
 `train_on_batch` steps (each returns the loss to the host: the step ended).
 A step's time is that span / STEPS; per D the median over rounds, the maximum
 over ranks. Per lowering the script reports the step time at each D and

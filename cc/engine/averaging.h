@@ -1,4 +1,4 @@
-// How an Average reduction runs (allreduce and reducescatter, executor.cc):
+// How an Average reduction runs (allreduce and reducescatter, execution.cc):
 // floats always, and integers when a scale factor is given (as Horovod's
 // ScaleBuffer does), run as Sum with the division by the ranks folded into the
 // postscale; integers without scale factors use the communicator's own

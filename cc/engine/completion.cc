@@ -1,11 +1,10 @@
-// Completion of requests (completion.h): the Finalizer's thread, and the
-// engine's Complete/CompleteAfterStream, through which every request's `done`
-// runs exactly once.
+// Completion of requests (completion.h): the Finalizer's thread, and
+// Completion's Complete/CompleteAfterStream, through which every request's
+// `done` runs exactly once.
 #include "engine/completion.h"
 
 #include "common/checks.h"
 #include "common/logging.h"
-#include "engine/engine.h"
 #include "common/thread_setup.h"
 
 namespace nvgroup {
@@ -42,7 +41,24 @@ void Finalizer::Run() {
   }
 }
 
-void Engine::CallDone(TensorEntry* e, const Status& status) {
+void Completion::StartCuda(int ordinal) {
+#ifdef NVGROUP_WITH_CUDA
+  completion_events_ = std::make_unique<CompletionEvents>(ordinal);
+#else
+  (void)ordinal;
+#endif
+  finalizer_ = std::make_unique<Finalizer>();
+  finalizer_thread_ = finalizer_->thread_id();
+}
+
+void Completion::Stop() {
+  finalizer_.reset();  // runs the remaining CUDA completions
+#ifdef NVGROUP_WITH_CUDA
+  completion_events_.reset();  // after the finalizer: no event is pending any more
+#endif
+}
+
+void Completion::CallDone(TensorEntry* e, const Status& status) {
   DoneCallback done = std::move(e->request.done);
   e->request.done = nullptr;  // a moved-from std::function is unspecified; this marks "completed"
   try {
@@ -52,17 +68,17 @@ void Engine::CallDone(TensorEntry* e, const Status& status) {
   }
 }
 
-void Engine::Complete(TensorEntry* e, const Status& status) {
-  queue_.Finish(e->request.name);
+void Completion::Complete(TensorEntry* e, const Status& status) {
+  queue_->Finish(e->request.name);
   CallDone(e, status);
 }
 
-void Engine::CompleteAfterStream(Communicator* comm, const std::vector<TensorEntry*>& done) {
+void Completion::CompleteAfterStream(Communicator* comm, const std::vector<TensorEntry*>& done) {
   if (comm->device().kind == DeviceKind::kCpu) {
     const double start = MonotonicSeconds();
-    queue_.Finish(done.data(), done.size());  // one lock for the bucket
+    queue_->Finish(done.data(), done.size());  // one lock for the bucket
     for (TensorEntry* e : done) CallDone(e, Status::Ok());
-    AddSeconds(counters_.complete_ns, MonotonicSeconds() - start);
+    EngineCounters::AddSeconds(counters_->complete_ns, MonotonicSeconds() - start);
     return;
   }
   // One event per bucket, recorded after its copy out: the finalizer waits for
@@ -99,7 +115,7 @@ void Engine::CompleteAfterStream(Communicator* comm, const std::vector<TensorEnt
     Callback c{std::move(q.name), std::move(q.done), false};
     q.done = nullptr;
     if (event != nullptr && q.completion_event_ready) {
-      queue_.Finish(c.name);
+      queue_->Finish(c.name);
       c.finished_early = any_early = true;
       try {
         q.completion_event_ready(event);
@@ -117,14 +133,14 @@ void Engine::CompleteAfterStream(Communicator* comm, const std::vector<TensorEnt
 #endif
     // An adapter may already have let its stream run on the event: a
     // device-side failure must then stop every later collective.
-    if (!s.ok() && any_early) Abort(s);
+    if (!s.ok() && any_early) abort_->Raise(s);
     // The names leave the in-flight set under one lock, before any `done`
     // runs (a callback may resubmit its name at once).
     std::vector<const std::string*> names;
     names.reserve(callbacks.size());
     for (const Callback& c : callbacks)
       if (!c.finished_early) names.push_back(&c.name);
-    queue_.Finish(names.data(), names.size());
+    queue_->Finish(names.data(), names.size());
     for (Callback& c : callbacks) {
       try {
         c.done(s);

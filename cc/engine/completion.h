@@ -1,16 +1,26 @@
-// Completion of requests: each request's `done` runs exactly once, with OK or
-// the error. Host collectives complete at once on the background thread; CUDA
+// Completion: each request's `done` runs exactly once, with OK or the error.
+// Host collectives complete at once on the background thread; CUDA
 // collectives complete on the Finalizer's thread after their stream work
-// (Engine::CompleteAfterStream in completion.cc, with one CompletionEvents
-// event per bucket, completion_events.h), so the background loop keeps
-// negotiating meanwhile.
+// (Completion::CompleteAfterStream, with one CompletionEvents event per
+// bucket, completion_events.h), so the background loop keeps negotiating
+// meanwhile. A name leaves the queue's in-flight set (TensorQueue::Finish)
+// just before its `done` runs, so a callback may resubmit it at once.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
+
+#include "engine/abort_signal.h"
+#include "engine/completion_events.h"
+#include "engine/counters.h"
+#include "engine/tensor_queue.h"
+#include "nvgroup/communicator.h"
 
 namespace nvgroup {
 
@@ -34,6 +44,45 @@ class Finalizer {
   std::deque<Job> jobs_;
   bool stop_ = false;
   std::thread thread_;  // last: starts after the members it uses exist
+};
+
+// The completions of one engine: at once for host collectives, through the
+// Finalizer (created with the CUDA communicator, StartCuda) for CUDA ones.
+class Completion {
+ public:
+  // `queue`: whose in-flight names completions release; `abort`: raised when
+  // a CUDA bucket whose event an adapter already waits on fails.
+  Completion(TensorQueue* queue, AbortSignal* abort, EngineCounters* counters)
+      : queue_(queue), abort_(abort), counters_(counters) {}
+  ~Completion() { Stop(); }
+  Completion(const Completion&) = delete;
+  Completion& operator=(const Completion&) = delete;
+
+  // With the CUDA communicator of device `ordinal`: the Finalizer and (CUDA
+  // builds) the completion events.
+  void StartCuda(int ordinal);
+  // Engine::Stop: runs the remaining CUDA completions, then frees the events
+  // (no event is pending any more). Idempotent.
+  void Stop();
+  // The Finalizer's thread (where CUDA `done` callbacks run), if started.
+  std::thread::id finalizer_thread() const { return finalizer_thread_.load(); }
+
+  void Complete(TensorEntry* e, const Status& status);
+  // CPU: completes at once (one Finish for all, then the callbacks in one
+  // loop). CUDA: after the bucket's completion event (completion_event_ready
+  // hears of it first, nvgroup/engine.h).
+  void CompleteAfterStream(Communicator* comm, const std::vector<TensorEntry*>& done);
+
+ private:
+  // Runs the entry's done callback once (it must have one), catching throws.
+  static void CallDone(TensorEntry* e, const Status& status);
+
+  TensorQueue* const queue_;
+  AbortSignal* const abort_;
+  EngineCounters* const counters_;
+  std::unique_ptr<Finalizer> finalizer_;                 // with the CUDA communicator
+  std::unique_ptr<CompletionEvents> completion_events_;  // with the CUDA communicator (CUDA builds)
+  std::atomic<std::thread::id> finalizer_thread_{};
 };
 
 }  // namespace nvgroup

@@ -11,7 +11,7 @@
 // the response cache instead are dropped with Forget.
 // Join: a rank's join request marks it *joined*; from then on a name is
 // complete once every rank has reported it or joined (the joined ranks
-// contribute zeros, see Engine::MakeJoinStandIn), and only allreduce and
+// contribute zeros, see Negotiation::MakeJoinStandIn), and only allreduce and
 // reducescatter of host tensors may complete that way (anything else becomes an
 // error naming the joined ranks). The join itself completes once every rank
 // joined; its response carries the last rank to join (root_rank). A rank's

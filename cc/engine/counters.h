@@ -1,11 +1,13 @@
 // The engine's counters behind GetEngineStats (nvgroup/engine.h): written by
 // the background thread, read by any thread. Relaxed atomics: they order
-// nothing, so reading them never slows the loop down.
+// nothing, so reading them never slows the loop down. The loop's phase times
+// go through one scoped timer (PhaseTimer).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 
+#include "engine/mpi_wait.h"
 #include "nvgroup/engine.h"
 
 namespace nvgroup {
@@ -27,6 +29,31 @@ struct EngineCounters {
   // A snapshot; `groups_not_batched` and `lone_requests_not_batched` come
   // from the TensorQueue.
   EngineStats Snapshot(uint64_t groups_not_batched, uint64_t lone_requests_not_batched) const;
+};
+
+// Adds the seconds from `start` to Stop() (or to its end, if not stopped) to
+// one phase counter of EngineCounters. Phases nest as EngineStats describes
+// them (admit_s and lookup_s inside agree_s, ...): a timer stopped at t hands
+// t to the next phase's timer as its start.
+class PhaseTimer {
+ public:
+  explicit PhaseTimer(std::atomic<uint64_t>* into, double start = MonotonicSeconds()) : into_(into), start_(start) {}
+  ~PhaseTimer() {
+    if (into_ != nullptr) Stop();
+  }
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+  // Adds the time since the start (once); returns the time it stopped at.
+  double Stop() {
+    const double now = MonotonicSeconds();
+    EngineCounters::AddSeconds(*into_, now - start_);
+    into_ = nullptr;
+    return now;
+  }
+
+ private:
+  std::atomic<uint64_t>* into_;
+  const double start_;
 };
 
 }  // namespace nvgroup

@@ -3,7 +3,7 @@
 // the process sets. Init is in init.cc, request validation in
 // request_validation.cc, the process sets in process_set_registry.cc, and the
 // running engine (the pipeline and its design constraints) in
-// background_loop.h.
+// engine.h.
 #include "nvgroup/engine.h"
 
 #include <algorithm>

@@ -1,8 +1,8 @@
-// The executor: runs the cycle's agreed responses through a Communicator, one
-// function per collective type (Engine::Run* below), after negotiation agreed
-// on every parameter (controller.cc). Also the communicators' creation
-// (GetCommunicator), how a failed bucket fails its requests, and join's
-// stand-ins.
+// Execution (execution.h): runs the cycle's agreed responses through a
+// Communicator, one function per collective type (Execution::Run* below),
+// after negotiation agreed on every parameter (coordinator.cc). Also the
+// communicators' creation (GetCommunicator) and how a failed bucket fails its
+// requests.
 //
 // How each type runs:
 //  * allreduce: fusion buckets (fusion.h) through Communicator::FusedAllreduce
@@ -17,11 +17,12 @@
 //  * alltoall: the negotiated size x size splits matrix gives this rank's send
 //    and receive byte counts; Communicator::Alltoallv moves the rows;
 //  * join: writes the last rank to join (the coordinator's answer) and clears
-//    this rank's joined state. While joined, the rank stands in for the
+//    this rank's joined state (the loop ends it, Negotiation::EndJoin, as it
+//    hands the join's bucket here). While joined, the rank stands in for the
 //    allreduces/reducescatters of the others with a zero input
-//    (MakeJoinStandIn), both for negotiated and cached responses.
-// Every function completes its requests through completion.cc (at once on the
-// host, after the stream on CUDA).
+//    (Negotiation::MakeJoinStandIn), both for negotiated and cached responses.
+// Every function completes its requests through Completion (completion.h: at
+// once on the host, after the stream on CUDA).
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -29,7 +30,7 @@
 #include "common/checks.h"
 #include "common/logging.h"
 #include "engine/averaging.h"
-#include "engine/engine.h"
+#include "engine/execution.h"
 
 namespace nvgroup {
 
@@ -41,11 +42,6 @@ namespace {
 
 std::vector<int64_t> Tail(const std::vector<int64_t>& shape) {
   return std::vector<int64_t>(shape.begin() + (shape.empty() ? 0 : 1), shape.end());
-}
-
-bool StandInPossible(const ResponseMessage& r) {
-  return r.ok() && r.device_kind == DeviceKind::kCpu &&
-         (r.type == CollectiveType::kAllreduce || r.type == CollectiveType::kReducescatter);
 }
 
 std::atomic<double> bucket_delay_us{0.0};
@@ -64,7 +60,35 @@ void SetBucketDelayForTesting(double microseconds) {
 }
 double BucketDelayForTesting() { return bucket_delay_us.load(std::memory_order_relaxed); }
 
-StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
+Execution::Execution(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
+                     std::unique_ptr<Communicator> cuda, TensorQueue* queue, AbortSignal* abort,
+                     EngineCounters* counters, Timeline* timeline)
+    : knobs_(knobs),
+      comm_(comm),
+      rank_(rank),
+      size_(size),
+      abort_(abort),
+      counters_(counters),
+      timeline_(timeline),
+      completion_(queue, abort, counters),
+      cpu_comm_(std::move(cpu)) {
+  abort_->WatchCpu(cpu_comm_.get());
+  if (cuda != nullptr) {  // created by Init (EngineOptions::cuda_at_init)
+    cuda_comm_ = std::move(cuda);
+    abort_->WatchCuda(cuda_comm_.get());
+    cuda_ordinal_ = cuda_comm_->device().ordinal;
+    completion_.StartCuda(cuda_ordinal_);
+  }
+}
+
+void Execution::Stop() {
+  completion_.Stop();  // runs the remaining CUDA completions
+  abort_->Close();     // no Raise inside a communicator being freed
+  cuda_comm_.reset();
+  cpu_comm_.reset();
+}
+
+StatusOr<Communicator*> Execution::GetCommunicator(const Device& device) {
   if (device.kind == DeviceKind::kCpu) return cpu_comm_.get();
   if (cuda_comm_ == nullptr) {
     // Collective: every rank reaches this through the same response.
@@ -72,13 +96,9 @@ StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
         CreateCommunicator(MPI_Comm_c2f(comm_), device, knobs_);  // agreed across ranks at Init
     if (!c.ok()) return c.status().WithContext("creating the communicator for " + device.ToString());
     cuda_comm_ = c.consume();
-    cuda_comm_for_abort_ = cuda_comm_.get();
+    abort_->WatchCuda(cuda_comm_.get());
     cuda_ordinal_ = device.ordinal;
-#ifdef NVGROUP_WITH_CUDA
-    completion_events_ = std::make_unique<CompletionEvents>(device.ordinal);
-#endif
-    finalizer_ = std::make_unique<Finalizer>();
-    finalizer_thread_ = finalizer_->thread_id();
+    completion_.StartCuda(device.ordinal);
   }
   if (device.ordinal != cuda_ordinal_)
     return Status::Unimplemented("nvgroup_tf drives one CUDA device per process: this rank uses " +
@@ -86,7 +106,7 @@ StatusOr<Communicator*> Engine::GetCommunicator(const Device& device) {
   return cuda_comm_.get();
 }
 
-Status Engine::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
+Status Execution::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
   Work& first = (*work)[bucket.responses[0]];
   if (!first.response->ok()) {  // error responses are buckets of their own
     if (first.pending) Complete(first.pending.get(), Status(first.response->error_code, first.response->error_message));
@@ -95,9 +115,9 @@ Status Engine::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
   Status s;
   switch (first.response->type) {
     case CollectiveType::kAllreduce: {
-      plan_members_.clear();
-      for (size_t i : bucket.responses) plan_members_.push_back({(*work)[i].response, &(*work)[i].pending->entry});
-      return RunMembers(bucket, plan_members_.data());
+      bucket_members_.clear();
+      for (size_t i : bucket.responses) bucket_members_.push_back({(*work)[i].response, &(*work)[i].pending->entry});
+      return RunMembers(bucket, bucket_members_.data());
     }
     case CollectiveType::kAllgather: s = RunAllgather(&first); break;
     case CollectiveType::kBroadcast: s = RunBroadcast(&first); break;
@@ -112,7 +132,7 @@ Status Engine::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
   return FailEntries(s, entries.data(), entries.size());
 }
 
-Status Engine::RunMembers(const FusionBucket& bucket, const BucketMember* members) {
+Status Execution::RunMembers(const FusionBucket& bucket, const BucketMember* members) {
   Status s = RunAllreduceBucket(bucket, members);
   if (s.ok()) return s;
   std::vector<TensorEntry*> entries;
@@ -120,9 +140,9 @@ Status Engine::RunMembers(const FusionBucket& bucket, const BucketMember* member
   return FailEntries(s, entries.data(), entries.size());
 }
 
-Status Engine::FailEntries(const Status& status, TensorEntry* const* entries, size_t n) {
+Status Execution::FailEntries(const Status& status, TensorEntry* const* entries, size_t n) {
   if (status.ok()) return status;
-  const Status s = Cause(status);
+  const Status s = abort_->Cause(status);
   // The same call failed on every rank (same arguments, same order); fail the
   // bucket's requests. A lost or aborted peer ends the loop.
   for (size_t i = 0; i < n; ++i)
@@ -131,7 +151,7 @@ Status Engine::FailEntries(const Status& status, TensorEntry* const* entries, si
   return Status::Ok();
 }
 
-Status Engine::RunAllreduceBucket(const FusionBucket& bucket, const BucketMember* members) {
+Status Execution::RunAllreduceBucket(const FusionBucket& bucket, const BucketMember* members) {
   const size_t n = bucket.offsets.size();
   const ResponseMessage& first = *members[0].response;
   const Device device = members[0].entry->request.device;
@@ -152,8 +172,8 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, const BucketMember
   // integers use the communicator's own (truncating) average unless scale
   // factors are given (then Horovod's: sum, then * postscale / size).
   const auto [op, postscale] = ReductionFor(first, size_);  // averaging.h
-  Add(counters_.buckets);
-  Add(counters_.bucket_tensors, n);
+  EngineCounters::Add(counters_->buckets);
+  EngineCounters::Add(counters_->bucket_tensors, n);
   BucketScratch& b = bucket_scratch_;
   b.members.clear();
   b.done.clear();
@@ -171,14 +191,14 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, const BucketMember
   // Orders the copy-in after the framework produced the inputs (GPU-side
   // waits, one per distinct event).
   for (void* e : b.events) NVG_RETURN_IF_ERROR(comm->WaitEvent(e, nullptr));
-  Add(counters_.ready_event_waits, b.events.size());
+  EngineCounters::Add(counters_->ready_event_waits, b.events.size());
   // The timeline's per-tensor phases, from the communicator's phase reports.
   struct Marker {
     Timeline* timeline;
     const std::vector<TensorEntry*>* done;
-  } marker{&timeline_, &b.done};
+  } marker{timeline_, &b.done};
   Communicator::PhaseObserver observer;
-  if (timeline_.enabled()) {
+  if (timeline_->enabled()) {
     observer.context = &marker;
     observer.mark = [](void* context, Communicator::FusedPhase phase, bool begin) {
       static const char* const kNames[] = {"FUSION_COPY_IN", "ALLREDUCE", "FUSION_COPY_OUT"};
@@ -196,11 +216,11 @@ Status Engine::RunAllreduceBucket(const FusionBucket& bucket, const BucketMember
     NVG_RETURN_IF_ERROR(comm->FusedAllreduce(b.members.data(), b.members.size(), bucket.bytes, first.dtype, op,
                                              first.prescale_factor, postscale, nullptr, observer));
   NVG_RETURN_IF_ERROR(DelayBucket(comm));
-  CompleteAfterStream(comm, b.done);
+  completion_.CompleteAfterStream(comm, b.done);
   return Status::Ok();
 }
 
-Status Engine::RunAllreduceAlone(const BucketMember& m) {
+Status Execution::RunAllreduceAlone(const BucketMember& m) {
   const ResponseMessage& r = *m.response;
   const CollectiveRequest& q = m.entry->request;
   StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
@@ -208,10 +228,10 @@ Status Engine::RunAllreduceAlone(const BucketMember& m) {
   Communicator* comm = comm_or.value();
   const size_t count = static_cast<size_t>(NumElements(r.shape));
   const auto [op, postscale] = ReductionFor(r, size_);  // averaging.h
-  Add(counters_.buckets);
-  Add(counters_.bucket_tensors);
+  EngineCounters::Add(counters_->buckets);
+  EngineCounters::Add(counters_->bucket_tensors);
   NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_.enabled()) timeline_.Begin(q.name, "ALLREDUCE", MonotonicSeconds());
+  if (timeline_->enabled()) timeline_->Begin(q.name, "ALLREDUCE", MonotonicSeconds());
   const void* source = q.input;
   if (r.prescale_factor != 1.0) {  // scale into the output, then reduce in place
     Communicator::CopySpec pre{q.input, q.output, count};
@@ -223,13 +243,13 @@ Status Engine::RunAllreduceAlone(const BucketMember& m) {
     Communicator::CopySpec post{q.output, q.output, count};
     NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&post, 1, r.dtype, postscale, nullptr));
   }
-  if (timeline_.enabled()) timeline_.End(q.name, "ALLREDUCE", MonotonicSeconds());
+  if (timeline_->enabled()) timeline_->End(q.name, "ALLREDUCE", MonotonicSeconds());
   NVG_RETURN_IF_ERROR(DelayBucket(comm));
-  CompleteAfterStream(comm, {m.entry});
+  completion_.CompleteAfterStream(comm, {m.entry});
   return Status::Ok();
 }
 
-Status Engine::RunAllgather(Work* w) {
+Status Execution::RunAllgather(Work* w) {
   const ResponseMessage& r = *w->response;
   const CollectiveRequest& q = w->pending->entry.request;
   StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
@@ -255,18 +275,18 @@ Status Engine::RunAllgather(Work* w) {
     out = scratch.data();
   }
   NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_.enabled()) timeline_.Begin(q.name, "ALLGATHER", MonotonicSeconds());
+  if (timeline_->enabled()) timeline_->Begin(q.name, "ALLGATHER", MonotonicSeconds());
   NVG_RETURN_IF_ERROR(comm->Allgatherv(q.input, out, bytes_per_rank, nullptr));
-  if (timeline_.enabled()) timeline_.End(q.name, "ALLGATHER", MonotonicSeconds());
+  if (timeline_->enabled()) timeline_->End(q.name, "ALLGATHER", MonotonicSeconds());
   if (!scratch.empty() || !alloc.ok()) {
     Complete(w->pending.get(), alloc.WithContext("allocating the allgather output"));
     return Status::Ok();
   }
-  CompleteAfterStream(comm, {&w->pending->entry});
+  completion_.CompleteAfterStream(comm, {&w->pending->entry});
   return Status::Ok();
 }
 
-Status Engine::RunBroadcast(Work* w) {
+Status Execution::RunBroadcast(Work* w) {
   const ResponseMessage& r = *w->response;
   const CollectiveRequest& q = w->pending->entry.request;
   StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
@@ -274,17 +294,17 @@ Status Engine::RunBroadcast(Work* w) {
   Communicator* comm = comm_or.value();
   const size_t bytes = static_cast<size_t>(NumElements(r.shape)) * DataTypeSize(r.dtype);
   NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_.enabled()) timeline_.Begin(q.name, "BROADCAST", MonotonicSeconds());
+  if (timeline_->enabled()) timeline_->Begin(q.name, "BROADCAST", MonotonicSeconds());
   if (rank_ == r.root_rank && q.input != q.output && bytes > 0) {
     Communicator::CopySpec copy{q.input, q.output, bytes};
     NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&copy, 1, DataType::kUint8, 1.0, nullptr));
   }
   if (bytes > 0) NVG_RETURN_IF_ERROR(comm->Broadcast(q.output, bytes, r.root_rank, nullptr));
-  if (timeline_.enabled()) timeline_.End(q.name, "BROADCAST", MonotonicSeconds());
-  CompleteAfterStream(comm, {&w->pending->entry});
+  if (timeline_->enabled()) timeline_->End(q.name, "BROADCAST", MonotonicSeconds());
+  completion_.CompleteAfterStream(comm, {&w->pending->entry});
   return Status::Ok();
 }
-Status Engine::RunReducescatter(Work* w) {
+Status Execution::RunReducescatter(Work* w) {
   const ResponseMessage& r = *w->response;
   const CollectiveRequest& q = w->pending->entry.request;
   StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
@@ -312,7 +332,7 @@ Status Engine::RunReducescatter(Work* w) {
   }
   const auto [op, postscale] = ReductionFor(r, size_);  // averaging.h
   NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_.enabled()) timeline_.Begin(q.name, "REDUCESCATTER", MonotonicSeconds());
+  if (timeline_->enabled()) timeline_->Begin(q.name, "REDUCESCATTER", MonotonicSeconds());
   const void* source = q.input;
   std::vector<char> in_scratch;
   if (r.prescale_factor != 1.0 && total > 0) {
@@ -338,16 +358,16 @@ Status Engine::RunReducescatter(Work* w) {
     Communicator::CopySpec post{out, out, mine};
     NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&post, 1, r.dtype, postscale, nullptr));
   }
-  if (timeline_.enabled()) timeline_.End(q.name, "REDUCESCATTER", MonotonicSeconds());
+  if (timeline_->enabled()) timeline_->End(q.name, "REDUCESCATTER", MonotonicSeconds());
   if (!out_scratch.empty() || !alloc.ok()) {
     Complete(w->pending.get(), alloc.WithContext("allocating the reducescatter output"));
     return Status::Ok();
   }
-  CompleteAfterStream(comm, {&w->pending->entry});
+  completion_.CompleteAfterStream(comm, {&w->pending->entry});
   return Status::Ok();
 }
 
-Status Engine::RunAlltoall(Work* w) {
+Status Execution::RunAlltoall(Work* w) {
   const ResponseMessage& r = *w->response;
   const CollectiveRequest& q = w->pending->entry.request;
   StatusOr<Communicator*> comm_or = GetCommunicator(q.device);
@@ -380,68 +400,23 @@ Status Engine::RunAlltoall(Work* w) {
     out = scratch.data();
   }
   NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_.enabled()) timeline_.Begin(q.name, "ALLTOALL", MonotonicSeconds());
+  if (timeline_->enabled()) timeline_->Begin(q.name, "ALLTOALL", MonotonicSeconds());
   NVG_RETURN_IF_ERROR(comm->Alltoallv(q.input, send_bytes, out, recv_bytes, nullptr));
-  if (timeline_.enabled()) timeline_.End(q.name, "ALLTOALL", MonotonicSeconds());
+  if (timeline_->enabled()) timeline_->End(q.name, "ALLTOALL", MonotonicSeconds());
   if (!scratch.empty() || !alloc.ok()) {
     Complete(w->pending.get(), alloc.WithContext("allocating the alltoall output"));
     return Status::Ok();
   }
-  CompleteAfterStream(comm, {&w->pending->entry});
+  completion_.CompleteAfterStream(comm, {&w->pending->entry});
   return Status::Ok();
 }
 
-Status Engine::RunJoin(Work* w) {
-  joined_ = false;
+Status Execution::RunJoin(Work* w) {
   const CollectiveRequest& q = w->pending->entry.request;
   const int32_t last = w->response->root_rank;
   std::memcpy(q.output, &last, sizeof(last));
   Complete(w->pending.get(), Status::Ok());
   return Status::Ok();
-}
-
-std::unique_ptr<Engine::Pending> Engine::MakeJoinStandIn(const ResponseMessage& r) {
-  if (!joined_ || !StandInPossible(r)) return nullptr;
-  const size_t bytes = static_cast<size_t>(NumElements(r.shape)) * DataTypeSize(r.dtype);
-  // Zeros in; the output (allreduce: in place; reducescatter: its own buffer)
-  // is discarded. The buffers live as long as the request's callbacks.
-  auto zeros = std::make_shared<std::vector<char>>(std::max<size_t>(bytes, 1), 0);
-  auto p = std::make_unique<Pending>();
-  p->reported = true;
-  p->since = MonotonicSeconds();
-  CollectiveRequest& q = p->entry.request;
-  q.name = r.name;
-  q.type = r.type;
-  q.dtype = r.dtype;
-  q.device = Device::Cpu();
-  q.shape = r.shape;
-  q.input = zeros->data();
-  q.output = zeros->data();
-  q.op = r.op;
-  q.prescale_factor = r.prescale_factor;
-  q.postscale_factor = r.postscale_factor;
-  if (r.type == CollectiveType::kReducescatter) {
-    auto out = std::make_shared<std::vector<char>>();
-    const size_t esize = DataTypeSize(r.dtype);
-    q.allocate_output = [out, esize](const std::vector<int64_t>& shape, void** ptr) -> Status {
-      out->assign(std::max<size_t>(static_cast<size_t>(NumElements(shape)) * esize, 1), 0);
-      *ptr = out->data();
-      return Status::Ok();
-    };
-  }
-  q.done = [zeros](const Status&) {};
-  p->entry.message.type = r.type;
-  return p;
-}
-
-void Engine::SetJoinedCacheBits(std::vector<uint64_t>* bits) {
-  for (int slot = 0; slot < cache_.capacity(); ++slot) {
-    const ResponseMessage& c = cache_.Get(slot);
-    // Not for a name this rank refused and rank 0 has not answered (Note
-    // [Refused duplicates] in controller.h): the refusal stands in for it.
-    if (c.name.empty() || !StandInPossible(c) || pending_.count(c.name) || refusals_.count(c.name)) continue;
-    (*bits)[1 + slot / 64] |= uint64_t{1} << (slot % 64);
-  }
 }
 
 }  // namespace nvgroup

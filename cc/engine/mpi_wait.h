@@ -1,7 +1,7 @@
 // Bounded waits on non-blocking MPI operations, and the engine's clock.
 //
 // The engine never blocks in MPI without a bound (see the design constraints in
-// background_loop.h): it starts a non-blocking operation and polls it here
+// engine.h): it starts a non-blocking operation and polls it here
 // until it completes, an abort flag is raised, or a timeout passes.
 #pragma once
 

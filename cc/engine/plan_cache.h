@@ -1,8 +1,8 @@
 // The plan cache: the fusion plans of grouped collectives, reused while their
 // members stay in the response cache (Note [Cached plans]), and the groups
-// admitted whole against a plan (Note [Cached groups]). The engine's methods
-// that use them (admission, demotion, running from a plan, making plans) are
-// in plan_cache.cc.
+// admitted whole against a plan (Note [Cached groups]). The object that uses
+// them (admission, demotion, running from a plan, making plans) is
+// CachedGroups (cached_groups.h).
 #pragma once
 
 #include <cstdint>
@@ -29,7 +29,7 @@ namespace nvgroup {
 // cache) and gets a new plan. Plans change only while every rank processes
 // the same ordered responses, so every rank holds the same plans; the
 // cycle's agreement allreduce carries a digest of every rank's cache and
-// plans (PlanCache::digest, background_loop.cc), so ranks whose state
+// plans (PlanCache::digest; the agreement in background_loop.cc), so ranks whose state
 // diverged (a bug) fail on every rank instead of running different
 // collectives.
 struct Plan {
@@ -99,7 +99,7 @@ class PlanCache {
 // no per-member Pending, no response copies), and it sets its cache bits
 // from the plan's precomputed words. After the agreement allreduce, in a
 // cycle without a negotiation round, a group whose bits all survived the
-// AND runs from its plan (RunPlans, in first-slot order with the plans of
+// AND runs from its plan (CachedGroups::RunPlans, in first-slot order with the plans of
 // groups admitted entry by entry, so every rank runs the same sequence
 // whichever way each admitted it) and completes in one pass per bucket.
 // The cache bits still carry the agreement: a rank whose group changed
@@ -108,8 +108,8 @@ class PlanCache {
 // that needs per-name state turns the group back into entries (Demote):
 // a negotiation round in the cycle (its members must be reportable, and
 // rank 0's new responses may change cache slots), waiting past
-// report_cached_after_s_ (Note [Reporting stuck cache hits] in
-// background_loop.cc), a join, or a plan that went stale while it waited.
+// report_cached_after_s (Note [Reporting stuck cache hits] in
+// negotiation.h), a join, or a plan that went stale while it waited.
 struct CachedGroup {
   Submission submission;
   double since = 0;  // when the loop admitted it

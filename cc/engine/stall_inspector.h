@@ -10,7 +10,7 @@
 // the coordinator turns those into error responses delivered to every rank.
 // Names reported through the cache path reach rank 0 too: a cached request
 // that is not ready everywhere within a short time is reported to rank 0
-// (see Note [Reporting stuck cache hits] in background_loop.cc).
+// (see Note [Reporting stuck cache hits] in negotiation.h).
 #pragma once
 
 #include <string>

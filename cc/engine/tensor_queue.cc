@@ -35,7 +35,7 @@ Status TensorQueue::Push(Submission submission) {
     for (size_t i = 0; i < entries.size(); ++i) {
       if (!in_flight_.Insert(entries[i].request.name)) {
         for (size_t j = 0; j < i; ++j) in_flight_.Erase(entries[j].request.name);
-        // Note [Refused duplicates] (controller.h): the refusal goes to rank 0
+        // Note [Refused duplicates] (coordinator.h): the refusal goes to rank 0
         // in the entries' place.
         const std::string& duplicate = entries[i].request.name;
         Submission refusal;

@@ -9,7 +9,7 @@
 // callback may resubmit the same name. A push refused for a name in flight
 // fails on the caller's thread and also queues a record of the refusal (a
 // Submission without entries) in its place, for rank 0 to hear of it (Note
-// [Refused duplicates] in controller.h). Close makes later pushes fail with
+// [Refused duplicates] in coordinator.h). Close makes later pushes fail with
 // the given status and hands back whatever was still queued.
 #pragma once
 
@@ -86,7 +86,7 @@ class TensorQueue {
   // `rank`: this engine's rank, named in the error of a refused push.
   explicit TensorQueue(int rank) : rank_(rank) {}
   // All or none of the entries are queued (a group is never split). A
-  // duplicate name refuses them all with RefusedDuplicateText (controller.h)
+  // duplicate name refuses them all with RefusedDuplicateText (coordinator.h)
   // and queues the refusal's record instead.
   Status Push(Submission submission);
   // Waits until something is queued, shutdown was requested, or `timeout_s`

@@ -53,7 +53,7 @@ struct RequestMessage {
   // named `name`, because a collective named `refused_duplicate` (this name,
   // or another member of the refused group) was in flight on this rank; the
   // other fields keep their defaults. Matched across ranks like a request
-  // (Note [Refused duplicates] in controller.h).
+  // (Note [Refused duplicates] in coordinator.h).
   std::string refused_duplicate;
 
   bool operator==(const RequestMessage& o) const;

@@ -1,7 +1,7 @@
 """Duplicate names in flight: refused synchronously on the rank that submits
 the second one, with an error naming it; the first one still completes with
 the right result, and nothing hangs. The refusal counts as that rank's
-collective of the name (Note [Refused duplicates] in cc/engine/controller.h):
+collective of the name (Note [Refused duplicates] in cc/engine/coordinator.h):
 the other ranks' second collective of that name fails with the same error,
 and afterwards the name works again on every rank."""
 
