@@ -75,10 +75,9 @@ void Completion::Complete(TensorEntry* e, const Status& status) {
 
 void Completion::CompleteAfterStream(Communicator* comm, const std::vector<TensorEntry*>& done) {
   if (comm->device().kind == DeviceKind::kCpu) {
-    const double start = MonotonicSeconds();
+    PhaseTimer complete(&counters_->complete_ns);
     queue_->Finish(done.data(), done.size());  // one lock for the bucket
     for (TensorEntry* e : done) CallDone(e, Status::Ok());
-    EngineCounters::AddSeconds(counters_->complete_ns, MonotonicSeconds() - start);
     return;
   }
   // One event per bucket, recorded after its copy out: the finalizer waits for

@@ -53,12 +53,14 @@
 //   Agree:              Negotiation::FillCacheBits, CachedGroups::SetCacheBits,
 //                       one bitwise-AND allreduce;
 //   TakeAgreedWork:     CachedGroups::TakeReady, Negotiation::TakeCacheHits;
-//   Negotiation::Round  when the agreement asked for one (rank 0's
-//                       Coordinator, coordinator.cc);
+//   NegotiateRound:     Negotiation::Round, when the agreement asked for one
+//                       (rank 0's Coordinator, coordinator.cc);
 //   Execute:            CachedGroups::RunPlans, or PlanFusion (fusion.cc),
 //                       then Execution::RunMembers / RunBucket (execution.cc)
 //                       -> Communicator -> Completion::CompleteAfterStream
 //                       (completion.cc) -> the request's `done`.
+// (BeginCycle and ReadAgreement, between them, touch no request: the cycle's
+// counters, liveness progress and timeline command; what the AND says.)
 //
 // Design constraints of the background loop (written down as Horovod does):
 //  * Only the background thread calls MPI after Init, on the engine's own
