@@ -14,17 +14,24 @@ load changes hit both alike) it launches
     mpirun -np RANKS python <this file> --worker ...
 with NVGROUP_XLA_START_DONE=1 (pair) or 0 (single call). A worker builds
 keras.applications.ResNet50 (random init, synthetic data fixed per rank, SGD
-momentum wrapped in hvd.DistributedOptimizer, compiled with jit_compile=True),
+momentum wrapped in hvd.DistributedOptimizer, compiled with XLA or as a graph),
 warms up, then for ROUNDS rounds and for each delay D of --delays (in order)
 sets the engine's simulated link delay (op_library.set_bucket_delay_for_testing:
 every bucket's communicator stream is held D us after its data moved,
 cc/engine/execution.cc DelayBucket), runs one untimed step and STEPS timed
 `train_on_batch` steps (each returns the loss to the host: the step ended).
 A step's time is that span / STEPS; per D the median over rounds, the maximum
-over ranks. Per lowering the script reports the step time at each D and
-`exposed(D) = (step(D) - step(0)) / (buckets * D)`: the share of the added
-link time that the step pays (1 = none hidden, 0 = all hidden), where
-`buckets` is the number of collectives per step read from the compiled HLO.
+over ranks. The engine counts the buckets the link delayed
+(op_library.delayed_buckets_for_testing), read around the timed steps: the
+link time the delay added to a step is that count per step times D (the
+engine fuses collectives that arrive together into one bucket, so the HLO's
+count of collectives is not it; it is reported beside). Per lowering the
+script reports the step time at each D and
+`exposed(D) = (step(D) - step(0)) / (delayed buckets per step * D)`: the share
+of the added link time that the step pays (1 = none hidden, 0 = all hidden).
+Lowerings: `pair` (NVGROUP_XLA_START_DONE=1) and `single` (=0) compile the
+step with XLA; `graph` runs it as a TF graph without XLA (each bucket's ops
+start as its gradients appear). --mixed trains in mixed_float16.
 
 With --dump on the first launch of each lowering, XLA dumps its HLO
 (XLA_FLAGS=--xla_dump_to, rank 0) and the driver reads the scheduled train-step
@@ -54,7 +61,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.dirname(HERE))  # this tree's nvgroup_tf, unless PYTHONPATH names another
 
-LOWERINGS = {"pair": "1", "single": "0"}
+# name -> (NVGROUP_XLA_START_DONE, jit_compile): the XLA start/done pair, the
+# XLA single call, and the TF graph path (no XLA: each bucket's ops start as
+# its gradients appear, ops/adapter.cc).
+LOWERINGS = {"pair": ("1", True), "single": ("0", True), "graph": ("1", False)}
 
 
 # ---------------------------------------------------------------- HLO schedule
@@ -200,29 +210,39 @@ def worker(args):
     x = rng.standard_normal((args.batch, s, s, 3)).astype("float32")
     y = rng.integers(0, 1000, size=(args.batch,)).astype("int32")
     keras.utils.set_random_seed(7)
+    if args.mixed:
+        keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.applications.ResNet50(weights=None, input_shape=(s, s, 3), classes=1000)
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9))
-    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=True)
+    opt = keras.optimizers.SGD(0.01, momentum=0.9)
+    if args.mixed:
+        opt = keras.mixed_precision.LossScaleOptimizer(opt)
+    opt = hvd.DistributedOptimizer(opt)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=args.jit)
     x, y = tf.constant(x), tf.constant(y)
     for _ in range(args.warmup):
         model.train_on_batch(x, y)
     delays = [float(d) for d in args.delays.split(",")]
     per_delay = {d: [] for d in delays}
+    delayed = {d: [] for d in delays}  # buckets the link delayed per timed step
     for _ in range(args.rounds):
         for d in delays:
             op_library.set_bucket_delay_for_testing(d)
             model.train_on_batch(x, y)
+            before = op_library.delayed_buckets_for_testing()
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 loss = model.train_on_batch(x, y)
             float(np.asarray(loss))
             per_delay[d].append((time.perf_counter() - t0) / args.steps)
+            delayed[d].append((op_library.delayed_buckets_for_testing() - before) / args.steps)
     op_library.set_bucket_delay_for_testing(0)
     medians = np.array([float(np.median(per_delay[d])) for d in delays])
     worst = hvd.allreduce(tf.constant(medians), op=hvd.Max, name="xla_overlap/worst").numpy()
     record = {"rank": hvd.rank(), "size": hvd.size(), "delays_us": delays,
               "step_ms": [1e3 * v for v in worst.tolist()],
               "step_ms_rounds": {str(d): [1e3 * v for v in per_delay[d]] for d in delays},
+              "delayed_buckets_per_step": [float(np.median(delayed[d])) for d in delays],
+              "precision": "mixed_float16" if args.mixed else "float32", "jit_compile": args.jit,
               "devices": [d.name for d in tf.config.list_logical_devices()]}
     if hvd.rank() == 0:
         print("OVERLAP_RESULT " + json.dumps(record), flush=True)
@@ -236,7 +256,8 @@ def launch(args, lowering, dump):
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    env["NVGROUP_XLA_START_DONE"] = LOWERINGS[lowering]
+    start_done, jit = LOWERINGS[lowering]
+    env["NVGROUP_XLA_START_DONE"] = start_done
     cmd = ["mpirun", "-np", str(args.ranks), "--bind-to", "none"]
     for k in sorted(env):
         if k.startswith(("NVGROUP_", "CUDA_", "LD_LIBRARY_PATH", "PYTHONPATH", "TF_", "XLA_")):
@@ -245,7 +266,11 @@ def launch(args, lowering, dump):
             "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--image-size", str(args.image_size), "--batch", str(args.batch),
             "--gpu-memory-mb", str(args.gpu_memory_mb)]
-    if dump:
+    if jit:
+        cmd += ["--jit"]
+    if args.mixed:
+        cmd += ["--mixed"]
+    if dump and jit:
         cmd += ["--dump", dump]
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -287,7 +312,7 @@ def driver(args):
             rec = launch(args, name, dump)
             rec["load_average"] = os.getloadavg()
             runs[name].append(rec)
-            if dump:
+            if dump and LOWERINGS[name][1]:
                 schedules[name] = schedule_summary(os.path.join(dump))
             print("%-6s repeat %d: step ms %s (load %.1f)" % (
                 name, rep, " ".join("%.2f" % v for v in rec["step_ms"]), rec["load_average"][0]), flush=True)
@@ -296,18 +321,23 @@ def driver(args):
     for name in lowerings:
         import statistics
         step = [statistics.median(r["step_ms"][i] for r in runs[name]) for i in range(len(delays))]
-        buckets = schedules.get(name, {}).get("buckets")
-        exposed = []
+        hlo_collectives = schedules.get(name, {}).get("buckets")
+        # the engine's own count: collectives that arrive together share a bucket
+        delayed = [statistics.median(r["delayed_buckets_per_step"][i] for r in runs[name])
+                   for i in range(len(delays))]
+        exposed, added_ms, exposed_ms = [], [], []
         for i, d in enumerate(delays):
-            if d > 0 and buckets:
-                exposed.append((step[i] - step[0]) * 1e3 / (buckets * d))
-            else:
-                exposed.append(None)
-        summary[name] = {"step_ms": step, "exposed": exposed, "buckets": buckets}
+            added = delayed[i] * d / 1e3  # link time the delay added per step, ms
+            added_ms.append(added)
+            exposed_ms.append(step[i] - step[0])
+            exposed.append((step[i] - step[0]) / added if d > 0 and added > 0 else None)
+        summary[name] = {"step_ms": step, "exposed": exposed, "added_ms": added_ms, "exposed_ms": exposed_ms,
+                         "delayed_buckets_per_step": delayed, "hlo_collectives": hlo_collectives}
     result = {"benchmark": "xla_overlap_bench", "commit": commit(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "ranks": args.ranks, "image_size": args.image_size, "batch": args.batch,
               "steps": args.steps, "rounds": args.rounds, "repeats": args.repeats, "delays_us": delays,
+              "precision": "mixed_float16" if args.mixed else "float32",
               "environment": {k: v for k, v in os.environ.items() if k.startswith(("NVGROUP_", "CUDA_MPS"))},
               "summary": summary, "schedules": schedules, "runs": runs}
     if args.json:
@@ -321,16 +351,18 @@ def driver(args):
             ax.plot(delays, summary[name]["step_ms"], marker="o", label=name)
         ax.set_xlabel("simulated link delay per bucket (us)")
         ax.set_ylabel("step time (ms, median, max over ranks)")
-        ax.set_title("ResNet-50 %dpx b%d, XLA, %d ranks, %s" % (args.image_size, args.batch, args.ranks,
-                                                               result["commit"][:8]))
+        ax.set_title("ResNet-50 %dpx b%d %s, %d ranks, %s" % (
+            args.image_size, args.batch, result["precision"], args.ranks, result["commit"][:8]))
         ax.legend()
         save_png(fig, args.png)
     print("=== XLA overlap (%s, %d ranks, %s)" % (result["commit"][:10], args.ranks, machine()["gpus"]))
-    print("delay_us  " + "  ".join("%10s" % n for n in lowerings))
+    print("delay_us  " + "  ".join("%10s" % n for n in lowerings) + "   (exposed = step(D) - step(0) over "
+          "delayed buckets x D; buckets per step)")
     for i, d in enumerate(delays):
         print("%8.0f  " % d + "  ".join("%7.2f ms" % summary[n]["step_ms"][i] for n in lowerings) +
-              "   exposed " + " ".join("%s=%s" % (n, "%.2f" % summary[n]["exposed"][i]
-                                               if summary[n]["exposed"][i] is not None else "-")
+              "   exposed " + " ".join("%s=%s/%.1f" % (n, "%.2f" % summary[n]["exposed"][i]
+                                                  if summary[n]["exposed"][i] is not None else "-",
+                                                  summary[n]["delayed_buckets_per_step"][i])
                                        for n in lowerings))
     for name, sch in schedules.items():
         if sch.get("module") is None:
@@ -357,6 +389,8 @@ def main():
     p.add_argument("--image-size", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--gpu-memory-mb", type=int, default=24000)
+    p.add_argument("--jit", action="store_true", help="worker: compile the train step with XLA")
+    p.add_argument("--mixed", action="store_true", help="mixed_float16 (a LossScaleOptimizer inside the wrapper)")
     p.add_argument("--launch-timeout", type=int, default=400)
     p.add_argument("--dump", default="", help="XLA dump folder (first launch of each lowering)")
     p.add_argument("--json", default="")

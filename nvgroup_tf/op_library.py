@@ -60,6 +60,8 @@ def _load():
         handle.nvgroup_tf_stop_timeline.argtypes = [ctypes.c_char_p, ctypes.c_int]
         handle.nvgroup_tf_set_bucket_delay_for_testing.argtypes = [ctypes.c_double]
         handle.nvgroup_tf_set_bucket_delay_for_testing.restype = None
+        handle.nvgroup_tf_delayed_buckets_for_testing.argtypes = []
+        handle.nvgroup_tf_delayed_buckets_for_testing.restype = ctypes.c_int64
         handle.nvgroup_tf_setting_value.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
                                                     ctypes.c_char_p, ctypes.c_int]
         _register_xla_kernels(handle)
@@ -107,6 +109,13 @@ def set_bucket_delay_for_testing(microseconds):
     stream from the next bucket on; 0 removes it."""
     handle, _ = _load()
     handle.nvgroup_tf_set_bucket_delay_for_testing(float(microseconds))
+
+
+def delayed_buckets_for_testing():
+    """Tests and benchmarks only: how many buckets the simulated link delayed in
+    this process so far (the link time it added is this count times the delay)."""
+    handle, _ = _load()
+    return int(handle.nvgroup_tf_delayed_buckets_for_testing())
 
 
 _TOPOLOGY_FUNCTIONS = {

@@ -115,6 +115,10 @@ void nvgroup_tf_set_bucket_delay_for_testing(double microseconds) {
   nvgroup::SetBucketDelayForTesting(microseconds);
 }
 
+// Tests and benchmarks only: how many buckets the simulated link delayed in
+// this process so far (engine_control.h).
+int64_t nvgroup_tf_delayed_buckets_for_testing() { return nvgroup::DelayedBucketsForTesting(); }
+
 // 1 when the library was built with the DEVICE_GPU kernels.
 int nvgroup_tf_cuda_built() {
 #if GOOGLE_CUDA

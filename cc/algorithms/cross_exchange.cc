@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstring>
 #include <string>
 
 #include "algorithms/hierarchical_allreduce.h"
@@ -42,22 +43,32 @@ ChunkSlices Parts(size_t count, int peers, size_t esize) {
 // job order, so round k of one peer meets round k of every other.
 Status PostRound(MPI_Comm comm, int peers, int me, const void* send, const int* send_bytes,
                  const int* send_displs, void* recv, const int* recv_bytes, const int* recv_displs,
-                 std::vector<MPI_Request>* requests) {
+                 bool copy_own_share, std::vector<MPI_Request>* requests) {
   constexpr int kTag = 0;
   requests->clear();
+  // Our own share: a message to ourselves, or (copy_own_share, host buffers)
+  // a memcpy after the other peers' messages are posted, while they move.
+  const bool message_to_self = !copy_own_share;
   for (int i = 0; i < peers; ++i) {
     const int p = (me + i) % peers;
-    if (recv_bytes[p] == 0) continue;
+    if (recv_bytes[p] == 0 || (p == me && !message_to_self)) continue;
     requests->push_back(MPI_REQUEST_NULL);
     NVG_MPI_CHECK(MPI_Irecv(static_cast<char*>(recv) + recv_displs[p], recv_bytes[p], MPI_BYTE, p, kTag, comm,
                             &requests->back()));
   }
   for (int i = 0; i < peers; ++i) {
     const int p = (me + i) % peers;
-    if (send_bytes[p] == 0) continue;
+    if (send_bytes[p] == 0 || (p == me && !message_to_self)) continue;
     requests->push_back(MPI_REQUEST_NULL);
     NVG_MPI_CHECK(MPI_Isend(static_cast<const char*>(send) + send_displs[p], send_bytes[p], MPI_BYTE, p, kTag,
                             comm, &requests->back()));
+  }
+  if (!message_to_self && send_bytes[me] > 0) {
+    if (recv_bytes[me] != send_bytes[me])
+      return Status::Internal("cross-group round: our own share is " + std::to_string(send_bytes[me]) +
+                              " bytes to send but " + std::to_string(recv_bytes[me]) + " to receive");
+    std::memcpy(static_cast<char*>(recv) + recv_displs[me], static_cast<const char*>(send) + send_displs[me],
+                send_bytes[me]);
   }
   return Status::Ok();
 }
@@ -103,6 +114,7 @@ StatusOr<std::unique_ptr<CrossExchange>> CrossExchange::Create(MPI_Comm cross, O
   int provided = MPI_THREAD_SINGLE;
   NVG_MPI_CHECK(MPI_Query_thread(&provided));
   x->allgather_max_bytes_ = options.allgather_max_bytes;
+  x->host_memory_ = options.host_memory;
   // Every rank must agree on the mode only for performance, not correctness: the
   // posting order per communicator is the job order in both modes.
   x->threaded_ = options.use_thread && provided == MPI_THREAD_MULTIPLE && x->peers_ > 1;
@@ -311,7 +323,8 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
       if (!ready) return Status::Ok();
     }
     NVG_RETURN_IF_ERROR_CTX(PostRound(rs_comm_, peers_, me_, j.send, a.send_bytes.data(), a.send_displs.data(),
-                                      j.recv, a.recv_bytes.data(), a.recv_displs.data(), &a.requests),
+                                      j.recv, a.recv_bytes.data(), a.recv_displs.data(), host_memory_,
+                                      &a.requests),
                             a.kind == Active::kAllgatherFold ? "posting the cross-group allgather"
                                                              : "posting the cross-group reduce-scatter");
     uint64_t sent = 0;
@@ -350,7 +363,7 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
     }
     NVG_RETURN_IF_ERROR_CTX(PostRound(ag_comm_, peers_, me_, j.result, a.ag_send_bytes.data(),
                                       a.ag_send_displs.data(), j.result, a.ag_recv_bytes.data(),
-                                      a.ag_recv_displs.data(), &a.requests),
+                                      a.ag_recv_displs.data(), host_memory_, &a.requests),
                             "posting the cross-group allgather of the parts");
     g_bytes_sent.fetch_add(static_cast<uint64_t>(a.recv_bytes[me_]) * (peers_ - 1), std::memory_order_relaxed);
     ++next_ag_post_;

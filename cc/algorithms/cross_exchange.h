@@ -9,10 +9,12 @@
 //
 // How: one of two variants per slice, chosen from the slice's size alone
 // (VariantFor), so every peer picks the same one for the same job. Each
-// *round* is point-to-point: every peer posts its receives from all peers,
-// then its sends to all peers (itself included, so MPI also does the copy of
-// our own share, on device memory too when MPI is CUDA-aware), and the round
-// is complete when all of them are (MPI_Testall). Rounds of all peers run at
+// *round* is point-to-point: every peer posts its receives from the other
+// peers, then its sends to them, then copies its own share from `send` to
+// `recv` with memcpy while those move (Options::host_memory; on device memory,
+// with CUDA-aware MPI, our own share is a message to ourselves instead, so MPI
+// does that copy), and the round is complete when all of them are
+// (MPI_Testall). Rounds of all peers run at
 // once: no schedule of a nonblocking collective to step through.
 //  * Reduce-scatter + allgather (bandwidth-optimal, two rounds). The slice is
 //    cut into P *parts* (ChunkSlices geometry: 16-byte aligned, part p owned by
@@ -141,6 +143,10 @@ struct CrossExchangeOptions {
   // slices) take the one-round allgather + fold; 0: never
   // (NVGROUP_CROSS_ALLGATHER_MAX_BYTES; the same on every peer).
   size_t allgather_max_bytes = 0;
+  // The jobs' buffers are host memory: a round copies our own share with one
+  // memcpy instead of an MPI send and receive to ourselves. false (device
+  // buffers, CUDA-aware MPI): a message to ourselves.
+  bool host_memory = true;
 };
 
 class CrossExchange {
@@ -233,6 +239,7 @@ class CrossExchange {
   int me_ = 0;
   bool threaded_ = false;
   size_t allgather_max_bytes_ = 0;
+  bool host_memory_ = true;
 
   // Shared between the callers and the progress thread.
   std::mutex mu_;

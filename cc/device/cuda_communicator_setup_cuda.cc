@@ -174,6 +174,7 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Knobs& k,
   if (topo.group_count > 1) {
     CrossExchange::Options cross_options;
     cross_options.allgather_max_bytes = k.cross_allgather_max_bytes;
+    cross_options.host_memory = !group_.cuda_aware_mpi;  // host-staged: pinned host buffers
     StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(group_.comms.cross, cross_options);
     if (!cross.ok()) return cross.status().WithContext("setting up the cross-group exchange");
     group_.cross = cross.consume();

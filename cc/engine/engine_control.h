@@ -3,6 +3,8 @@
 // nvgroup/engine.h.
 #pragma once
 
+#include <cstdint>
+
 #include "nvgroup/status.h"
 
 namespace nvgroup {
@@ -27,5 +29,8 @@ void PerturbStateDigestForTesting();
 // next bucket. Safe from any thread.
 void SetBucketDelayForTesting(double microseconds);
 double BucketDelayForTesting();
+// Buckets that the simulated link delayed since the process started (a
+// benchmark's denominator: the link time it added is this count times the delay).
+int64_t DelayedBucketsForTesting();
 
 }  // namespace nvgroup

@@ -45,12 +45,15 @@ std::vector<int64_t> Tail(const std::vector<int64_t>& shape) {
 }
 
 std::atomic<double> bucket_delay_us{0.0};
+std::atomic<int64_t> delayed_buckets{0};
 
 // The simulated link (NVGROUP_TEST_BUCKET_DELAY_US): after the bucket's work,
 // before its completion is recorded.
 Status DelayBucket(Communicator* comm) {
   const double us = bucket_delay_us.load(std::memory_order_relaxed);
-  return us > 0 ? comm->DelayStream(us, nullptr) : Status::Ok();
+  if (us <= 0) return Status::Ok();
+  delayed_buckets.fetch_add(1, std::memory_order_relaxed);
+  return comm->DelayStream(us, nullptr);
 }
 
 }  // namespace
@@ -59,6 +62,7 @@ void SetBucketDelayForTesting(double microseconds) {
   bucket_delay_us.store(microseconds > 0 ? microseconds : 0.0, std::memory_order_relaxed);
 }
 double BucketDelayForTesting() { return bucket_delay_us.load(std::memory_order_relaxed); }
+int64_t DelayedBucketsForTesting() { return delayed_buckets.load(std::memory_order_relaxed); }
 
 Execution::Execution(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
                      std::unique_ptr<Communicator> cuda, TensorQueue* queue, AbortSignal* abort,

@@ -97,6 +97,30 @@ def check_grouped(c):
     c.equal(hvd.grouped_allreduce([], name="grouped.empty"), [], "grouped_allreduce([])")
 
 
+def check_simulated_link_counts_buckets(c):
+    """The simulated link (op_library.set_bucket_delay_for_testing) delays each
+    bucket once and counts it; the benchmarks divide by that count."""
+    from nvgroup_tf import op_library
+    data = [per_rank(3100 + i, lambda g, i=i: random_array(g, tf.float32, (i + 2, 5))) for i in range(3)]
+    op_library.set_bucket_delay_for_testing(50)
+    try:
+        before = op_library.delayed_buckets_for_testing()
+        outs = hvd.grouped_allreduce([tf.constant(mine) for _, mine in data], op=hvd.Sum, name="link.grouped")
+        for (arrays, _), out in zip(data, outs):
+            check_reduced(c, out, arrays, "sum", tf.float32, "grouped sum under the simulated link")
+        c.equal(op_library.delayed_buckets_for_testing() - before, 1, "one grouped allreduce: one delayed bucket")
+        before = op_library.delayed_buckets_for_testing()
+        for k, (arrays, mine) in enumerate(data[:2]):
+            out = hvd.allreduce(tf.constant(mine), op=hvd.Sum, name="link.single%d" % k)
+            check_reduced(c, out, arrays, "sum", tf.float32, "allreduce under the simulated link")
+        c.equal(op_library.delayed_buckets_for_testing() - before, 2, "two allreduces one after the other: two")
+    finally:
+        op_library.set_bucket_delay_for_testing(0)
+    before = op_library.delayed_buckets_for_testing()
+    hvd.allreduce(tf.constant(data[0][1]), op=hvd.Sum, name="link.off")
+    c.equal(op_library.delayed_buckets_for_testing() - before, 0, "no delay: nothing counted")
+
+
 def check_allgather(c):
     n = hvd.size()
     for case, dtype in enumerate(ALL_DTYPES):
@@ -322,6 +346,8 @@ def main():
     check_average_and_scales(c)
     c.section("check_grouped")
     check_grouped(c)
+    c.section("check_simulated_link_counts_buckets")
+    check_simulated_link_counts_buckets(c)
     c.section("check_allgather")
     check_allgather(c)
     c.section("check_broadcast")
