@@ -205,7 +205,7 @@ Status CpuCommunicator::RunPieces(const void* in, void* out, size_t count, DataT
                                   ReduceOp op, bool in_registered) {
   const size_t esize = DataTypeSize(dtype);
   char* reg = shm_->buffer(topo_.group_rank);
-  const size_t piece_elems = in_registered ? count : shm_->capacity() / esize;
+  const size_t piece_elems = in_registered ? count : PieceElements(shm_->capacity(), esize, 1);
   const bool force = algorithm_ == AllreduceAlgorithm::kHierarchical;
   for (size_t offset = 0; offset < count; offset += piece_elems) {
     const size_t n = std::min(piece_elems, count - offset);
@@ -344,7 +344,7 @@ Status CpuCommunicator::GroupReduceScatter(const void* in, void* out, size_t tot
                                            size_t mine, DataType dtype, ReduceOp op, bool in_registered) {
   const size_t esize = DataTypeSize(dtype);
   char* reg = shm_->buffer(topo_.group_rank);
-  const size_t piece = in_registered ? total : shm_->capacity() / esize;
+  const size_t piece = in_registered ? total : PieceElements(shm_->capacity(), esize, 1);
   const int divisor = op == ReduceOp::kAverage ? topo_.size : 1;
   std::vector<const void*> sources(topo_.group_size);
   for (size_t p0 = 0; p0 < total; p0 += piece) {
@@ -373,7 +373,7 @@ Status CpuCommunicator::HierarchicalReduceScatter(const void* in, void* out, con
   const size_t esize = DataTypeSize(dtype);
   size_t total = 0;
   for (size_t c : counts) total += c;
-  const size_t piece = topo_.group_size == 1 || in_registered ? total : shm_->capacity() / esize;
+  const size_t piece = topo_.group_size == 1 || in_registered ? total : PieceElements(shm_->capacity(), esize, 1);
   const size_t capacity = std::max<size_t>(2 * static_cast<size_t>(topo_.group_count),
                                            chunk_bytes_ / esize / topo_.group_size);
   NVG_RETURN_IF_ERROR(row_plan_.Build(counts, row_owners_, topo_.group_rank, topo_.group_index, piece, capacity,

@@ -17,9 +17,9 @@ Status OrderedAllreduce(MPI_Comm comm, const void* in, void* out, size_t count, 
   const size_t esize = DataTypeSize(dtype);
   // MPI counts are int: pieces of at most 1 GiB keep every count and displacement in range.
   piece_bytes = std::min(piece_bytes, size_t{1} << 30);
-  // Whole 16-byte units per slice, as the skeleton's chunks.
-  const size_t unit = std::max<size_t>(1, ChunkSlices::kSliceAlignBytes / esize) * n;
-  const size_t piece_elems = std::max(unit, (piece_bytes / esize) / unit * unit);
+  // Whole units per slice, as the skeleton's chunks.
+  const size_t unit = AlignUnitElements(esize) * n;
+  const size_t piece_elems = PieceElements(piece_bytes, esize, unit);
   // n received copies of our slice: at most n * (piece/n rounded up to a unit).
   scratch->resize((piece_elems + unit) * esize);
   std::vector<int> send_counts(n), send_displs(n), recv_counts(n), recv_displs(n);
