@@ -1,7 +1,7 @@
 """The cross-group step (reduce-scatter + allgather among the peers, CrossExchange)
 against the flat path, on 4 ranks in one launch:
 
-  flat  NVGROUP_ALLREDUCE_ALGORITHM=mpi (OrderedAllreduce over all ranks)
+  flat  NVGROUP_ALLREDUCE_ALGORITHM=mpi (the cross exchange over all ranks)
   g1    4 groups of 1 (group_size=1, forced hierarchy): the whole reduction is cross steps
   g2    2 groups of 2 (group_size=2): group step + cross step between 2 groups
 
