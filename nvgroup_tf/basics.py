@@ -15,7 +15,8 @@ import tensorflow as tf
 from nvgroup_tf import process_sets as _process_sets
 from nvgroup_tf.exceptions import NOT_INITIALIZED_MESSAGE
 # _load, op_module and LIBRARY_PATH stay reachable as nvgroup_tf.basics.* (mpi_ops, the launcher).
-from nvgroup_tf.op_library import LIBRARY_PATH, _call, _load, _topology, op_module, setting_value  # noqa: F401
+from nvgroup_tf.op_library import (LIBRARY_PATH, _call, _load, _topology, agreed_setting_value,  # noqa: F401
+                                   op_module, setting_value)
 
 _init_comm = None  # what the last init() got; nvgroup_tf.elastic re-initializes over it
 _atexit_registered = False

@@ -54,8 +54,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from nvgroup_tf import basics
 from nvgroup_tf import bucketing
 from nvgroup_tf import mpi_ops
+from nvgroup_tf.compression import Compression
 
 MiB = 1 << 20
 
@@ -65,16 +67,23 @@ MiB = 1 << 20
 FIRST_BUCKET_CAP_BYTES = 1 * MiB
 
 
+def check_bucket_cap_bytes(bucket_cap_bytes: Optional[int]) -> Optional[int]:
+    """The constructor argument, validated (None: not given)."""
+    if bucket_cap_bytes is not None and (isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int)
+                                         or bucket_cap_bytes < 0):
+        raise ValueError("bucket_cap_bytes must be a non-negative int (0 disables fusion), got %r"
+                         % (bucket_cap_bytes,))
+    return bucket_cap_bytes
+
+
 def resolve_bucket_cap_bytes(bucket_cap_bytes: Optional[int]) -> int:
-    """Constructor argument, else NVGROUP_BUCKET_CAP_MB (MiB, parsed by the
-    library's settings table: cc/common/env.h; default 25), in bytes. 0 = no fusion."""
-    if bucket_cap_bytes is not None:
-        if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 0:
-            raise ValueError("bucket_cap_bytes must be a non-negative int (0 disables fusion), got %r"
-                             % (bucket_cap_bytes,))
+    """Constructor argument, else NVGROUP_BUCKET_CAP_MB (MiB; default 25) as
+    every rank agreed it at init (basics.agreed_setting_value: the engine's
+    value, not what the variable says now), in bytes. 0 = no fusion. Without the
+    argument it needs nvgroup_tf.init()."""
+    if check_bucket_cap_bytes(bucket_cap_bytes) is not None:
         return bucket_cap_bytes
-    from nvgroup_tf import basics  # the op library's C API; imported late, as _core()
-    return int(float(basics.setting_value("NVGROUP_BUCKET_CAP_MB")) * MiB)
+    return int(float(basics.agreed_setting_value("NVGROUP_BUCKET_CAP_MB")) * MiB)
 
 
 def variable_path(variable, index: int) -> str:
@@ -84,11 +93,6 @@ def variable_path(variable, index: int) -> str:
         return str(path)
     name = getattr(variable, "name", None)
     return str(name) if name else "source_%d" % index
-
-
-def _core():
-    import nvgroup_tf  # the core API; imported late: it may import this package
-    return nvgroup_tf
 
 
 def _num_bytes(grad, variable) -> int:
@@ -129,22 +133,21 @@ class GradientReducer:
 
     def __init__(self, options: Optional[ReduceOptions] = None, name_prefix="DistributedOptimizer"):
         options = ReduceOptions() if options is None else options
-        core = _core()
-        self.op = core.Average if options.op is None else options.op
-        if self.op == core.Adasum:
+        self.op = mpi_ops.Average if options.op is None else options.op
+        if self.op == mpi_ops.Adasum:
             raise NotImplementedError("nvgroup_tf does not implement Adasum; use op=Average or op=Sum")
-        if self.op not in (core.Average, core.Sum):
+        if self.op not in (mpi_ops.Average, mpi_ops.Sum):
             # Horovod's DistributedOptimizer/DistributedGradientTape accept these two only.
             raise ValueError("op currently only supports Average and Sum (got %r): gradients are "
                              "averaged or summed over ranks" % (self.op,))
         self.process_set = check_process_set(options.process_set)
         self.gradient_predivide_factor = float(options.gradient_predivide_factor)
-        if self.gradient_predivide_factor != 1.0 and self.op != core.Average:
+        if self.gradient_predivide_factor != 1.0 and self.op != mpi_ops.Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if not self.gradient_predivide_factor > 0.0:
             raise ValueError("gradient_predivide_factor must be > 0, got %r"
                              % (options.gradient_predivide_factor,))
-        self.compression = core.Compression.none if options.compression is None else options.compression
+        self.compression = Compression.none if options.compression is None else options.compression
         self.sparse_as_dense = bool(options.sparse_as_dense)
         self.device_dense = options.device_dense
         self.device_sparse = options.device_sparse
@@ -162,8 +165,12 @@ class GradientReducer:
             seen = [p for g in self.group_paths for p in g]
             if len(seen) != len(set(seen)):
                 raise ValueError("groups: a variable appears in more than one group")
-        self.cap_bytes = resolve_bucket_cap_bytes(options.bucket_cap_bytes)
-        self.first_cap_bytes = min(FIRST_BUCKET_CAP_BYTES, self.cap_bytes)
+        # The cap: the argument (checked against the other ranks' at the first
+        # reduction, _agree_on_cap_argument), else the agreed setting, read
+        # when first needed (the reducer may be built before init).
+        self._cap_argument = check_bucket_cap_bytes(options.bucket_cap_bytes)
+        self._cap_bytes = self._cap_argument
+        self._cap_argument_agreed = False
         self.name_prefix = name_prefix
         self.scale_local_gradients = bool(options.scale_local_gradients)
         self.local_vars = []      # registered local variables, in registration order
@@ -177,6 +184,40 @@ class GradientReducer:
         if key not in self.local_keys:
             self.local_keys.add(key)
             self.local_vars.append(var.deref() if _is_reference(var) else var)
+
+    @property
+    def cap_bytes(self) -> int:
+        """Fusion bucket cap in bytes (see resolve_bucket_cap_bytes)."""
+        if self._cap_bytes is None:
+            self._cap_bytes = resolve_bucket_cap_bytes(None)
+        return self._cap_bytes
+
+    @property
+    def first_cap_bytes(self) -> int:
+        return min(FIRST_BUCKET_CAP_BYTES, self.cap_bytes)
+
+    def _agree_on_cap_argument(self):
+        """A bucket_cap_bytes argument decides the buckets, so the names and
+        sizes of the collectives: every rank of the set must pass the same,
+        or the ranks would wait for collectives the others never start. Checked
+        once per reducer, at its first reduction (every rank of the set traces
+        it at the same point), by an allgather of the arguments run eagerly
+        outside the function being traced; a mismatch raises ValueError on
+        every rank, naming each rank's value. Without the argument every rank
+        uses the value agreed at init: nothing to check."""
+        if self._cap_argument is None or self._cap_argument_agreed or self.num_groups:
+            return
+        with tf.init_scope():
+            if not tf.executing_eagerly():  # a TF1 graph: no eager collective to run here
+                return
+            caps = mpi_ops.allgather(tf.constant([self._cap_argument], tf.int64),
+                                     name=self.name_prefix + ".bucket_cap_bytes_agreement",
+                                     process_set=self.process_set)
+            caps = [int(c) for c in caps.numpy()]
+        if len(set(caps)) > 1:
+            raise ValueError("%s: the ranks passed different bucket_cap_bytes (%s, in rank order of the process "
+                             "set): every rank must pass the same" % (self.name_prefix, caps))
+        self._cap_argument_agreed = True
 
     def _buckets(self, sizes: List[int], dtypes: List[str], paths: List[str]) -> List[List[int]]:
         """Buckets of positions into the backprop-ordered dense list."""
@@ -217,16 +258,15 @@ class GradientReducer:
         variables = list(variables)
         if len(grads) != len(variables):
             raise ValueError("%s: %d gradients for %d variables" % (self.name_prefix, len(grads), len(variables)))
-        core = _core()
         local = [variable_key(v) in self.local_keys for v in variables] if self.local_keys else [False] * len(
             variables)
         out = list(grads)
         if self.scale_local_gradients and any(local):
-            size = float(core.size())
+            size = float(basics.size())
             for i, g in enumerate(grads):
                 if local[i] and g is not None:
                     out[i] = _scale(g, 1.0 / size)
-        if core.size() == 1:
+        if basics.size() == 1:
             return out
         if self.process_set is not None and not (self.process_set.included() and self.process_set.size() > 1):
             # As Horovod: a rank outside the set (or a set of one) keeps its gradients.
@@ -255,7 +295,7 @@ class GradientReducer:
         return list(fn(*grads))
 
     def _reduce_in_graph(self, grads, variables):
-        core = _core()
+        self._agree_on_cap_argument()
         paths = [variable_path(v, i) for i, v in enumerate(variables)]
         out = list(grads)
         op, prescale, postscale = self.op, 1.0, 1.0
@@ -274,8 +314,8 @@ class GradientReducer:
                         with tf.device(self.device_sparse), tf.name_scope(
                                 "nvg_sparse_grad_" + bucketing.bucket_name(i, [paths[i]])):
                             # (predivision only matters for dense sums; the average is the same)
-                            out[i] = core.allreduce(g, op=op, compression=self.compression,
-                                                    process_set=self.process_set)
+                            out[i] = mpi_ops.allreduce(g, op=op, compression=self.compression,
+                                                       process_set=self.process_set)
                     continue
                 dense.append(i)
             sizes = [_num_bytes(grads[i], variables[i]) for i in dense]

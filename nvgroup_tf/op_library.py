@@ -62,8 +62,9 @@ def _load():
         handle.nvgroup_tf_set_bucket_delay_for_testing.restype = None
         handle.nvgroup_tf_delayed_buckets_for_testing.argtypes = []
         handle.nvgroup_tf_delayed_buckets_for_testing.restype = ctypes.c_int64
-        handle.nvgroup_tf_setting_value.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
-                                                    ctypes.c_char_p, ctypes.c_int]
+        for fn in ("nvgroup_tf_setting_value", "nvgroup_tf_agreed_setting_value"):
+            getattr(handle, fn).argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                            ctypes.c_char_p, ctypes.c_int]
         _register_xla_kernels(handle)
         _library = (handle, ops)
         return _library
@@ -71,7 +72,7 @@ def _load():
 
 @tf.autograph.experimental.do_not_convert
 def _register_xla_kernels(handle):
-    """The collectives' XLA kernels (ops/xla_ops.cc) are registered right after
+    """The collectives' XLA kernels (ops/xla_lowering.cc) are registered right after
     the library loads: TF takes XLA kernels in only once per process, at its
     first XLA compilation; warns if that has already happened."""
     message = ctypes.create_string_buffer(_MESSAGE_BYTES)
@@ -99,6 +100,20 @@ def setting_value(name):
     value = ctypes.create_string_buffer(_MESSAGE_BYTES)
     message = ctypes.create_string_buffer(_MESSAGE_BYTES)
     if handle.nvgroup_tf_setting_value(name.encode(), value, _MESSAGE_BYTES, message, _MESSAGE_BYTES) != 0:
+        raise ValueError(message.value.decode(errors="replace"))
+    return value.value.decode(errors="replace")
+
+
+def agreed_setting_value(name):
+    """The agreed NVGROUP_* setting `name` (scope "agreed" in docs/SETTINGS.md)
+    as every rank agreed it at init: its normalized value as text. The
+    front end's run-time source of agreed settings (the environment may have
+    changed since init, and may differ between ranks). Raises ValueError
+    before init or for a setting that is not agreed."""
+    handle, _ = _load()
+    value = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    if handle.nvgroup_tf_agreed_setting_value(name.encode(), value, _MESSAGE_BYTES, message, _MESSAGE_BYTES) != 0:
         raise ValueError(message.value.decode(errors="replace"))
     return value.value.decode(errors="replace")
 

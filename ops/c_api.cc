@@ -31,6 +31,18 @@ int ReportValue(const nvgroup::StatusOr<int>& value, int* out, char* msg, int ms
   return Report(value.status(), msg, msg_len);
 }
 
+// `text` into `value` (value_len bytes with its terminating NUL), else its error.
+int ReportText(const nvgroup::StatusOr<std::string>& text, const char* name, char* value, int value_len, char* msg,
+               int msg_len) {
+  if (!text.ok()) return Report(text.status(), msg, msg_len);
+  if (value == nullptr || value_len <= 0 || text.value().size() >= static_cast<size_t>(value_len))
+    return Report(nvgroup::Status::InvalidArgument(std::string(name) + "'s value does not fit in " +
+                                                   std::to_string(value_len) + " bytes"),
+                  msg, msg_len);
+  std::memcpy(value, text.value().c_str(), text.value().size() + 1);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -99,14 +111,15 @@ int nvgroup_tf_stop_timeline(char* msg, int msg_len) { return Report(nvgroup::St
 // kInvalidArgument naming the variable when it is malformed, or when `name`
 // has no parse or the value does not fit.
 int nvgroup_tf_setting_value(const char* name, char* value, int value_len, char* msg, int msg_len) {
-  nvgroup::StatusOr<std::string> v = nvgroup::SettingValueFromEnvironment(name == nullptr ? "" : name);
-  if (!v.ok()) return Report(v.status(), msg, msg_len);
-  if (value == nullptr || value_len <= 0 || v.value().size() >= static_cast<size_t>(value_len))
-    return Report(nvgroup::Status::InvalidArgument(std::string(name) + "'s value does not fit in " +
-                                                   std::to_string(value_len) + " bytes"),
-                  msg, msg_len);
-  std::memcpy(value, v.value().c_str(), v.value().size() + 1);
-  return 0;
+  const std::string n = name == nullptr ? "" : name;
+  return ReportText(nvgroup::SettingValueFromEnvironment(n), n.c_str(), value, value_len, msg, msg_len);
+}
+
+// The agreed setting `name` as every rank agreed it at init (nvgroup/engine.h,
+// AgreedSettingValue) into `value`; kFailedPrecondition before init.
+int nvgroup_tf_agreed_setting_value(const char* name, char* value, int value_len, char* msg, int msg_len) {
+  const std::string n = name == nullptr ? "" : name;
+  return ReportText(nvgroup::AgreedSettingValue(n), n.c_str(), value, value_len, msg, msg_len);
 }
 
 // Tests and benchmarks only: the simulated link's delay per allreduce bucket

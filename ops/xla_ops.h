@@ -1,9 +1,11 @@
-// XLA lowerings of the collectives: the part shared by the host (xla_ops.cc)
-// and CUDA (xla_ops_gpu.cc) custom-call handlers.
+// XLA lowerings of the collectives: the part shared by the lowering
+// (xla_lowering.cc), the custom call's codec (xla_call_codec.cc) and the host
+// (xla_host_handlers.cc) and CUDA (xla_ops_gpu.cc) custom-call handlers
+// (what both handlers share: xla_handler_common.cc).
 //
 // How it works. When TensorFlow compiles a function with XLA (jit_compile=True,
 // Keras' jit_compile), each Nvgroup* op below is lowered by a tf2xla kernel
-// (xla_ops.cc) into one XLA custom call, API_VERSION_TYPED_FFI, target
+// (xla_lowering.cc) into one XLA custom call, API_VERSION_TYPED_FFI, target
 // kXlaTarget, with side effects (never removed, merged or duplicated). Its
 // operands are the op's data inputs (and the ordering operand, "Order"
 // below), its results the op's data outputs (a tuple for the grouped ops);
@@ -76,7 +78,7 @@
 // could enter two collectives in opposite orders and wait for each other for
 // ever. So every collective call (every start) takes, as an extra last
 // operand that the handlers skip, the output of the previous collective call
-// (or the token of the previous start) lowered into the same XLA computation (xla_ops.cc CollectiveOrder; an empty u8[0] constant for
+// (or the token of the previous start) lowered into the same XLA computation (xla_lowering.cc CollectiveOrder; an empty u8[0] constant for
 // the first): a data dependency XLA must respect. tf2xla lowers a graph's ops
 // in a topological order broken by node names (graph_compiler.cc,
 // GetReversePostOrder with NodeComparatorName), the same on every rank, so
@@ -131,7 +133,7 @@ namespace ffi = ::xla::ffi;
 // The one custom-call target; the handler for each platform is registered
 // under this name.
 constexpr const char* kXlaTarget = "nvgroup_collective";
-// Host only: the asynchronous handler (xla_ops.cc), used when NVGROUP_XLA_ASYNC=1
+// Host only: the asynchronous handler (xla_host_handlers.cc), used when NVGROUP_XLA_ASYNC=1
 // at compile time. The CUDA handler is registered under both names.
 constexpr const char* kXlaAsyncTarget = "nvgroup_collective_async";
 // The pair (Note [Start and done]), for every platform.
@@ -151,7 +153,7 @@ struct CallAttributes {
   int32_t process_set_id = 0;
   // Alltoall only: the splits as the op got them (empty = even split), and the
   // rows this rank receives from each rank, agreed when the program was
-  // compiled (xla_ops.cc, "Alltoall"); the run checks the engine's against them.
+  // compiled (xla_lowering.cc, "Alltoall"); the run checks the engine's against them.
   std::vector<int64_t> splits;
   std::vector<int64_t> received_splits;
 };

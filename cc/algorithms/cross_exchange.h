@@ -17,8 +17,8 @@
 // (MPI_Testall). Rounds of all peers run at
 // once: no schedule of a nonblocking collective to step through.
 //  * Reduce-scatter + allgather (bandwidth-optimal, two rounds). The slice is
-//    cut into P *parts* (ChunkSlices geometry: 16-byte aligned, part p owned by
-//    peer p).
+//    cut into P *parts* (ChunkSlices geometry: whole units, part p owned by
+//    peer p; the words: Note [Vocabulary], cc/algorithms/hierarchical_allreduce.h).
 //     1. reduce-scatter round: part p of every peer's slice goes to peer p
 //        (`send` -> `recv`, P copies of our part, in peer order);
 //     2. fold: the P copies, in peer order, into our part of `result` (the

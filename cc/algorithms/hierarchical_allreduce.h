@@ -1,5 +1,27 @@
 // The NV-group hierarchical allreduce, written once for every device.
 //
+// Note [Vocabulary]
+// The words of every algorithm file (cc/algorithms, cc/cpu, cc/device),
+// defined here only; the other files use them in this sense:
+//  * message: the elements of one collective call.
+//  * piece: the part of a message that goes through the registered buffer at
+//    once: a message whose input is not in the registered buffer is copied in
+//    piece by piece (PieceElements). The flat MPI path has no registered
+//    buffer; its pieces are at most pipeline_chunk bytes.
+//  * chunk: the unit of pipelining inside a piece (PipelineChunking, Note
+//    [Chunk size]); two chunks are in the cross step at a time.
+//  * slice: a chunk's share of one group member; slice r is owned by group
+//    rank r (ChunkSlices). Also what one peer brings to a cross exchange.
+//  * part: a slice's share of one peer in the cross step; part p is owned by
+//    peer p (CrossExchange). In the reduce-scatter, part (j, l) is the rows of
+//    chunk k that the rank of group j, group rank l receives
+//    (cc/algorithms/hierarchical_reduce_scatter.h).
+//  * unit: kSliceAlignBytes (16 bytes, one vector load) of elements
+//    (AlignUnitElements); slices, parts and pieces start on whole units.
+//  * step: one of a chunk's three stages below (group reduce-scatter, cross,
+//    group allgather); round: one point-to-point exchange among the peers;
+//    job: the cross exchange of one slice (both cc/algorithms/cross_exchange.h).
+//
 // How it works. The ranks form groups of G members (see communicator.h). The
 // message (the `count` elements of one Allreduce call, already in this rank's
 // registered buffer) is cut into *chunks* (PipelineChunking, Note [Chunk
@@ -60,11 +82,27 @@
 
 namespace nvgroup {
 
+// One 16-byte vector load: the alignment of slices, parts and pieces.
+constexpr size_t kSliceAlignBytes = 16;
+
+// Elements of `element_size` bytes in one unit (Note [Vocabulary]).
+inline size_t AlignUnitElements(size_t element_size) {
+  return std::max<size_t>(1, kSliceAlignBytes / element_size);
+}
+
+// Elements per piece (Note [Vocabulary]): the most elements of `element_size`
+// bytes that fit `capacity_bytes`, in whole blocks of `block_elements`
+// elements (1: any count; AlignUnitElements(e): whole units; times G: whole
+// units per group member), at least one block. Every rank computes the same
+// pieces from the same arguments.
+inline size_t PieceElements(size_t capacity_bytes, size_t element_size, size_t block_elements) {
+  return std::max(block_elements, capacity_bytes / element_size / block_elements * block_elements);
+}
+
 // One chunk and its G slices. Slices are contiguous, in group_rank order,
-// cover the chunk exactly, and all but the last start on a multiple of
-// `kSliceAlignBytes` so 16-byte vector loads stay aligned.
+// cover the chunk exactly, and all but the last start on a whole unit so
+// 16-byte vector loads stay aligned.
 struct ChunkSlices {
-  static constexpr size_t kSliceAlignBytes = 16;  // one 16-byte vector load
   size_t index = 0;         // chunk number within the message
   size_t offset = 0;        // first element of the chunk
   size_t count = 0;         // elements in the chunk
@@ -82,7 +120,7 @@ struct ChunkSlices {
  private:
   // Elements per slice, rounded up to the alignment unit.
   size_t SliceStride() const {
-    size_t unit = std::max<size_t>(1, kSliceAlignBytes / element_size);
+    size_t unit = AlignUnitElements(element_size);
     size_t per = (count + group_size - 1) / group_size;
     return (per + unit - 1) / unit * unit;
   }
@@ -107,7 +145,7 @@ struct PipelineChunking {
 
   // Elements per chunk of a message of `count` elements.
   size_t ChunkElements(size_t count, size_t element_size, int group_size) const {
-    const size_t unit = std::max<size_t>(1, ChunkSlices::kSliceAlignBytes / element_size) * group_size;
+    const size_t unit = AlignUnitElements(element_size) * group_size;
     const size_t most = std::max(unit, (max_bytes / element_size) / unit * unit);
     const size_t least = std::min(most, (std::min(min_bytes, max_bytes) / element_size + unit - 1) / unit * unit);
     const size_t quarter = ((count + kMinPipelineChunks - 1) / kMinPipelineChunks + unit - 1) / unit * unit;

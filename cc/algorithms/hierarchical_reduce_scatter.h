@@ -15,7 +15,8 @@
 // left fold of those results over the groups in group_index order (Average
 // divides by the global size there), exactly the two folds of the allreduce.
 //
-// How. The message is cut into *pieces* of at most the registered capacity (a
+// How (the words: Note [Vocabulary], cc/algorithms/hierarchical_allreduce.h).
+// The message is cut into *pieces* of at most the registered capacity (a
 // group copies its inputs into the registered buffers piece by piece), each
 // piece into K *chunks* (K the same on every rank: RowScatterPlan). In chunk k
 // of a piece, for every group j, *part* (j, l) is the k-th of K near-equal

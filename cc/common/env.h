@@ -83,7 +83,7 @@ struct Knobs {
   std::string liveness_address;
   std::string liveness_interface;
   // XLA on CPU: lower the collectives to the custom call that returns a
-  // future (ops/xla_ops.cc) instead of the synchronous one.
+  // future (ops/xla_host_handlers.cc) instead of the synchronous one.
   bool xla_async = false;
   // XLA on GPU: the custom call returns once the engine enqueued the
   // collective, XLA's stream waiting on the engine's event (true, "stream"), or

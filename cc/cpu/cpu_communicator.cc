@@ -11,7 +11,6 @@
 #include "common/collective_args.h"
 #include "cpu/host_primitives.h"
 #include "cpu/host_reduce.h"
-#include "cpu/ordered_allreduce.h"
 #include "topology/topology.h"
 #include "transport/shm_group.h"
 
@@ -32,7 +31,8 @@ class CpuCommunicator final : public Communicator {
  public:
   CpuCommunicator() = default;
   ~CpuCommunicator() override {
-    cross_.reset();  // completes the cross exchanges in flight
+    cross_.reset();  // complete the exchanges in flight
+    flat_.reset();
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
@@ -76,14 +76,13 @@ class CpuCommunicator final : public Communicator {
   // members (their barriers fail at once instead of timing out).
   Status Track(Status s);
   Status HierarchicalAllreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
+  Status FlatAllreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
   Status RunPieces(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
                    bool in_registered);
   Status GroupReduceScatter(const void* in, void* out, size_t total, size_t my_offset, size_t mine,
                             DataType dtype, ReduceOp op, bool in_registered);
   Status HierarchicalReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
                                    DataType dtype, ReduceOp op, bool in_registered);
-  Status FusedGroupAllreduce(const FusedMember* members, size_t num_members, size_t bytes, DataType dtype,
-                             ReduceOp op, double prescale, double postscale, const PhaseObserver& observer);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   Topology topo_;
@@ -94,7 +93,7 @@ class CpuCommunicator final : public Communicator {
   std::atomic<bool> aborted_{false};  // before shm_, which holds a pointer to it
   std::unique_ptr<ShmGroup> shm_;
   std::string first_failure_;        // non-empty once a collective failed mid-way
-  std::vector<char> flat_scratch_;   // OrderedAllreduce over all ranks
+  std::vector<char> flat_scratch_[2];  // the flat exchange's receive buffers, by piece parity
   std::vector<char> scatter_scratch_;  // ReduceScatter through a full allreduce (NVGROUP_ALLREDUCE_ALGORITHM=mpi)
   // The hierarchical ReduceScatter (several groups): who sits where, the
   // call's plan and its buffers, kept between calls.
@@ -102,9 +101,12 @@ class CpuCommunicator final : public Communicator {
   RowScatterPlan row_plan_;
   HostScatterBuffers row_buffers_;
   std::vector<char> cross_scratch_[2];  // CrossExchange receive buffers, by chunk parity
-  // The cross-group step (group_count > 1). Declared last: destroyed first, it
-  // completes the exchanges in flight before the buffers above go away.
+  // The cross-group step (group_count > 1) and the flat path's exchange over
+  // all ranks in rank order (when the algorithm can take the flat path).
+  // Declared last: destroyed first, they complete the exchanges in flight
+  // before the buffers above go away.
   std::unique_ptr<CrossExchange> cross_;
+  std::unique_ptr<CrossExchange> flat_;
 };
 
 Status CpuCommunicator::Init(MPI_Comm comm, const Knobs& knobs, const CommunicatorOptions& options) {
@@ -137,6 +139,18 @@ Status CpuCommunicator::Init(MPI_Comm comm, const Knobs& knobs, const Communicat
     if (!cross.ok()) return cross.status().WithContext("setting up the cross-group exchange");
     cross_ = cross.consume();
   }
+  const bool flat_possible = algorithm_ == AllreduceAlgorithm::kMpi ||
+                             (algorithm_ == AllreduceAlgorithm::kAuto && topo_.group_size == 1);
+  if (flat_possible && topo_.size > 1) {
+    // Progressed by the caller (Start and Wait): it only waits between pieces,
+    // so a progress thread would have nothing to overlap.
+    CrossExchange::Options flat_options;
+    flat_options.use_thread = false;
+    flat_options.allgather_max_bytes = knobs.cross_allgather_max_bytes;
+    StatusOr<std::unique_ptr<CrossExchange>> flat = CrossExchange::Create(comm_, flat_options);
+    if (!flat.ok()) return flat.status().WithContext("setting up the flat path's exchange");
+    flat_ = flat.consume();
+  }
   return Status::Ok();
 }
 
@@ -166,11 +180,60 @@ Status CpuCommunicator::Allreduce(const void* in, void* out, size_t count, DataT
   if (count == 0) return Status::Ok();
   const bool flat = algorithm_ == AllreduceAlgorithm::kMpi ||
                     (algorithm_ == AllreduceAlgorithm::kAuto && topo_.group_size == 1);
-  if (flat)
-    return Track(OrderedAllreduce(comm_, in, out, count, dtype, op,
-                                  op == ReduceOp::kAverage ? topo_.size : 1, chunk_bytes_,
-                                  &flat_scratch_));
+  if (flat) return Track(FlatAllreduce(in, out, count, dtype, op));
   return HierarchicalAllreduce(in, out, count, dtype, op);
+}
+
+// The flat path (Note [Determinism contract]): the message in pieces of at
+// most pipeline_chunk bytes (whole units per rank; MPI counts are int, so at
+// most 1 GiB), each piece one job of the exchange over all ranks in rank order
+// (CrossExchange, cc/algorithms/cross_exchange.h: its slice is the piece, its
+// parts one per rank; reduce-scatter + allgather, or allgather + fold for
+// small pieces, the same bits). Two pieces are in flight, their receive
+// buffers by piece parity (CrossJobs): piece k + 2 reuses those of piece k
+// after Finish(k). A piece reads only its part of `in` and writes only its
+// part of `out`, so `out` may be `in`.
+Status CpuCommunicator::FlatAllreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op) {
+  if (topo_.size == 1) {
+    if (out != in) std::memcpy(out, in, count * DataTypeSize(dtype));
+    return Status::Ok();
+  }
+  if (flat_ == nullptr) return Status::Internal("flat allreduce without its exchange");
+  const size_t esize = DataTypeSize(dtype);
+  const size_t piece = PieceElements(std::min(chunk_bytes_, kMaxMpiBytes), esize,
+                                     AlignUnitElements(esize) * static_cast<size_t>(topo_.size));
+  const size_t num_pieces = (count + piece - 1) / piece;
+  const CrossExchange::Fold fold = ContiguousHostFold(dtype, op, op == ReduceOp::kAverage ? topo_.size : 1);
+  CrossJobs jobs(flat_.get());
+  auto start = [&](size_t k) -> Status {
+    const size_t offset = k * piece, n = std::min(piece, count - offset);
+    std::vector<char>& scratch = flat_scratch_[k % 2];
+    scratch.resize(std::max(scratch.size(), flat_->RecvBytes(n, esize)));
+    CrossExchange::Job job;
+    job.send = static_cast<const char*>(in) + offset * esize;
+    job.recv = scratch.data();
+    job.result = static_cast<char*>(out) + offset * esize;
+    job.count = n;
+    job.element_size = esize;
+    job.fold = fold;
+    return jobs.Start(k, std::move(job));
+  };
+  // A piece started is always finished (its buffers stay in use until then).
+  constexpr size_t kInFlight = 2;
+  Status first;
+  size_t started = 0;
+  for (; started < std::min(kInFlight, num_pieces) && first.ok(); ++started) first = start(started);
+  if (!first.ok()) --started;  // a failed Start queued nothing
+  for (size_t k = 0; k < started; ++k) {
+    Status s = jobs.Finish(k);
+    if (!s.ok()) s = s.WithContext("flat allreduce of piece " + std::to_string(k));
+    if (first.ok()) first = s;
+    if (first.ok() && started < num_pieces) {
+      first = start(started);
+      if (first.ok()) ++started;
+    }
+  }
+  return first;
 }
 
 // The registered buffer holds each member's input for the group step, so the
@@ -205,7 +268,7 @@ Status CpuCommunicator::RunPieces(const void* in, void* out, size_t count, DataT
                                   ReduceOp op, bool in_registered) {
   const size_t esize = DataTypeSize(dtype);
   char* reg = shm_->buffer(topo_.group_rank);
-  const size_t piece_elems = in_registered ? count : shm_->capacity() / esize;
+  const size_t piece_elems = in_registered ? count : PieceElements(shm_->capacity(), esize, 1);
   const bool force = algorithm_ == AllreduceAlgorithm::kHierarchical;
   for (size_t offset = 0; offset < count; offset += piece_elems) {
     const size_t n = std::min(piece_elems, count - offset);
@@ -344,7 +407,7 @@ Status CpuCommunicator::GroupReduceScatter(const void* in, void* out, size_t tot
                                            size_t mine, DataType dtype, ReduceOp op, bool in_registered) {
   const size_t esize = DataTypeSize(dtype);
   char* reg = shm_->buffer(topo_.group_rank);
-  const size_t piece = in_registered ? total : shm_->capacity() / esize;
+  const size_t piece = in_registered ? total : PieceElements(shm_->capacity(), esize, 1);
   const int divisor = op == ReduceOp::kAverage ? topo_.size : 1;
   std::vector<const void*> sources(topo_.group_size);
   for (size_t p0 = 0; p0 < total; p0 += piece) {
@@ -373,7 +436,7 @@ Status CpuCommunicator::HierarchicalReduceScatter(const void* in, void* out, con
   const size_t esize = DataTypeSize(dtype);
   size_t total = 0;
   for (size_t c : counts) total += c;
-  const size_t piece = topo_.group_size == 1 || in_registered ? total : shm_->capacity() / esize;
+  const size_t piece = topo_.group_size == 1 || in_registered ? total : PieceElements(shm_->capacity(), esize, 1);
   const size_t capacity = std::max<size_t>(2 * static_cast<size_t>(topo_.group_count),
                                            chunk_bytes_ / esize / topo_.group_size);
   NVG_RETURN_IF_ERROR(row_plan_.Build(counts, row_owners_, topo_.group_rank, topo_.group_index, piece, capacity,
@@ -383,27 +446,8 @@ Status CpuCommunicator::HierarchicalReduceScatter(const void* in, void* out, con
   return RunHierarchicalReduceScatter(prims, row_plan_);
 }
 
-// Note [Fused bucket on one group]
-// FusedAllreduce with one group of G > 1 members (the auto algorithm): the
-// reference (every member copied into the registered buffer, GroupAllreduce
-// in place, every member copied out) moves each byte through memory four
-// times. Members' buffers are read by the group only for the slices other
-// members own, and the gathered result is needed only in the outputs, so:
-//   copy in   the parts of each member that lie outside our own slice (all of
-//             it when prescale != 1), scaled, to its offset in our buffer;
-//   barrier "inputs in place"   -- every member's copy-in before the reads;
-//   reduce    our slice, member by member, folding the G sources in
-//             group_rank order (ours read straight from the input when
-//             prescale == 1: the bits the copy would have held) into our
-//             buffer, the only slice of it anyone writes;
-//   barrier "slices reduced"    -- every member's slice before the gathers;
-//   copy out  every member's result from the owning member's buffer straight
-//             into its output, postscaled;
-//   barrier "reads done"        -- every member's reads of our buffer before
-//             the next call writes it.
-// The fold and both scalings are the reference's operations on the same bits
-// (ReduceFold, ScaledCopy), so outputs are bitwise the reference's. An output
-// equal to its input is written only after the reduce read it (same thread).
+// One group of G > 1 members (the auto algorithm): the host primitives' fused
+// mode (Note [Fused bucket on one group], cc/cpu/host_primitives.h).
 Status CpuCommunicator::FusedAllreduce(const FusedMember* members, size_t num_members, size_t bytes,
                                        DataType dtype, ReduceOp op, double prescale, double postscale,
                                        void* stream, const PhaseObserver& observer) {
@@ -415,73 +459,13 @@ Status CpuCommunicator::FusedAllreduce(const FusedMember* members, size_t num_me
                                    " bytes)");
   if (topo_.size == 1)
     return FusedAllreduceOneRank(members, num_members, dtype, prescale, postscale, stream, observer);
-  if (algorithm_ == AllreduceAlgorithm::kAuto && topo_.group_count == 1 && topo_.group_size > 1)
-    return Track(FusedGroupAllreduce(members, num_members, bytes, dtype, op, prescale, postscale, observer));
+  if (algorithm_ == AllreduceAlgorithm::kAuto && topo_.group_count == 1 && topo_.group_size > 1) {
+    HostPrimitives prims(topo_, shm_.get(), cross_.get(), dtype, op, cross_scratch_);
+    return Track(prims.GroupAllreduceMembers(members, num_members, bytes / DataTypeSize(dtype), prescale, postscale,
+                                             observer));
+  }
   return FusedAllreduceThroughBuffer(members, num_members, bytes, dtype, op, prescale, postscale, stream,
                                      observer);
-}
-
-// See Note [Fused bucket on one group].
-Status CpuCommunicator::FusedGroupAllreduce(const FusedMember* members, size_t num_members, size_t bytes,
-                                            DataType dtype, ReduceOp op, double prescale, double postscale,
-                                            const PhaseObserver& observer) {
-  const size_t esize = DataTypeSize(dtype);
-  const int me = topo_.group_rank, group = topo_.group_size;
-  char* reg = shm_->buffer(me);
-  ChunkSlices whole;
-  whole.count = bytes / esize;
-  whole.group_size = group;
-  whole.element_size = esize;
-  const size_t s0 = whole.SliceOffset(me), s1 = s0 + whole.SliceCount(me);
-  const bool direct = prescale == 1.0;  // our slice read from the inputs themselves
-  auto copy_in = [&](const FusedMember& m, size_t a, size_t lo, size_t hi) -> Status {
-    if (lo >= hi) return Status::Ok();
-    return ScaledCopy(dtype, static_cast<const char*>(m.input) + (lo - a) * esize, reg + lo * esize, hi - lo,
-                      prescale);
-  };
-  observer(FusedPhase::kCopyIn, true);
-  for (size_t k = 0; k < num_members; ++k) {
-    const FusedMember& m = members[k];
-    const size_t a = m.offset / esize, b = a + m.count;
-    if (!direct) {
-      NVG_RETURN_IF_ERROR(copy_in(m, a, a, b));
-      continue;
-    }
-    NVG_RETURN_IF_ERROR(copy_in(m, a, a, std::min(b, s0)));
-    NVG_RETURN_IF_ERROR(copy_in(m, a, std::max(a, s1), b));
-  }
-  observer(FusedPhase::kCopyIn, false);
-
-  observer(FusedPhase::kReduce, true);
-  NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: inputs in place"));
-  const int divisor = op == ReduceOp::kAverage ? topo_.size : 1;
-  std::vector<const void*> sources(group);
-  for (size_t k = 0; k < num_members; ++k) {
-    const FusedMember& m = members[k];
-    const size_t a = m.offset / esize, b = a + m.count;
-    const size_t lo = std::max(a, s0), hi = std::min(b, s1);
-    if (lo >= hi) continue;
-    for (int g = 0; g < group; ++g) sources[g] = shm_->buffer(g) + lo * esize;
-    if (direct) sources[me] = static_cast<const char*>(m.input) + (lo - a) * esize;
-    NVG_RETURN_IF_ERROR(ReduceFold(dtype, op, sources.data(), group, reg + lo * esize, hi - lo, divisor));
-  }
-  NVG_RETURN_IF_ERROR(shm_->Barrier("group allreduce: slices reduced"));
-  observer(FusedPhase::kReduce, false);
-
-  observer(FusedPhase::kCopyOut, true);
-  for (size_t k = 0; k < num_members; ++k) {
-    const FusedMember& m = members[k];
-    const size_t a = m.offset / esize, b = a + m.count;
-    for (int g = 0; g < group; ++g) {
-      const size_t lo = std::max(a, whole.SliceOffset(g)), hi = std::min(b, whole.SliceOffset(g) + whole.SliceCount(g));
-      if (lo >= hi) continue;
-      NVG_RETURN_IF_ERROR(ScaledCopy(dtype, shm_->buffer(g) + lo * esize,
-                                     static_cast<char*>(m.output) + (lo - a) * esize, hi - lo, postscale));
-    }
-  }
-  NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: reads done"));
-  observer(FusedPhase::kCopyOut, false);
-  return Status::Ok();
 }
 
 Status CpuCommunicator::Alltoallv(const void* in, const std::vector<size_t>& send_bytes, void* out,

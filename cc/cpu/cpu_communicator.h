@@ -10,8 +10,9 @@
 //    registered buffer go through it in registered_capacity()-sized pieces.
 //    "auto" takes it whenever groups have more than one member.
 //  * flat MPI (NVGROUP_ALLREDUCE_ALGORITHM=mpi, and "auto" with groups of one
-//    rank, where the group step would only copy): OrderedAllreduce
-//    (cc/cpu/ordered_allreduce.h), a deterministic MPI reduce-scatter + allgather.
+//    rank, where the group step would only copy): the cross exchange
+//    (cc/algorithms/cross_exchange.h) over all ranks in rank order, piece by
+//    piece, a deterministic reduce-scatter + allgather.
 // Inputs, outputs and the registered buffer: see Communicator. An output may
 // overlap the registered buffer only as the buffer itself, with the input
 // there too (the engine's fused in-place call); an input inside the buffer
@@ -19,7 +20,7 @@
 // ReduceScatter: one group: the group step alone (GroupReduceScatter); several
 // groups: RunHierarchicalReduceScatter (cc/algorithms/
 // hierarchical_reduce_scatter.h) over HostScatterPrimitives; the flat
-// algorithm: OrderedAllreduce, then this rank's rows.
+// algorithm: the flat allreduce, then this rank's rows.
 // Allgatherv and Broadcast are plain MPI (after a cross-rank argument check).
 // Settings, from the Knobs it is created with (cc/common/env.h; nothing else
 // is read): group_size, algorithm, pipeline_chunk and pipeline_min_chunk
@@ -32,9 +33,9 @@
 //
 // Note [Blocking MPI steps]
 // Abort() and the peer timeout bound the shared-memory waits (ShmGroup). The MPI
-// steps (flat path, allgatherv, broadcast) are blocking MPI calls; the
-// cross-group step's nonblocking collectives (CrossExchange) are always
-// completed, never abandoned. Completing them with a timeout was tried and rejected,
+// steps (allgatherv, broadcast, alltoallv) are blocking MPI calls; the
+// nonblocking point-to-point rounds of the cross-group step and of the flat
+// path (CrossExchange) are always completed, never abandoned. Completing them with a timeout was tried and rejected,
 // because MPI can neither cancel nor free a collective request, so an abandoned
 // one later wrote into freed memory when the late peer arrived (a segfault in
 // the test). A peer lost inside an MPI step is reported by MPI (Open MPI ends
@@ -48,9 +49,9 @@
 // group_index order (cc/cpu/host_reduce.h says where float16/bfloat16 round).
 // The flat path is the same fold with one group of `size` ranks: the message is
 // cut into pieces of at most pipeline_chunk bytes and each piece into `size`
-// slices (ChunkSlices); MPI_Alltoallv brings slice r of every rank to rank r,
-// which folds them in rank order 0..size-1 and MPI_Allgatherv shares the
-// slices. MPI_Allreduce's internal order is never used for data, so:
+// parts (CrossExchange: part r to rank r, which folds the copies in rank order
+// 0..size-1 and shares its part; small pieces go whole to every rank, which
+// folds them all in the same order). MPI's own reduction is never used, so:
 //  * every rank gets the same bits;
 //  * the result of element i does not depend on where it sits in the buffer
 //    (a fused buffer and the unfused tensors give identical bits);

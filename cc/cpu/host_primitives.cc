@@ -42,14 +42,86 @@ void HostPrimitives::GatherSlices(const ChunkSlices& chunk, void* out) const {
   }
 }
 
+Status HostPrimitives::ReduceAndGatherMembers(const ChunkSlices& whole, const Communicator::FusedMember* members,
+                                              size_t num_members, bool own_from_inputs, double postscale,
+                                              const Communicator::PhaseObserver& observer) {
+  using Phase = Communicator::FusedPhase;
+  const int me = topo_.group_rank, group = topo_.group_size;
+  const size_t s0 = whole.SliceOffset(me), s1 = s0 + whole.SliceCount(me);
+  char* reg = shm_->buffer(me);
+  std::vector<const void*> sources(group);
+  for (size_t k = 0; k < num_members; ++k) {
+    const Communicator::FusedMember& m = members[k];
+    const size_t a = m.offset / esize_, b = a + m.count;
+    const size_t lo = std::max(a, s0), hi = std::min(b, s1);
+    if (lo >= hi) continue;
+    for (int g = 0; g < group; ++g) sources[g] = shm_->buffer(g) + lo * esize_;
+    if (own_from_inputs) sources[me] = static_cast<const char*>(m.input) + (lo - a) * esize_;
+    NVG_RETURN_IF_ERROR(ReduceFold(dtype_, op_, sources.data(), group, reg + lo * esize_, hi - lo, final_divisor_));
+  }
+  NVG_RETURN_IF_ERROR(shm_->Barrier("group allreduce: slices reduced"));
+  observer(Phase::kReduce, false);
+
+  observer(Phase::kCopyOut, true);
+  for (size_t k = 0; k < num_members; ++k) {
+    const Communicator::FusedMember& m = members[k];
+    const size_t a = m.offset / esize_, b = a + m.count;
+    for (int g = 0; g < group; ++g) {
+      const size_t lo = std::max(a, whole.SliceOffset(g)), hi = std::min(b, whole.SliceOffset(g) + whole.SliceCount(g));
+      if (lo >= hi) continue;
+      NVG_RETURN_IF_ERROR(ScaledCopy(dtype_, shm_->buffer(g) + lo * esize_,
+                                     static_cast<char*>(m.output) + (lo - a) * esize_, hi - lo, postscale));
+    }
+  }
+  return Status::Ok();
+}
+
 Status HostPrimitives::GroupAllreduce(size_t count, void* out) {
   ChunkSlices whole;
   whole.count = count;
   whole.group_size = topo_.group_size;
   whole.element_size = esize_;
-  NVG_RETURN_IF_ERROR(ReduceOwnSlice(whole, final_divisor_));
-  NVG_RETURN_IF_ERROR(shm_->Barrier("group allreduce: slices reduced"));
-  GatherSlices(whole, out);
+  // The message as one member: in our registered buffer, `out` its output.
+  const Communicator::FusedMember message{shm_->buffer(topo_.group_rank), out, count, 0};
+  return ReduceAndGatherMembers(whole, &message, 1, false, 1.0, Communicator::PhaseObserver());
+}
+
+// See Note [Fused bucket on one group].
+Status HostPrimitives::GroupAllreduceMembers(const Communicator::FusedMember* members, size_t num_members,
+                                             size_t count, double prescale, double postscale,
+                                             const Communicator::PhaseObserver& observer) {
+  using Phase = Communicator::FusedPhase;
+  const int me = topo_.group_rank;
+  char* reg = shm_->buffer(me);
+  ChunkSlices whole;
+  whole.count = count;
+  whole.group_size = topo_.group_size;
+  whole.element_size = esize_;
+  const size_t s0 = whole.SliceOffset(me), s1 = s0 + whole.SliceCount(me);
+  const bool direct = prescale == 1.0;  // our slice read from the inputs themselves
+  auto copy_in = [&](const Communicator::FusedMember& m, size_t a, size_t lo, size_t hi) -> Status {
+    if (lo >= hi) return Status::Ok();
+    return ScaledCopy(dtype_, static_cast<const char*>(m.input) + (lo - a) * esize_, reg + lo * esize_, hi - lo,
+                      prescale);
+  };
+  observer(Phase::kCopyIn, true);
+  for (size_t k = 0; k < num_members; ++k) {
+    const Communicator::FusedMember& m = members[k];
+    const size_t a = m.offset / esize_, b = a + m.count;
+    if (!direct) {
+      NVG_RETURN_IF_ERROR(copy_in(m, a, a, b));
+      continue;
+    }
+    NVG_RETURN_IF_ERROR(copy_in(m, a, a, std::min(b, s0)));
+    NVG_RETURN_IF_ERROR(copy_in(m, a, std::max(a, s1), b));
+  }
+  observer(Phase::kCopyIn, false);
+
+  observer(Phase::kReduce, true);
+  NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: inputs in place"));
+  NVG_RETURN_IF_ERROR(ReduceAndGatherMembers(whole, members, num_members, direct, postscale, observer));
+  NVG_RETURN_IF_ERROR(shm_->Barrier("allreduce: reads done"));
+  observer(Phase::kCopyOut, false);
   return Status::Ok();
 }
 

@@ -25,6 +25,36 @@
 //    written), then copy all slices of the chunk into `out`.
 //  * GroupAllreduce(count, out) (one group, not forced): the reduce-scatter of
 //    the whole message, a barrier (final slices before reads), the allgather.
+//  * GroupAllreduceMembers(members, ...) (FusedAllreduce with one group of
+//    G > 1 members, the auto algorithm): the same fold, barrier and gather over
+//    a fused bucket whose members' inputs and outputs are the message, with the
+//    copy-in and the barriers around it (Note [Fused bucket on one group]
+//    below). GroupAllreduce is this mode with one member: the message in our
+//    registered buffer, `out` its output.
+//
+// Note [Fused bucket on one group]
+// The reference of a fused bucket (every member copied into the registered
+// buffer, GroupAllreduce in place, every member copied out) moves each byte
+// through memory four times. Members' buffers are read by the group only for
+// the slices other members own, and the gathered result is needed only in the
+// outputs, so GroupAllreduceMembers does:
+//   copy in   the parts of each member that lie outside our own slice (all of
+//             it when prescale != 1), scaled, to its offset in our buffer;
+//   barrier "allreduce: inputs in place"   -- every member's copy-in before
+//             the reads;
+//   reduce    our slice, member by member, folding the G sources in
+//             group_rank order (ours read straight from the input when
+//             prescale == 1: the bits the copy would have held) into our
+//             buffer, the only slice of it anyone writes;
+//   barrier "group allreduce: slices reduced"   -- every member's slice
+//             before the gathers;
+//   copy out  every member's result from the owning member's buffer straight
+//             into its output, postscaled;
+//   barrier "allreduce: reads done"   -- every member's reads of our buffer
+//             before the next call writes it.
+// The fold and both scalings are the reference's operations on the same bits
+// (ReduceFold, ScaledCopy), so outputs are bitwise the reference's. An output
+// equal to its input is written only after the reduce read it (same thread).
 // Average divides in the fold that produces the final value: the group fold
 // when there is one group, else the fold over groups.
 #pragma once
@@ -55,6 +85,10 @@ class HostPrimitives {
   size_t element_size() const { return esize_; }
 
   Status GroupAllreduce(size_t count, void* out);
+  // `count` elements: the members' extent (their offsets are bytes into our
+  // registered buffer). `observer` marks the copy-in, reduce and copy-out.
+  Status GroupAllreduceMembers(const Communicator::FusedMember* members, size_t num_members, size_t count,
+                               double prescale, double postscale, const Communicator::PhaseObserver& observer);
   Status GroupReduceScatter(const ChunkSlices& chunk);
   Status CrossStart(const ChunkSlices& chunk);
   Status CrossFinish(const ChunkSlices& chunk);
@@ -63,6 +97,14 @@ class HostPrimitives {
  private:
   // Folds slice `me` of `chunk` over the members into our own buffer.
   Status ReduceOwnSlice(const ChunkSlices& chunk, int average_divisor);
+  // The group allreduce of `whole` (one chunk of the whole message) over
+  // members: our slice folded (our own source read from the members' inputs
+  // when `own_from_inputs`, else from our buffer), the barrier "group
+  // allreduce: slices reduced", every slice copied into the members'
+  // outputs, postscaled. Ends the observer's reduce and starts its copy-out.
+  Status ReduceAndGatherMembers(const ChunkSlices& whole, const Communicator::FusedMember* members,
+                                size_t num_members, bool own_from_inputs, double postscale,
+                                const Communicator::PhaseObserver& observer);
   // Copies every member's slice of `chunk` into `out` (same element offsets).
   void GatherSlices(const ChunkSlices& chunk, void* out) const;
 

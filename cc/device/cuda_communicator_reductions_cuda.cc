@@ -93,17 +93,16 @@ Status CudaCommunicator::AllreduceOnWork(const void* in, void* out, size_t count
         "(only in-place use of the registered buffer is supported)");
   if (in_reg) {
     const size_t offset = in_c - reg;
-    if (offset % 16 != 0 || offset + bytes > capacity)
+    if (offset % kSliceAlignBytes != 0 || offset + bytes > capacity)
       return Status::InvalidArgument("allreduce: input at offset " + std::to_string(offset) +
                                      " of the registered buffer with " + std::to_string(bytes) +
                                      " bytes is misaligned or exceeds its " +
                                      std::to_string(capacity) + " bytes");
     return AllreducePiece(in, out, count, true, offset, dtype, op);
   }
-  // Any other input: pieces of at most the registered capacity (whole 16-byte
-  // units per group member so every piece stays aligned).
-  const size_t unit = std::max<size_t>(1, 16 / esize) * group_.topo.group_size;
-  const size_t piece = std::max(unit, capacity / esize / unit * unit);
+  // Any other input: pieces of at most the registered capacity (whole units
+  // per group member so every piece stays aligned).
+  const size_t piece = PieceElements(capacity, esize, AlignUnitElements(esize) * group_.topo.group_size);
   for (size_t first = 0; first < count; first += piece) {
     const size_t n = std::min(piece, count - first);
     NVG_RETURN_IF_ERROR_CTX(
@@ -196,8 +195,7 @@ Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vec
 Status CudaCommunicator::GroupRowReduceScatter(const void* in, void* out, size_t total, size_t my_offset,
                                                size_t mine, bool in_registered, DataType dtype, ReduceOp op) {
   const size_t esize = DataTypeSize(dtype);
-  const size_t unit = std::max<size_t>(1, 16 / esize);
-  const size_t piece = in_registered ? total : std::max(unit, registered_capacity() / esize / unit * unit);
+  const size_t piece = in_registered ? total : PieceElements(registered_capacity(), esize, AlignUnitElements(esize));
   const int divisor = op == ReduceOp::kAverage ? group_.topo.size : 1;
   for (size_t p0 = 0; p0 < total; p0 += piece) {
     const size_t n = std::min(piece, total - p0);
@@ -232,12 +230,12 @@ Status CudaCommunicator::HierarchicalReduceScatter(const void* in, void* out, co
   const size_t esize = DataTypeSize(dtype);
   size_t total = 0;
   for (size_t c : counts) total += c;
-  const size_t unit = std::max<size_t>(1, 16 / esize);
   const size_t piece = topo.group_size == 1 || in_registered
                            ? total
-                           : std::max(unit, registered_capacity() / esize / unit * unit);
+                           : PieceElements(registered_capacity(), esize, AlignUnitElements(esize));
   const size_t send_capacity = group_.slice_capacity / esize;
-  const size_t recv_capacity = (group_.slice_capacity + 16 * static_cast<size_t>(topo.group_count)) / esize;
+  const size_t recv_capacity =
+      (group_.slice_capacity + kSliceAlignBytes * static_cast<size_t>(topo.group_count)) / esize;
   NVG_RETURN_IF_ERROR(group_.row_plan.Build(counts, group_.row_owners, topo.group_rank, topo.group_index, piece,
                                             send_capacity, recv_capacity));
   DeviceScatterPrimitives prims(&group_, in, in_registered, out, dtype, op, row_scatter_block_cap_, work_);

@@ -46,8 +46,9 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
   // NVGROUP_TIMEOUT bounds the setup.
   if (watch_liveness) {
     // A lost peer aborts every engine of the process (all process sets).
+    const LivenessSettings liveness_settings{knobs.peer_timeout_s, LivenessAddressSettingsFrom(knobs)};
     StatusOr<std::unique_ptr<LivenessMonitor>> liveness =
-        LivenessMonitor::Create(comm_, knobs.peer_timeout_s, [](const Status& lost) { AbortEngine(lost); });
+        LivenessMonitor::Create(comm_, liveness_settings, [](const Status& lost) { AbortEngine(lost); });
     if (liveness.ok()) liveness_ = liveness.consume();
     else NVG_LOG(kWarning) << "dead-rank detection is off: " << liveness.status().message();
   }

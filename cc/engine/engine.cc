@@ -44,6 +44,14 @@ StatusOr<int> IsHomogeneous() {
   return homogeneous.value() ? 1 : 0;
 }
 
+StatusOr<std::string> AgreedSettingValue(const std::string& name) {
+  StatusOr<Knobs> knobs = Runtime::Get().AgreedKnobs();
+  if (!knobs.ok()) return knobs.status();
+  for (auto& [variable, value] : AgreedKnobs(knobs.value()))
+    if (variable == name) return value;
+  return Status::InvalidArgument(name + " is not a setting the ranks agree on at init (docs/SETTINGS.md)");
+}
+
 Status StartTimeline(const std::string& path, bool mark_cycles) {
   if (path.empty()) return Status::InvalidArgument("start_timeline: the file path is empty");
   StatusOr<std::shared_ptr<Engine>> engine = Runtime::Get().Current();

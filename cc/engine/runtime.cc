@@ -80,6 +80,12 @@ StatusOr<bool> Runtime::Homogeneous() {
   return homogeneous_;
 }
 
+StatusOr<Knobs> Runtime::AgreedKnobs() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (engine_ == nullptr) return NotInitialized();
+  return knobs_;
+}
+
 StatusOr<std::shared_ptr<Engine>> Runtime::EngineFor(std::vector<CollectiveRequest>* requests) {
   const int32_t id = (*requests)[0].process_set_id;
   for (const CollectiveRequest& q : *requests)

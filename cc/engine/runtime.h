@@ -46,6 +46,8 @@ class Runtime {
   StatusOr<std::shared_ptr<Engine>> Current();
   StatusOr<bool> ThreadMultiple();
   StatusOr<bool> Homogeneous();
+  // The knobs agreed at Init (kFailedPrecondition before).
+  StatusOr<Knobs> AgreedKnobs();
   // Validates `requests` (request_validation.h) and hands them to their
   // process set's engine as one submission; `grouped`: EnqueueGroup.
   Status Submit(std::vector<CollectiveRequest> requests, bool grouped);

@@ -13,7 +13,8 @@
 
 namespace nvgroup {
 
-// One launch reduces one *piece* of the message (at most the registered
+// One launch reduces one *piece* (Note [Vocabulary], cc/algorithms/
+// hierarchical_allreduce.h) of the message (at most the registered
 // capacity). Every member of the group launches it with the same `base.count`
 // and `base.blocks` (the barrier pairs block b with block b); the ranges differ.
 // Row ranges one launch folds (the hierarchical reduce-scatter passes one per

@@ -16,7 +16,7 @@
 //    and says HELLO with the secret. Rank 0 gives a rank's place only to a
 //    connection that proves the secret; anything else is closed, however many
 //    strangers come first (Note [Liveness connection authentication] in
-//    liveness.cc). One MPI reduction then tells every rank whether all
+//    liveness_setup.cc). One MPI reduction then tells every rank whether all
 //    connections were made, so all ranks agree on whether the monitor runs.
 //  * A death closes the dead process's sockets in the kernel. Rank 0 therefore
 //    reads EOF (or ECONNRESET) on that rank's socket at once, sends DEAD(k) to
@@ -55,10 +55,20 @@
 #include <vector>
 
 #include "nvgroup/status.h"
+#include "transport/liveness_address.h"
 
 namespace nvgroup {
 
-struct LivenessFrame;  // the wire record, defined in liveness.cc
+struct LivenessFrame;  // the wire record, defined in liveness_wire.h
+
+// What Create takes from the settings, parsed once by its caller (the engine,
+// from its knobs: cc/common/env.h) and never read again here.
+struct LivenessSettings {
+  double timeout_s = 30;  // the most Create waits for the connections (NVGROUP_TIMEOUT)
+  // Where rank 0 listens (NVGROUP_LIVENESS_ADDR, NVGROUP_LIVENESS_IFACE and
+  // MPI's interface lists: LivenessAddressSettingsFrom).
+  LivenessAddressSettings addresses;
+};
 
 class LivenessMonitor {
  public:
@@ -68,10 +78,10 @@ class LivenessMonitor {
   using LostCallback = std::function<void(const Status&)>;
 
   // Collective over `comm` (every rank calls it; only this thread may use
-  // `comm` meanwhile). Waits at most `timeout_s` for the connections. On
-  // failure every rank gets a non-OK Status (the same verdict everywhere) and
-  // the caller may carry on without a monitor.
-  static StatusOr<std::unique_ptr<LivenessMonitor>> Create(MPI_Comm comm, double timeout_s,
+  // `comm` meanwhile). Waits at most `settings.timeout_s` for the
+  // connections. On failure every rank gets a non-OK Status (the same verdict
+  // everywhere) and the caller may carry on without a monitor.
+  static StatusOr<std::unique_ptr<LivenessMonitor>> Create(MPI_Comm comm, const LivenessSettings& settings,
                                                            LostCallback on_lost);
   ~LivenessMonitor();  // Close()
   LivenessMonitor(const LivenessMonitor&) = delete;

@@ -42,7 +42,7 @@ them. So the reduction always happens in the OUTERMOST optimizer:
     same optimizer, which itself stops reducing: the reduction moves outward,
     before the finite check.
 
-XLA. The collectives have XLA lowerings (ops/xla_ops.cc: custom calls into
+XLA. The collectives have XLA lowerings (ops/xla_lowering.cc: custom calls into
 the engine), so a train step with DistributedOptimizer compiles like any other:
 `compile(jit_compile=True)` and custom loops under tf.function(jit_compile=True)
 run the reduction inside the XLA program, and the default jit_compile="auto"

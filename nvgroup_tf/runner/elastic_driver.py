@@ -23,7 +23,7 @@ worker side):
                             HostsUpdatedInterrupt at the same commit;
     NVGROUP_ELASTIC_LAUNCH  the launch's number (0, 1, ...).
   Each launch is a new MPI job, so the engine's liveness rendezvous draws a
-  new random secret in every launch (cc/transport/liveness.cc).
+  new random secret in every launch (cc/transport/liveness_setup.cc).
 * A worker that gets HostsUpdatedInterrupt saves and writes its state and
   exits with EXIT_HOSTS_UPDATED; the driver then relaunches at once.
 * Any other non-zero end of the launcher (a worker killed, an engine error

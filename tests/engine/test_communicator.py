@@ -55,6 +55,17 @@ def test_allreduce_flat_mpi(np_):
         env={"NVGROUP_ALLREDUCE_ALGORITHM": "mpi"})
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_allreduce_flat_mpi_in_many_pieces(np_):
+    """The flat path with 4 KiB pieces: many pieces, two in flight, in the
+    allgather + fold variant (the default limit, 16 KiB sent per rank) and,
+    with the limit 0, all in reduce-scatter + allgather."""
+    for limit in (16384, 0):
+        run("comm_allreduce.py", np_, ["--counts", "0,1,7,1000,5003,70001", "--largest-dtypes", "float16,float32"],
+            env={"NVGROUP_ALLREDUCE_ALGORITHM": "mpi", "NVGROUP_PIPELINE_CHUNK": 4096,
+                 "NVGROUP_CROSS_ALLGATHER_MAX_BYTES": limit})
+
+
 def test_allreduce_forced_hierarchy_one_group():
     run("comm_allreduce.py", 3, ["--largest-dtypes", "int32"],
         env={"NVGROUP_ALLREDUCE_ALGORITHM": "hierarchical", "NVGROUP_PIPELINE_CHUNK": 1 << 16})

@@ -351,14 +351,52 @@ def check_bad_input_errors():
             raise AssertionError("%s must be rejected" % kwargs)
         except ValueError as e:
             assert needle in str(e), e
-    os.environ["NVGROUP_BUCKET_CAP_MB"] = "lots"
+
+
+def check_bucket_cap_is_the_agreed_value():
+    """Without bucket_cap_bytes the cap is NVGROUP_BUCKET_CAP_MB as the ranks
+    agreed it at init: the environment changed afterwards (even to a value the
+    settings table refuses) does not change it."""
+    from nvgroup_tf import basics
+    from nvgroup_tf.gradient_reducer import GradientReducer
+    agreed = int(float(basics.agreed_setting_value("NVGROUP_BUCKET_CAP_MB")) * (1 << 20))
+    launched = os.environ.get("NVGROUP_BUCKET_CAP_MB")
+    assert agreed == int(float(launched or "25") * (1 << 20)), (agreed, launched)
     try:
-        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
-        raise AssertionError("a bad NVGROUP_BUCKET_CAP_MB must be rejected")
-    except ValueError as e:
-        assert "NVGROUP_BUCKET_CAP_MB='lots'" in str(e), e
+        for later in ("lots", "2.5", "0"):
+            os.environ["NVGROUP_BUCKET_CAP_MB"] = later
+            assert GradientReducer().cap_bytes == agreed, later
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))  # builds: the environment is not read again
     finally:
-        del os.environ["NVGROUP_BUCKET_CAP_MB"]
+        if launched is None:
+            del os.environ["NVGROUP_BUCKET_CAP_MB"]
+        else:
+            os.environ["NVGROUP_BUCKET_CAP_MB"] = launched
+
+
+def check_bucket_cap_argument_must_agree():
+    """bucket_cap_bytes decides the buckets: ranks passing different values get
+    a ValueError on every rank, naming each rank's value, at the first
+    reduction; equal values reduce as usual."""
+    from nvgroup_tf.gradient_reducer import GradientReducer, ReduceOptions
+    rng = np.random.default_rng(7 + RANK)
+    variables = [tf.Variable(np.zeros((5, 3), np.float32), name="v%d" % i) for i in range(3)]
+    grads = [tf.constant(rng.standard_normal((5, 3)).astype(np.float32)) for _ in variables]
+    mine = 64 + 16 * RANK
+    try:
+        GradientReducer(ReduceOptions(bucket_cap_bytes=mine), name_prefix="CapMismatch").reduce(grads, variables)
+        raise AssertionError("different bucket_cap_bytes on the ranks must be refused")
+    except ValueError as e:
+        assert "different bucket_cap_bytes" in str(e), e
+        assert str([64 + 16 * r for r in range(SIZE)]) in str(e), e
+    reduced = GradientReducer(ReduceOptions(bucket_cap_bytes=64), name_prefix="CapAgreed").reduce(grads, variables)
+    def rank_grads(r):
+        g = np.random.default_rng(7 + r)
+        return np.stack([g.standard_normal((5, 3)).astype(np.float32) for _ in variables])
+    every = [rank_grads(r) for r in range(SIZE)]
+    want = np.mean(np.stack(every).astype(np.float64), axis=0)
+    for i, r in enumerate(reduced):
+        np.testing.assert_allclose(r.numpy().astype(np.float64), want[i], rtol=1e-6, atol=1e-6)
 
 
 def check_load_model_makes_optimizer_distributed():

@@ -15,10 +15,11 @@ ALL_CHECKS = ["fit_average_matches_single_process", "fit_sum_equals_scaled_lr", 
               "broadcast_callback_equalizes_ranks", "broadcast_callback_keeps_per_rank_dropout_seeds",
               "metric_average_callback", "lr_warmup_and_schedule",
               "mixed_precision_loss_scale", "sparse_embedding_gradients", "distributed_gradient_tape",
-              "load_model_makes_optimizer_distributed", "bad_input_errors"]
+              "load_model_makes_optimizer_distributed", "bad_input_errors",
+              "bucket_cap_is_the_agreed_value", "bucket_cap_argument_must_agree"]
 THREE_RANK_CHECKS = ["fit_average_matches_single_process", "backward_passes_per_step",
                      "broadcast_callback_equalizes_ranks", "mixed_precision_loss_scale",
-                     "sparse_embedding_gradients"]
+                     "sparse_embedding_gradients", "bucket_cap_argument_must_agree"]
 
 
 def _ops_built():

@@ -23,6 +23,7 @@
 #include <string>
 #include <thread>
 
+#include "common/env.h"
 #include "transport/liveness.h"
 
 namespace {
@@ -74,7 +75,13 @@ int main(int argc, char** argv) {
   std::mutex mu;
   std::string lost;
   Clock::time_point lost_at;
-  auto created = nvgroup::LivenessMonitor::Create(MPI_COMM_WORLD, 30.0, [&](const nvgroup::Status& s) {
+  nvgroup::StatusOr<nvgroup::Knobs> knobs = nvgroup::ParseKnobsFromEnvironment();
+  if (!knobs.ok()) {
+    Report(false, "knobs " + knobs.status().ToString());
+    return 1;
+  }
+  const nvgroup::LivenessSettings settings{30.0, nvgroup::LivenessAddressSettingsFrom(knobs.value())};
+  auto created = nvgroup::LivenessMonitor::Create(MPI_COMM_WORLD, settings, [&](const nvgroup::Status& s) {
     std::lock_guard<std::mutex> lock(mu);
     lost = s.ToString();
     lost_at = Clock::now();

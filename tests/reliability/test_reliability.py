@@ -196,8 +196,9 @@ def test_liveness_monitor_verdicts_in_cpp(tmp_path):
     is reported with host and pid within a second (see liveness_driver.cc)."""
     exe = str(tmp_path / "liveness_driver")
     sources = [os.path.join(HERE, "liveness_driver.cc")] + [
-        os.path.join(REPO, "cc", p) for p in ("transport/liveness.cc", "transport/liveness_address.cc", "common/env.cc",
-                                              "common/status.cc", "common/logging.cc")]
+        os.path.join(REPO, "cc", p) for p in ("transport/liveness.cc", "transport/liveness_setup.cc",
+                                              "transport/liveness_sockets.cc", "transport/liveness_address.cc",
+                                              "common/env.cc", "common/status.cc", "common/logging.cc")]
     _compile_sanitized(sources, exe)
     record = tmp_path / "record"
     record.mkdir()

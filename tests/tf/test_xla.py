@@ -1,4 +1,4 @@
-"""The collectives under XLA (ops/xla_ops.cc): one launch per rank count runs
+"""The collectives under XLA (ops/xla_lowering.cc and the handlers): one launch per rank count runs
 every check of tests/tf/workers/xla.py (see its docstring); a second launch
 kills a rank inside an XLA program."""
 import os

@@ -1,5 +1,5 @@
 """reducescatter, alltoall, grouped allgather, broadcast_ and process sets under
-XLA (ops/xla_ops.cc): one launch per rank count runs every check of
+XLA (ops/xla_lowering.cc and the handlers): one launch per rank count runs every check of
 tests/tf/workers/xla_scatter_alltoall.py (see its docstring)."""
 import os
 

@@ -81,7 +81,7 @@ struct CollectiveRequest {
 // Rows of dimension 0 that rank `rank` of `size` receives from a
 // reducescatter of `dim0` rows (Horovod's split: ranks below dim0 % size get
 // one more row). The engine's split; adapters that must know the output shape
-// before the collective runs (the XLA lowering, ops/xla_ops.cc) call it too.
+// before the collective runs (the XLA lowering, ops/xla_lowering.cc) call it too.
 int64_t ReducescatterRows(int64_t dim0, int rank, int size);
 
 struct EngineOptions {
@@ -120,6 +120,12 @@ StatusOr<int> MpiThreadsSupported();
 // Every node runs the same number of ranks (Horovod's is_homogeneous): 1 or 0,
 // agreed by all ranks at Init.
 StatusOr<int> IsHomogeneous();
+// The value of the agreed setting `name` (a row of scope "agreed" in
+// cc/common/env.cc) that every rank agreed at Init, normalized as AgreedKnobs
+// writes it: the run-time source of the Python front end's agreed settings
+// (the bucket cap). kFailedPrecondition before Init, kInvalidArgument for a
+// name that is not an agreed setting.
+StatusOr<std::string> AgreedSettingValue(const std::string& name);
 
 // Run-time timeline control (Horovod's start_timeline/stop_timeline). Rank 0
 // (the one that writes, as with NVGROUP_TIMELINE) opens `path`, replacing any

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-MAGIC = 0x4E56474C  # "NVGL", public: cc/transport/liveness.cc
+MAGIC = 0x4E56474C  # "NVGL", public: cc/transport/liveness_wire.h
 HELLO, HEARTBEAT = 1, 2
 
 
