@@ -277,13 +277,54 @@ def variable_ref():
 _atomic_saves_installed = False
 
 
+def _partial_name(stem, host, pid, ext):
+    """The temporary name a save of `<stem><ext>` writes first (host and pid
+    say whose it is, so a sweep on another host sharing the directory leaves
+    it alone)."""
+    return ".%s.%s.%d.partial%s" % (stem, host, pid, ext)
+
+
+def _remove_dead_writers_partials(head, stem, ext):
+    """Removes the temporary files beside `<stem><ext>` whose writer, a process
+    of this host, is gone (killed while saving: SIGKILL runs no cleanup). A
+    partial file of a live process, or of another host, is left alone."""
+    import os
+    import re
+    import socket
+    host = socket.gethostname()
+    pattern = re.compile(r"^\.%s\.%s\.(\d+)\.partial%s$" % (re.escape(stem), re.escape(host), re.escape(ext)))
+    try:
+        names = os.listdir(head or ".")
+    except OSError:
+        return
+    for name in names:
+        m = pattern.match(name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or a pid now reused): not ours to remove
+        except ProcessLookupError:
+            pass
+        except OSError:  # alive under another user
+            continue
+        try:
+            os.remove(os.path.join(head, name))
+        except FileNotFoundError:
+            pass
+
+
 def _saved_then_renamed(save):
     """`save(model, filepath, *args)` written to a temporary file beside
     filepath, then renamed over it (os.replace is atomic on POSIX within one
     file system): a reader, or a resume after a crash, sees the old file or the
-    new one, never a part of one. Paths Keras handles otherwise (file objects,
-    remote or hub paths, directories) are left to it."""
+    new one, never a part of one. A writer killed part-way leaves its
+    temporary file; the next save of that file on the host removes it
+    (_remove_dead_writers_partials). Paths Keras handles otherwise (file
+    objects, remote or hub paths, directories) are left to it."""
     import os
+    import socket
 
     @functools.wraps(save)
     def wrapper(model, filepath, *args, **kwargs):
@@ -292,7 +333,8 @@ def _saved_then_renamed(save):
         path = os.fspath(filepath)
         head, tail = os.path.split(path)
         stem, ext = os.path.splitext(tail)
-        temp = os.path.join(head, ".%s.%d.partial%s" % (stem, os.getpid(), ext))
+        _remove_dead_writers_partials(head, stem, ext)
+        temp = os.path.join(head, _partial_name(stem, socket.gethostname(), os.getpid(), ext))
         try:
             result = save(model, temp, *args, **kwargs)
             os.replace(temp, path)

@@ -53,3 +53,39 @@ def test_a_save_that_dies_leaves_the_previous_file(tmp_path, monkeypatch, ext, f
     second.save(path)  # a save that completes replaces the file
     for got, want in zip(keras.models.load_model(path, compile=False).get_weights(), second.get_weights()):
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_next_save_removes_a_killed_writers_partial_file(tmp_path):
+    """SIGKILL runs no cleanup: a writer killed part-way leaves its temporary
+    file. The next save of that file on the host removes it; the temporary
+    file of a live writer, or of another host, stays."""
+    import socket
+    import subprocess
+    import sys
+
+    import nvgroup_tf.keras  # noqa: F401  (installs the shims)
+    from nvgroup_tf.keras.compat import _partial_name
+    host = socket.gethostname()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)  # exited: its pid names no process now
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        for ext in (".keras", ".h5"):
+            killed = _partial_name("checkpoint", host, dead_pid, ext)
+            kept = [_partial_name("checkpoint", host, live.pid, ext),
+                    _partial_name("checkpoint", "another-host", dead_pid, ext),
+                    _partial_name("other", host, dead_pid, ext)]
+            for name in [killed] + kept:
+                (tmp_path / name).write_bytes(b"PK\x03\x04 part of a model")
+            model = _model(4)
+            model.save(str(tmp_path / ("checkpoint" + ext)))
+            left = set(os.listdir(tmp_path))
+            assert killed not in left
+            assert set(kept) <= left
+            for got, want in zip(keras.models.load_model(str(tmp_path / ("checkpoint" + ext)),
+                                                         compile=False).get_weights(), model.get_weights()):
+                np.testing.assert_array_equal(got, want)
+    finally:
+        live.kill()
+        live.wait()

@@ -12,7 +12,11 @@ is a pure function of the seed. Verdict of a trial whose fault was delivered:
                 init may instead end a survivor with init()'s own line naming
                 the phase it was stuck in (the init watchdog, or mpirun's
                 SIGTERM after a death: cc/engine/init_watchdog.h), mpirun's
-                message then naming the dead rank for a kill;
+                message then naming the dead rank for a kill; a survivor
+                mpirun ended before it could say anything (still importing
+                when the SIGTERM came, or its SIGKILL before the handler ran)
+                passes for a kill in init when mpirun's message names the
+                dead rank;
   * bounded  -- mpirun and every rank are gone within the bound after the
                 fault: NVGROUP_TIMEOUT (set to TIMEOUT_S here; README "When
                 things go wrong") plus EXIT_SLACK_S for the detection (heartbeats
@@ -27,7 +31,9 @@ is a pure function of the seed. Verdict of a trial whose fault was delivered:
                 campaign's last job swept them (a killed creator's segment
                 lasts until the next setup on the host removes it: Note [No
                 segment left behind]), no listening TCP socket of a rank still
-                alive, no stray file beside the checkpoint;
+                alive, no stray file beside the checkpoint once the next
+                save of it ran (a writer killed in a save leaves its
+                temporary file; the next save on the host removes it);
   * checkpoint -- Keras fit's model.keras (saved before training and by
                 ModelCheckpoint every epoch on rank 0) loads with
                 keras.models.load_model after the trial: the old file or the
@@ -241,16 +247,19 @@ def run_trial(spec, workdir):
         mpirun_out = f.read()
     # A killed rank's shared-memory names stay in /dev/shm until the next setup.
     shm = shm_of(pids.values())
-    stray = sorted(f for f in os.listdir(os.path.join(record_dir, "ckpt")) if f != "model.keras")
+    ckpt_dir = os.path.join(record_dir, "ckpt")
+    stray = sorted(f for f in os.listdir(ckpt_dir) if f != "model.keras")
 
     victim_pid = pids.get(spec["victim"])
     fault_line = next((line for line in records.get(victim_pid, []) if line.startswith("FAULT ")), None)
     result = dict(spec)
     result.update({"pids": sorted(pids.values()), "returncode": proc.returncode, "seconds": round(ended - started, 2), "hung": hung,
-                   "left_behind": left, "shm_left": shm, "stray_files": stray, "fault_delivered": bool(fault_line),
+                   "left_behind": left, "shm_left": shm, "stray_files": stray, "ckpt_dir": ckpt_dir,
+                   "fault_delivered": bool(fault_line),
                    "fault_phase_seen": fault_line.split()[3] if fault_line else None, "survivors": []})
     if fault_line:
         t_fault = float(fault_line.split()[2])
+        mpirun_names_victim = ("process rank %d with PID" % spec["victim"]) in mpirun_out
         result["gone_after_s"] = round(ended - t_fault, 2)
         for rank in range(spec["np"]):
             if rank == spec["victim"]:
@@ -259,7 +268,7 @@ def run_trial(spec, workdir):
             err = next((line for line in lines if line.startswith("ERROR ")), None)
             done = next((line for line in lines if line.startswith("DONE ")), None)
             ended = _init_line(record_dir, pids.get(rank))
-            s = {"rank": rank, "outcome": "none"}
+            s = {"rank": rank}
             if err:
                 t_err = float(err.split()[1])
                 s.update({"outcome": "error", "after_s": round(t_err - t_fault, 3), "message": err[-700:],
@@ -269,8 +278,14 @@ def run_trial(spec, workdir):
             elif ended:
                 # Ended inside init(): its line names the phase; mpirun's names a dead rank.
                 s.update({"outcome": "ended in init", "after_s": round(ended[0] - t_fault, 3), "message": ended[1],
-                          "names_victim": ("rank %d " % spec["victim"]) in ended[1] or (
-                              "process rank %d with PID" % spec["victim"]) in mpirun_out})
+                          "names_victim": ("rank %d " % spec["victim"]) in ended[1] or mpirun_names_victim})
+            else:
+                # Ended without a word of its own: mpirun's SIGTERM reached it
+                # before its program was inside init() (still importing), or
+                # its SIGKILL came before the SIGTERM handler ran. Only
+                # mpirun's message can name the dead rank then.
+                s.update({"outcome": "ended by mpirun", "reached_init": any(
+                    line.startswith("PHASE init ") for line in lines), "names_victim": mpirun_names_victim})
             result["survivors"].append(s)
     else:
         result["clean"] = proc.returncode == 0 and all(
@@ -290,8 +305,11 @@ def verdict(r):
         broken.append("left behind: %s" % ", ".join("%s (pid %d)" % (x["rank"], x["pid"]) for x in r["left_behind"]))
     if r.get("shm_after_sweep"):
         broken.append("shared memory left: %s" % ", ".join(r["shm_after_sweep"]))
-    if r["stray_files"]:
-        broken.append("stray files: %s" % ", ".join(r["stray_files"]))
+    stray = r.get("stray_after_next_save", r["stray_files"])
+    if stray:
+        broken.append("stray files: %s" % ", ".join(stray))
+    if r.get("checkpoint_loads") not in (None, "ok", "none written"):
+        broken.append("torn checkpoint: %s" % r["checkpoint_loads"][:300])
     if not r["fault_delivered"]:
         if not r.get("clean"):
             broken.append("no fault fired, yet the job did not end cleanly (rc %s)" % r["returncode"])
@@ -299,8 +317,13 @@ def verdict(r):
     for s in r["survivors"]:
         if s["outcome"] == "done":
             continue  # it had finished its program when the fault came
-        if s["outcome"] == "none":
-            broken.append("rank %d ended without an error naming rank %d" % (s["rank"], r["victim"]))
+        if s["outcome"] == "ended by mpirun":
+            # Before the liveness monitor exists (init) only mpirun sees a
+            # death, and its message is the one that names it; later the
+            # survivor's own error must.
+            if r["phase"] != "init" or not s["names_victim"]:
+                broken.append("rank %d ended without an error naming rank %d" % (s["rank"], r["victim"]))
+            continue
         elif s["outcome"] == "ended in init" and r["phase"] != "init":
             broken.append("rank %d was ended in init() by a fault of phase %s: %s" % (s["rank"], r["phase"], s["message"]))
         elif s["outcome"] == "error" and not s["names_victim"]:
@@ -329,8 +352,29 @@ def check_checkpoints(results):
     for r in results:
         if r.get("checkpoint"):
             r["checkpoint_loads"] = loaded.get(r["checkpoint"], "not checked: " + p.stderr[-300:])
-            if r["checkpoint_loads"] != "ok":
-                r["verdict"].append("torn checkpoint: %s" % r["checkpoint_loads"][:300])
+            r["verdict"] = verdict(r)
+
+
+def save_again_and_recheck(results):
+    """A writer killed in a save leaves its temporary file; the next save of
+    that file on the host removes it (nvgroup_tf/keras/compat.py,
+    _saved_then_renamed). Where a trial left files beside its checkpoint, one
+    process saves a small model there with nvgroup_tf.keras imported (as a
+    resumed job's next ModelCheckpoint does), then the files are counted again."""
+    dirs = sorted({r["ckpt_dir"] for r in results if r["stray_files"]})
+    if not dirs:
+        return
+    code = ("import os, sys\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'\nimport keras\nimport nvgroup_tf.keras\n"
+            "model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+            "for d in sys.argv[1:]:\n    model.save(os.path.join(d, 'model.keras'))\n")
+    p = subprocess.run([sys.executable, "-c", code] + dirs, cwd=REPO, capture_output=True, text=True, timeout=600)
+    for r in results:
+        if r["stray_files"]:
+            if p.returncode != 0:
+                r["stray_after_next_save"] = r["stray_files"] + ["(the next save failed: %s)" % p.stderr[-300:]]
+            else:
+                r["stray_after_next_save"] = sorted(f for f in os.listdir(r["ckpt_dir"]) if f != "model.keras")
+            r["verdict"] = verdict(r)
 
 
 def summarize(results):
@@ -353,7 +397,10 @@ def summarize(results):
         # Segments or files that outlive the campaign (listening sockets die
         # with their process: see each left-behind process's "listening");
         # segments seen right after a job and swept later are counted apart.
-        "leaks": sum(1 for r in results if r.get("shm_after_sweep") or r["stray_files"]),
+        "leaks": sum(1 for r in results
+                     if r.get("shm_after_sweep") or r.get("stray_after_next_save", r["stray_files"])),
+        "stray_removed_by_next_save": sum(1 for r in results
+                                          if r["stray_files"] and not r.get("stray_after_next_save")),
         "shm_swept_later": sum(1 for r in results if r["shm_left"] and not r.get("shm_after_sweep")),
         "findings": [{"index": r["index"], "path": r["path"], "phase": r["phase"], "fault": r["fault"],
                       "np": r["np"], "victim": r["victim"], "delay_s": r["delay_s"], "broken": r["verdict"]}
@@ -423,6 +470,7 @@ def campaign(specs, workdir, progress=None, parallel=1):
         results = [f.result() for f in futures]
     sweep_and_recheck(results)
     check_checkpoints(results)
+    save_again_and_recheck(results)
     return results
 
 
