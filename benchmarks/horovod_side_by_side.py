@@ -1,17 +1,22 @@
 """nvgroup_tf and Horovod through TensorFlow on the CPU, side by side in one run.
 
-    python benchmarks/horovod_side_by_side.py [--np 2] [--launches 2]
+    python benchmarks/horovod_side_by_side.py [--np 2] [--launches 6] [--rounds 3]
+        [--horovod-cycle-ms default 0.1] [--max-other-cores 0.25]
         [--horovod-python /opt/hvd-venv/bin/python] [--python .venv/bin/python]
         [--json benchmarks/results/horovod_side_by_side_cpu_2rank.json] [--png ...png]
 
 The driver launches `mpirun -np N --bind-to none` of this file once per side
-and launch, alternating the sides (nvgroup_tf, horovod, horovod, nvgroup_tf,
-...), so load drifts hit both. Each side runs under its own interpreter:
-nvgroup_tf under this repository's environment (TF 2.21), Horovod 0.28.1 under
-a separate one (it does not build against TF 2.21; --horovod-python names that
-environment's python, e.g. TF 2.15 there). A launch (`--worker`) times, in
-rounds that interleave every case, with each step starting after a barrier
-and the slowest rank's time kept:
+and launch, alternating the order of the sides from launch to launch
+(nvgroup_tf, horovod, ... then ..., horovod, nvgroup_tf), so load drifts hit
+every side. Each side runs under its own interpreter: nvgroup_tf under this
+repository's environment, Horovod 0.28.1 under a separate one
+(--horovod-python; built against the same TensorFlow where it builds, see
+docs/PERFORMANCE.md). A Horovod side per --horovod-cycle-ms entry: "default"
+leaves HOROVOD_CYCLE_TIME alone (Horovod's background thread then runs a
+negotiation cycle every 1 ms), a number sets it (ms).
+
+A launch (`--worker`) times, in rounds that interleave every case, with each
+step starting after a barrier and the slowest rank's time kept:
   floor          tf.function: v * 0.5 + 1 on the 4-byte tensor, no collective
                  (TF's own per-call floor in this process);
   small          tf.function: hvd.allreduce(v * 0.5 + 1, op=Sum), 4 bytes;
@@ -19,18 +24,28 @@ and the slowest rank's time kept:
   resnet50       tf.function: hvd.grouped_allreduce of ResNet-50's 214 gradient
                  shapes (benchmarks/resnet50_gradients.txt, full size, 102 MB);
   mpi_<B>        MPI_Allreduce (mpi4py, preallocated numpy buffers) of the same
-                 bytes in the same process, for scale.
-A case's figure is the median over rounds and launches of a round's mean per
-call. Inputs are small integers, so every sum is exact: each side's outputs
-of the last round are compared with the exact sums, element by element; a
-wrong element fails the run. Not a test.
+                 bytes in the same process, for scale (in a Horovod process
+                 this runs beside Horovod's polling thread, so it is slower
+                 there than in a plain MPI program).
+A launch's figure of a case is the median over its rounds of a round's mean
+per call. A side's figure is the range of its launches' figures, with their
+median: one pooled median would hide launches that fall in different modes
+(marked where a case's launches differ by more than BIMODAL_RATIO). The CPU
+the rest of the machine used during each launch (busy time from /proc/stat
+minus the launch's own processes') is recorded; a launch above
+--max-other-cores is marked disturbed and left out of the figures. Inputs are
+small integers, so every sum is exact: each side's outputs of the last round
+are compared with the exact sums, element by element; a wrong element fails
+the run. Not a test.
 """
 import argparse
 import datetime
 import json
 import os
 import platform
+import resource
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +54,7 @@ import time
 from bench_common import REPO, commit, load_counts, mpirun_env, pyplot, run_worker, save_png, write_json
 SIZES = [1 << 20, 16 << 20, 64 << 20]  # bytes of the plain allreduce cases
 ITERS = {4: 200, 1 << 20: 40, 16 << 20: 8, 64 << 20: 3}  # calls per round
+BIMODAL_RATIO = 1.5  # launches of a side whose medians of a case differ more than this are in different modes
 
 
 def worker(args):
@@ -141,80 +157,145 @@ def label(case):
     return case
 
 
+def _busy_cpu_s():
+    """CPU seconds the whole machine spent busy so far (/proc/stat: every state
+    but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _launch(args, env, side, python, cycle_ms):
+    """One mpirun of a side's worker; its times, checks, versions, and how
+    much CPU the rest of the machine used meanwhile (cores: busy CPU time of
+    the machine minus the launch's own processes', over the wall time)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        out = tmp.name
+    cmd = ["mpirun", "-np", str(args.np), "--bind-to", "none"]
+    if cycle_ms is not None:
+        cmd += ["-x", "HOROVOD_CYCLE_TIME=%s" % cycle_ms]
+    cmd += [python, os.path.abspath(__file__), "--worker", "--side", side, "--worker-json", out,
+            "--rounds", str(args.rounds), "--table", args.table]
+    load_before = os.getloadavg()[0]
+    busy0, own0, t0 = _busy_cpu_s(), resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
+    p = subprocess.run(cmd, env=env)
+    busy1, own1, t1 = _busy_cpu_s(), resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
+    if p.returncode != 0:
+        raise RuntimeError("a launch of %s failed (exit %d)" % (side, p.returncode))
+    with open(out) as f:
+        w = json.load(f)
+    os.unlink(out)
+    own = (own1.ru_utime - own0.ru_utime) + (own1.ru_stime - own0.ru_stime)
+    w["load_before"] = load_before
+    w["wall_s"] = t1 - t0
+    w["other_cpu_cores"] = max(0.0, (busy1 - busy0) - own) / (t1 - t0)
+    return w
+
+
+def _spread(values):
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
 def driver(args):
-    import numpy as np
     env = mpirun_env()
-    sides = [("nvgroup_tf", args.python), ("horovod", args.horovod_python)]
-    merged = {s: {} for s, _ in sides}
+    sides = [("nvgroup_tf", args.python, None)]
+    for c in args.horovod_cycle_ms:
+        sides.append(("horovod" if c == "default" else "horovod_cycle_%sms" % c, args.horovod_python,
+                      None if c == "default" else c))
     versions = {}
+    launches = []
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     load_start = os.getloadavg()
     for launch in range(args.launches):
-        for side, python in (sides if launch % 2 == 0 else list(reversed(sides))):
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-                out = tmp.name
-            cmd = ["mpirun", "-np", str(args.np), "--bind-to", "none", python, os.path.abspath(__file__),
-                   "--worker", "--side", side, "--worker-json", out, "--rounds", str(args.rounds),
-                   "--table", args.table]
-            p = subprocess.run(cmd, env=env)
-            if p.returncode != 0:
-                print("launch %d of %s failed (exit %d)" % (launch, side, p.returncode))
-                return 1
-            with open(out) as f:
-                w = json.load(f)
-            os.unlink(out)
+        for name, python, cycle_ms in (sides if launch % 2 == 0 else list(reversed(sides))):
+            w = _launch(args, env, "horovod" if name.startswith("horovod") else name, python, cycle_ms)
             bad = {k: v for k, v in w["wrong"].items() if v}
             if bad:
-                print("FAILED: %s gave wrong elements %s" % (side, bad))
+                print("FAILED: %s gave wrong elements %s" % (name, bad))
                 return 1
-            versions[side] = w["versions"]
-            for k, v in w["times_s"].items():
-                merged[side].setdefault(k, []).extend(v)
-            print("launch %d %s done" % (launch, side), flush=True)
-    summary = {s: {k: float(np.median(v)) * 1e6 for k, v in r.items()} for s, r in merged.items()}
-    nv, hv = summary["nvgroup_tf"], summary["horovod"]
-    ratios = {
-        "small_vs_floor": nv["small"] / nv["floor"],
-        "vs_horovod": {k: nv[k] / hv[k] for k in nv if not k.startswith("mpi_") and k != "floor"},
-        "vs_mpi": {"allreduce_%d" % b: nv["allreduce_%d" % b] / nv["mpi_%d" % b] for b in SIZES},
-        "horovod_vs_mpi": {"allreduce_%d" % b: hv["allreduce_%d" % b] / hv["mpi_%d" % b] for b in SIZES},
-    }
+            versions[name] = w["versions"]
+            disturbed = w["other_cpu_cores"] > args.max_other_cores
+            launches.append({"side": name, "launch": launch, "horovod_cycle_time_ms": cycle_ms,
+                             "load_before": round(w["load_before"], 2), "wall_s": round(w["wall_s"], 1),
+                             "other_cpu_cores": round(w["other_cpu_cores"], 3), "disturbed": disturbed,
+                             "us_per_call_median": {k: statistics.median(v) * 1e6 for k, v in w["times_s"].items()},
+                             "samples_us": {k: [x * 1e6 for x in v] for k, v in w["times_s"].items()}})
+            print("launch %d %-24s other work %.2f cores%s" % (launch, name, w["other_cpu_cores"],
+                                                               "  DISTURBED" if disturbed else ""), flush=True)
+    names = [s[0] for s in sides]
+    kept = {n: [x for x in launches if x["side"] == n and not x["disturbed"]] for n in names}
+    if any(not kept[n] for n in names):
+        print("every launch of a side was disturbed by other work (> %.2f cores): no figures" % args.max_other_cores)
+    cases = list(launches[0]["us_per_call_median"])
+    # Each launch's median per case; a side's figure is the range over its
+    # undisturbed launches, with their median. A case whose launches differ
+    # by more than BIMODAL_RATIO is marked: its launches fall in different modes.
+    per_side = {n: {k: _spread([x["us_per_call_median"][k] for x in kept[n]]) for k in cases}
+                for n in names if kept[n]}
+    for n, r in per_side.items():
+        for k, v in r.items():
+            v["launch_modes_differ"] = v["max"] > BIMODAL_RATIO * v["min"]
+    ratios = {}
+    nv = per_side.get("nvgroup_tf")
+    for n in names[1:]:
+        hv = per_side.get(n)
+        if nv and hv:  # range of nvgroup_tf's launches over the other side's
+            ratios["nvgroup_tf_vs_" + n] = {k: {"min": nv[k]["min"] / hv[k]["max"], "median": nv[k]["median"] / hv[k]["median"],
+                                               "max": nv[k]["max"] / hv[k]["min"]}
+                                           for k in cases if not k.startswith("mpi_") and k != "floor"}
+    for n, r in per_side.items():
+        ratios[n + "_vs_mpi"] = {"allreduce_%d" % b: r["allreduce_%d" % b]["median"] / r["mpi_%d" % b]["median"]
+                                 for b in SIZES}
+        ratios[n + "_small_vs_floor"] = r["small"]["median"] / r["floor"]["median"]
     result = {"benchmark": "horovod_side_by_side", "date": started, "commit": commit(),
               "machine": {"host": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count(),
                           "load_average_start": load_start, "load_average_end": os.getloadavg()},
               "ranks": args.np, "launches_per_side": args.launches, "rounds_per_launch": args.rounds,
-              "versions": versions, "us_per_call_median": summary, "ratios": ratios,
-              "samples": {s: {k: [x * 1e6 for x in v] for k, v in r.items()} for s, r in merged.items()}}
-    print("# horovod_side_by_side: %d ranks, %d launches x %d rounds per side, commit %s, load %.1f -> %.1f" %
+              "max_other_cpu_cores": args.max_other_cores, "versions": versions,
+              "us_per_call": per_side, "ratios": ratios, "launches": launches}
+    print("# horovod_side_by_side: %d ranks, %d launches x %d rounds per side, commit %s, load %.1f -> %.1f; "
+          "us per call, min-max over undisturbed launches (median)" %
           (args.np, args.launches, args.rounds, result["commit"][:12], load_start[0], os.getloadavg()[0]))
-    print("%-18s %14s %14s %10s" % ("case", "nvgroup_tf us", "horovod us", "nv/hvd"))
-    for k in nv:
-        print("%-18s %14.1f %14.1f %10s" % (label(k), nv[k], hv.get(k, float("nan")),
-                                             "%.2f" % ratios["vs_horovod"][k] if k in ratios["vs_horovod"] else "-"))
-    print("small / floor (nvgroup_tf): %.2f; allreduce / MPI_Allreduce (nvgroup_tf): %s" % (
-        ratios["small_vs_floor"], ", ".join("%s %.2f" % (label(k).split()[1] + " " + label(k).split()[2], v)
-                                            for k, v in ratios["vs_mpi"].items())))
+    print("%-16s" % "case" + "".join("%30s" % n for n in per_side))
+    for k in cases:
+        print("%-16s" % label(k) + "".join(
+            "%30s" % ("%.0f-%.0f (%.0f)%s" % (r[k]["min"], r[k]["max"], r[k]["median"],
+                                              " *" if r[k]["launch_modes_differ"] else ""))
+            for r in per_side.values()))
+    if any(v["launch_modes_differ"] for r in per_side.values() for v in r.values()):
+        print("* the launches differ by more than %.1fx" % BIMODAL_RATIO)
     write_json(args.json, result)
-    if args.png:
-        plt = pyplot()
-        keys = [k for k in nv if not k.startswith("mpi_")]
-        fig, ax = plt.subplots(figsize=(9, 4))
-        xs = np.arange(len(keys))
-        ax.bar(xs - 0.2, [nv[k] for k in keys], 0.4, label="nvgroup_tf (TF %s)" % versions["nvgroup_tf"]["tensorflow"])
-        ax.bar(xs + 0.2, [hv[k] for k in keys], 0.4,
-               label="Horovod %s (TF %s)" % (versions["horovod"].get("horovod", "?"), versions["horovod"]["tensorflow"]))
-        for i, k in enumerate(keys):
-            m = "mpi_%s" % k.split("_")[1] if k.startswith("allreduce_") else ("mpi_4" if k == "small" else None)
-            if m and m in nv:
-                ax.plot([i - 0.4, i + 0.4], [nv[m]] * 2, color="k", lw=1)
-        ax.set_yscale("log")
-        ax.set_xticks(xs, [label(k) for k in keys], fontsize=8)
-        ax.set_ylabel("us per call (median); black: MPI_Allreduce")
-        ax.legend(fontsize=8)
-        ax.set_title("%d ranks, CPU, %s, %s, load %.1f" % (args.np, started[:16], result["commit"][:8], load_start[0]),
-                     fontsize=9)
-        save_png(fig, args.png)
+    if args.png and per_side:
+        _plot(args, result, per_side, cases, started, load_start)
     return 0
+
+
+def _plot(args, result, per_side, cases, started, load_start):
+    import numpy as np
+    plt = pyplot()
+    keys = [k for k in cases if not k.startswith("mpi_")]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    xs = np.arange(len(keys))
+    width = 0.8 / len(per_side)
+    for i, (n, r) in enumerate(per_side.items()):
+        off = (i - (len(per_side) - 1) / 2) * width
+        med = [r[k]["median"] for k in keys]
+        err = [[r[k]["median"] - r[k]["min"] for k in keys], [r[k]["max"] - r[k]["median"] for k in keys]]
+        v = result["versions"][n]
+        ax.bar(xs + off, med, width, yerr=err, capsize=2,
+               label="%s (TF %s%s)" % (n, v["tensorflow"], ", Horovod " + v["horovod"] if "horovod" in v else ""))
+    nv = per_side.get("nvgroup_tf")
+    for i, k in enumerate(keys):
+        m = "mpi_%s" % k.split("_")[1] if k.startswith("allreduce_") else ("mpi_4" if k == "small" else None)
+        if nv and m and m in nv:
+            ax.plot([i - 0.4, i + 0.4], [nv[m]["median"]] * 2, color="k", lw=1)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [label(k) for k in keys], fontsize=8)
+    ax.set_ylabel("us per call: median of launches, bars min-max\nblack: MPI_Allreduce (nvgroup_tf's process)")
+    ax.legend(fontsize=7)
+    ax.set_title("%d ranks, CPU, %s, %s, load %.1f at start" % (args.np, started[:16], result["commit"][:8],
+                                                                 load_start[0]), fontsize=9)
+    save_png(fig, args.png)
 
 
 def main():
@@ -224,6 +305,11 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="rounds per launch (every case once per round)")
     p.add_argument("--python", default=os.path.join(REPO, ".venv", "bin", "python"))
     p.add_argument("--horovod-python", default="/opt/hvd-venv/bin/python")
+    p.add_argument("--horovod-cycle-ms", nargs="+", default=["default"],
+                   help="Horovod sides to run: 'default' (its own HOROVOD_CYCLE_TIME) and/or cycle times in ms")
+    p.add_argument("--max-other-cores", type=float, default=0.25,
+                   help="a launch during which the rest of the machine used more CPU than this is disturbed: "
+                        "recorded, left out of the figures")
     p.add_argument("--table", default=os.path.join(REPO, "benchmarks", "resnet50_gradients.txt"))
     p.add_argument("--json")
     p.add_argument("--png")
