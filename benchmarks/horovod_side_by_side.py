@@ -222,40 +222,67 @@ def driver(args):
                              "samples_us": {k: [x * 1e6 for x in v] for k, v in w["times_s"].items()}})
             print("launch %d %-24s other work %.2f cores%s" % (launch, name, w["other_cpu_cores"],
                                                                "  DISTURBED" if disturbed else ""), flush=True)
-    names = [s[0] for s in sides]
-    kept = {n: [x for x in launches if x["side"] == n and not x["disturbed"]] for n in names}
-    if any(not kept[n] for n in names):
-        print("every launch of a side was disturbed by other work (> %.2f cores): no figures" % args.max_other_cores)
-    cases = list(launches[0]["us_per_call_median"])
-    # Each launch's median per case; a side's figure is the range over its
-    # undisturbed launches, with their median. A case whose launches differ
-    # by more than BIMODAL_RATIO is marked: its launches fall in different modes.
-    per_side = {n: {k: _spread([x["us_per_call_median"][k] for x in kept[n]]) for k in cases}
-                for n in names if kept[n]}
-    for n, r in per_side.items():
-        for k, v in r.items():
-            v["launch_modes_differ"] = v["max"] > BIMODAL_RATIO * v["min"]
-    ratios = {}
-    nv = per_side.get("nvgroup_tf")
-    for n in names[1:]:
-        hv = per_side.get(n)
-        if nv and hv:  # range of nvgroup_tf's launches over the other side's
-            ratios["nvgroup_tf_vs_" + n] = {k: {"min": nv[k]["min"] / hv[k]["max"], "median": nv[k]["median"] / hv[k]["median"],
-                                               "max": nv[k]["max"] / hv[k]["min"]}
-                                           for k in cases if not k.startswith("mpi_") and k != "floor"}
-    for n, r in per_side.items():
-        ratios[n + "_vs_mpi"] = {"allreduce_%d" % b: r["allreduce_%d" % b]["median"] / r["mpi_%d" % b]["median"]
-                                 for b in SIZES}
-        ratios[n + "_small_vs_floor"] = r["small"]["median"] / r["floor"]["median"]
     result = {"benchmark": "horovod_side_by_side", "date": started, "commit": commit(),
               "machine": {"host": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count(),
                           "load_average_start": load_start, "load_average_end": os.getloadavg()},
               "ranks": args.np, "launches_per_side": args.launches, "rounds_per_launch": args.rounds,
-              "max_other_cpu_cores": args.max_other_cores, "versions": versions,
-              "us_per_call": per_side, "ratios": ratios, "launches": launches}
-    print("# horovod_side_by_side: %d ranks, %d launches x %d rounds per side, commit %s, load %.1f -> %.1f; "
+              "max_other_cpu_cores": args.max_other_cores, "versions": versions, "sides": [s[0] for s in sides],
+              "launches": launches}
+    summarize(result)
+    report(result, args.json, args.png)
+    return 0
+
+
+def summarize(result):
+    """The figures of a run from its launches (result["launches"]), into
+    result["us_per_call"] and result["ratios"].
+
+    Each launch's median per case; a side's figure is the range over its
+    undisturbed launches, with their median. A case whose launches differ by
+    more than BIMODAL_RATIO is marked: its launches fall in different modes.
+    A ratio to nvgroup_tf is taken per launch, between the launches of one
+    launch number (run one after the other, so they saw the same state of the
+    machine), and given as the range over launch numbers with its median."""
+    names, launches = result["sides"], result["launches"]
+    kept = {n: {x["launch"]: x for x in launches if x["side"] == n and not x["disturbed"]} for n in names}
+    cases = list(launches[0]["us_per_call_median"])
+    per_side = {n: {k: _spread([x["us_per_call_median"][k] for x in kept[n].values()]) for k in cases}
+                for n in names if kept[n]}
+    for r in per_side.values():
+        for v in r.values():
+            v["launch_modes_differ"] = v["max"] > BIMODAL_RATIO * v["min"]
+    ratios = {}
+    for n in names[1:]:
+        both = sorted(set(kept["nvgroup_tf"]) & set(kept[n]))
+        if both:
+            ratios["nvgroup_tf_vs_" + n + "_per_launch"] = {
+                k: _spread([kept["nvgroup_tf"][i]["us_per_call_median"][k] / kept[n][i]["us_per_call_median"][k]
+                            for i in both]) for k in cases if not k.startswith("mpi_")}
+    for n in names:
+        if kept[n]:
+            runs = list(kept[n].values())
+            ratios[n + "_vs_mpi_per_launch"] = {"allreduce_%d" % b: _spread(
+                [x["us_per_call_median"]["allreduce_%d" % b] / x["us_per_call_median"]["mpi_%d" % b] for x in runs])
+                for b in SIZES}
+            ratios[n + "_small_vs_floor_per_launch"] = _spread(
+                [x["us_per_call_median"]["small"] / x["us_per_call_median"]["floor"] for x in runs])
+    result["us_per_call"] = per_side
+    result["ratios"] = ratios
+    if any(not kept[n] for n in names):
+        result["no_figures"] = [n for n in names if not kept[n]]
+
+
+def report(result, json_path, png_path):
+    per_side, ratios = result["us_per_call"], result["ratios"]
+    cases = list(result["launches"][0]["us_per_call_median"])
+    load = result["machine"]["load_average_start"][0]
+    for n in result.get("no_figures", []):
+        print("every launch of %s was disturbed by other work (> %.2f cores): no figures" % (
+            n, result["max_other_cpu_cores"]))
+    print("# horovod_side_by_side: %d ranks, %d launches x %d rounds per side, commit %s, %s, load %.1f at start; "
           "us per call, min-max over undisturbed launches (median)" %
-          (args.np, args.launches, args.rounds, result["commit"][:12], load_start[0], os.getloadavg()[0]))
+          (result["ranks"], result["launches_per_side"], result["rounds_per_launch"], result["commit"][:12],
+           result["date"][:16], load))
     print("%-16s" % "case" + "".join("%30s" % n for n in per_side))
     for k in cases:
         print("%-16s" % label(k) + "".join(
@@ -264,13 +291,16 @@ def driver(args):
             for r in per_side.values()))
     if any(v["launch_modes_differ"] for r in per_side.values() for v in r.values()):
         print("* the launches differ by more than %.1fx" % BIMODAL_RATIO)
-    write_json(args.json, result)
-    if args.png and per_side:
-        _plot(args, result, per_side, cases, started, load_start)
-    return 0
+    for key, r in ratios.items():
+        if key.startswith("nvgroup_tf_vs_"):
+            print("%s: %s" % (key, ", ".join("%s %.2f-%.2f (%.2f)" % (label(k), v["min"], v["max"], v["median"])
+                                             for k, v in r.items())))
+    write_json(json_path, result)
+    if png_path and per_side:
+        _plot(result, per_side, cases, png_path)
 
 
-def _plot(args, result, per_side, cases, started, load_start):
+def _plot(result, per_side, cases, png_path):
     import numpy as np
     plt = pyplot()
     keys = [k for k in cases if not k.startswith("mpi_")]
@@ -293,15 +323,16 @@ def _plot(args, result, per_side, cases, started, load_start):
     ax.set_xticks(xs, [label(k) for k in keys], fontsize=8)
     ax.set_ylabel("us per call: median of launches, bars min-max\nblack: MPI_Allreduce (nvgroup_tf's process)")
     ax.legend(fontsize=7)
-    ax.set_title("%d ranks, CPU, %s, %s, load %.1f at start" % (args.np, started[:16], result["commit"][:8],
-                                                                 load_start[0]), fontsize=9)
-    save_png(fig, args.png)
+    ax.set_title("%d ranks, CPU, %s, %s, load %.1f at start" % (
+        result["ranks"], result["date"][:16], result["commit"][:8], result["machine"]["load_average_start"][0]),
+        fontsize=9)
+    save_png(fig, png_path)
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--np", type=int, default=2)
-    p.add_argument("--launches", type=int, default=2, help="launches per side (sides alternate)")
+    p.add_argument("--launches", type=int, default=6, help="launches per side (sides alternate)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per launch (every case once per round)")
     p.add_argument("--python", default=os.path.join(REPO, ".venv", "bin", "python"))
     p.add_argument("--horovod-python", default="/opt/hvd-venv/bin/python")
@@ -313,12 +344,24 @@ def main():
     p.add_argument("--table", default=os.path.join(REPO, "benchmarks", "resnet50_gradients.txt"))
     p.add_argument("--json")
     p.add_argument("--png")
+    p.add_argument("--summarize", metavar="JSON",
+                   help="recompute the figures of an earlier run from the launches its JSON recorded "
+                        "(written to --json, or back to JSON)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--side", help=argparse.SUPPRESS)
     p.add_argument("--worker-json", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return run_worker(worker, args)
+    if args.summarize:
+        with open(args.summarize) as f:
+            result = json.load(f)
+        if "sides" not in result:  # the run's sides, nvgroup_tf first, in the order they were named
+            seen = [x["side"] for x in result["launches"]]
+            result["sides"] = ["nvgroup_tf"] + [n for i, n in enumerate(seen) if n != "nvgroup_tf" and n not in seen[:i]]
+        summarize(result)
+        report(result, args.json or args.summarize, args.png)
+        return 0
     return driver(args)
 
 
