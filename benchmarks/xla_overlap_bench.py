@@ -1,5 +1,6 @@
 """How much gradient communication XLA hides behind backward: Keras ResNet-50
-trained with `jit_compile=True` and hvd.DistributedOptimizer, collectives
+(or, with --model elementwise, a stack of elementwise layers) trained with
+`jit_compile=True` and hvd.DistributedOptimizer, collectives
 lowered as one custom call or as a start/done pair (ops/xla_ops.h
 Note [Start and done]), with a simulated link delay per bucket.
 
@@ -187,6 +188,28 @@ def schedule_summary(dump_dir):
 
 # ---------------------------------------------------------------- worker
 
+def elementwise_model(keras, layers, features):
+    """`layers` layers of y = tanh(x * w + b), w and b of `features` elements
+    each: a backward pass of elementwise kernels only, and two gradients per
+    layer. It runs where TF's GPU build has no cuBLAS or cuDNN (the GPU kit's
+    short form, ../shared/tfgpu) and still gives backward work to hide
+    communication behind."""
+
+    class Elementwise(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1],), initializer="ones", name="w")
+            self.b = self.add_weight(shape=(shape[-1],), initializer="zeros", name="b")
+
+        def call(self, x):
+            return keras.ops.tanh(x * self.w + self.b)
+
+    inputs = keras.Input((features,))
+    h = inputs
+    for _ in range(layers):
+        h = Elementwise()(h)
+    return keras.Model(inputs, h)
+
+
 def worker(args):
     if args.dump and os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0":  # rank 0 dumps
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -206,18 +229,25 @@ def worker(args):
         tf.config.set_logical_device_configuration(
             gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=args.gpu_memory_mb)])
     rng = np.random.default_rng(1234 + hvd.rank())
-    s = args.image_size
-    x = rng.standard_normal((args.batch, s, s, 3)).astype("float32")
-    y = rng.integers(0, 1000, size=(args.batch,)).astype("int32")
     keras.utils.set_random_seed(7)
     if args.mixed:
         keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras.applications.ResNet50(weights=None, input_shape=(s, s, 3), classes=1000)
+    if args.model == "resnet50":
+        s = args.image_size
+        x = rng.standard_normal((args.batch, s, s, 3)).astype("float32")
+        y = rng.integers(0, 1000, size=(args.batch,)).astype("int32")
+        model = keras.applications.ResNet50(weights=None, input_shape=(s, s, 3), classes=1000)
+        loss = "sparse_categorical_crossentropy"
+    else:
+        x = rng.standard_normal((args.batch, args.features)).astype("float32")
+        y = rng.standard_normal((args.batch, args.features)).astype("float32")
+        model = elementwise_model(keras, args.layers, args.features)
+        loss = "mean_squared_error"
     opt = keras.optimizers.SGD(0.01, momentum=0.9)
     if args.mixed:
         opt = keras.mixed_precision.LossScaleOptimizer(opt)
     opt = hvd.DistributedOptimizer(opt)
-    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=args.jit)
+    model.compile(optimizer=opt, loss=loss, jit_compile=args.jit)
     x, y = tf.constant(x), tf.constant(y)
     for _ in range(args.warmup):
         model.train_on_batch(x, y)
@@ -264,7 +294,8 @@ def launch(args, lowering, dump):
             cmd += ["-x", k]
     cmd += [sys.executable, os.path.abspath(__file__), "--worker", "--delays", args.delays,
             "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--image-size", str(args.image_size), "--batch", str(args.batch),
+            "--image-size", str(args.image_size), "--batch", str(args.batch), "--model", args.model,
+            "--layers", str(args.layers), "--features", str(args.features),
             "--gpu-memory-mb", str(args.gpu_memory_mb)]
     if jit:
         cmd += ["--jit"]
@@ -335,7 +366,8 @@ def driver(args):
                          "delayed_buckets_per_step": delayed, "hlo_collectives": hlo_collectives}
     result = {"benchmark": "xla_overlap_bench", "commit": commit(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "ranks": args.ranks, "image_size": args.image_size, "batch": args.batch,
+              "machine": machine(), "ranks": args.ranks, "model": args.model, "image_size": args.image_size,
+              "layers": args.layers, "features": args.features, "batch": args.batch,
               "steps": args.steps, "rounds": args.rounds, "repeats": args.repeats, "delays_us": delays,
               "precision": "mixed_float16" if args.mixed else "float32",
               "environment": {k: v for k, v in os.environ.items() if k.startswith(("NVGROUP_", "CUDA_MPS"))},
@@ -351,8 +383,10 @@ def driver(args):
             ax.plot(delays, summary[name]["step_ms"], marker="o", label=name)
         ax.set_xlabel("simulated link delay per bucket (us)")
         ax.set_ylabel("step time (ms, median, max over ranks)")
-        ax.set_title("ResNet-50 %dpx b%d %s, %d ranks, %s" % (
-            args.image_size, args.batch, result["precision"], args.ranks, result["commit"][:8]))
+        what = ("ResNet-50 %dpx" % args.image_size if args.model == "resnet50" else
+                "%d elementwise layers x %d" % (args.layers, args.features))
+        ax.set_title("%s b%d %s, %d ranks, %s" % (what, args.batch, result["precision"], args.ranks,
+                                                 result["commit"][:8]), fontsize=9)
         ax.legend()
         save_png(fig, args.png)
     print("=== XLA overlap (%s, %d ranks, %s)" % (result["commit"][:10], args.ranks, machine()["gpus"]))
@@ -386,6 +420,10 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--model", choices=["resnet50", "elementwise"], default="resnet50",
+                   help="elementwise: --layers layers of tanh(x * w + b) over --features (no cuBLAS/cuDNN)")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--features", type=int, default=1 << 20)
     p.add_argument("--image-size", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--gpu-memory-mb", type=int, default=24000)
