@@ -6,6 +6,7 @@
 #include "common/checks.h"
 #include "common/logging.h"
 #include "common/thread_setup.h"
+#include "engine/wait_policy.h"
 
 namespace nvgroup {
 
@@ -78,6 +79,8 @@ void Completion::CompleteAfterStream(Communicator* comm, const std::vector<Tenso
     PhaseTimer complete(&counters_->complete_ns);
     queue_->Finish(done.data(), done.size());  // one lock for the bucket
     for (TensorEntry* e : done) CallDone(e, Status::Ok());
+    complete.Stop();
+    YieldToWokenCaller();  // Note [Waiting for a lock-step caller] (wait_policy.h)
     return;
   }
   // One event per bucket, recorded after its copy out: the finalizer waits for

@@ -23,6 +23,7 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
   double start = MonotonicSeconds();
   const double deadline = start + timeout_s;
   bool idle = sleep_at_once;
+  bool contended = false;  // a yield gave the core away: the sleep phase starts
   int sleep_us = idle ? kIdleFirstSleepUs : 1;
   for (;;) {
     NVG_MPI_CHECK(MPI_Test(request, &done, MPI_STATUS_IGNORE));
@@ -38,13 +39,14 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
           " (NVGROUP_TIMEOUT): a rank is hung, has exited, or stopped calling "
           "nvgroup_tf; the engine has stopped");
     if (!idle && now - start < kBusyPollS) continue;
-    if (!idle && now - start < kInFlightYieldPollS) {
-      std::this_thread::yield();
+    if (!idle && !contended && now - start < kInFlightYieldPollS) {
+      contended = !YieldUncontended();  // a busy core: sleep from here on
       continue;
     }
     if (idle && sleep_unless_woken != nullptr) {
       if ((*sleep_unless_woken)(sleep_us * 1e-6)) {  // a submission: poll from here on
         idle = false;
+        contended = false;
         start = MonotonicSeconds();
         sleep_us = 1;
         continue;

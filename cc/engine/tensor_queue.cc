@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "engine/coordinator.h"
+#include "engine/wait_policy.h"
 
 namespace nvgroup {
 
@@ -56,6 +57,7 @@ Status TensorQueue::Push(Submission submission) {
     queued_.push_back(std::move(submission));
     wake_.store(true, std::memory_order_release);
     last_push_ = std::chrono::steady_clock::now();
+    pushes_.fetch_add(1, std::memory_order_release);  // ends a polled admission gap
     // Note [Lone requests skip the gap]: a push while earlier requests are
     // still in flight is part of a burst (or of overlapping callers).
     if (overlapping) {
@@ -81,7 +83,8 @@ double TensorQueue::WaitAndPop(double timeout_s, double poll_s, double gap_s, do
         start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(poll_s, timeout_s)));
     // Acquire: pairs with Push's release store; the lock below orders the
     // read of queued_ in any case.
-    while (!wake_.load(std::memory_order_acquire) && Clock::now() < until) std::this_thread::yield();
+    while (!wake_.load(std::memory_order_acquire) && Clock::now() < until)
+      if (!YieldUncontended()) break;  // the core is busy: sleep below instead
   }
   std::unique_lock<std::mutex> lock(mu_);
   // Note [Lone requests skip the gap]: how the previous take went.
@@ -108,6 +111,7 @@ double TensorQueue::WaitAndPop(double timeout_s, double poll_s, double gap_s, do
     const auto gap = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap_s));
     const auto cap = first + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(max_batch_s));
     batching_ = true;
+    bool gap_polling = true;
     for (;;) {
       if (last_was_group_) {  // a grouped collective: a whole burst by itself
         groups_not_batched_.fetch_add(1, std::memory_order_relaxed);
@@ -116,6 +120,21 @@ double TensorQueue::WaitAndPop(double timeout_s, double poll_s, double gap_s, do
       const Clock::time_point quiet_at = last_push_ + gap;
       const Clock::time_point until = std::min(quiet_at, cap);
       if (Clock::now() >= until || shutdown_requested_) break;
+      // Note [Waiting for a lock-step caller] (wait_policy.h): the gap is
+      // polled while the core is free (a timer wake-up ended it 20-30 us late
+      // on the 2-core VM), else slept on; a push ends the poll (pushes_),
+      // and the loop above rereads last_push_ under the lock.
+      if (gap_polling) {
+        const uint64_t seen = pushes_.load(std::memory_order_relaxed);
+        lock.unlock();
+        while (Clock::now() < until && pushes_.load(std::memory_order_acquire) == seen)
+          if (!YieldUncontended()) {
+            gap_polling = false;
+            break;
+          }
+        lock.lock();
+        continue;
+      }
       cv_.wait_until(lock, until);
     }
     batching_ = false;

@@ -158,6 +158,9 @@ class TensorQueue {
   std::condition_variable cv_;
   std::vector<Submission> queued_;
   std::chrono::steady_clock::time_point last_push_;
+  // Pushes so far: a polled admission gap (WaitAndPop, without the lock)
+  // sees a new push by it changing; the lock orders what it then reads.
+  std::atomic<uint64_t> pushes_{0};
   InFlightNames in_flight_;
   bool shutdown_requested_ = false;
   bool waiting_for_first_ = false;  // WaitAndPop or SleepUnlessPushed waits for a first entry (Push wakes it)

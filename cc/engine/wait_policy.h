@@ -4,6 +4,9 @@
 // SleepUnlessPushed (tensor_queue.h) and WaitMpi (mpi_wait.h) carry it out.
 #pragma once
 
+#include <chrono>
+#include <thread>
+
 namespace nvgroup {
 
 // Note [Waiting for a lock-step caller]
@@ -33,12 +36,39 @@ namespace nvgroup {
 //    (benchmarks/engine_cpu_cost_bench.py measures both: the exchange
 //    against a raw MPI_Allreduce of the same bytes, and the compute after
 //    it against no engine at all).
-// Measurements (2-core VM, 2 ranks, ResNet-50's 214 gradients at 1/64, 1.6 MB,
-// benchmarks/results/engine_cpu_cost_bisect_2rank.json, load 5-7): the grouped
-// step costs 1.89x a raw MPI_Allreduce with this policy and 1.93x without it
-// (9dfe90f), per tensor 2.79x and 2.88x, compute after an exchange 0.98x: no
-// change outside the noise under that load; kExpectWorkS and
-// kInFlightYieldPollS are not tuned yet on a quiet machine.
+//  * Polling only while the core is free: each poll yields the core
+//    (YieldUncontended below), and a yield that gave the core to another
+//    thread for longer than kContendedYieldS ends the polling phase at once:
+//    the wait then sleeps on its event (the queue's condition variable) or
+//    takes WaitMpi's sleep phase. On a quiet host a yield returns in under a
+//    microsecond (nothing else wants the core) and the poll sees its event
+//    as it happens; on a loaded host the poll would only take CPU from the
+//    threads that hold the core (the caller's own submitting thread among
+//    them), and a sleeper woken by a futex is scheduled at least as soon.
+//  * The caller's wake-up comes first: after a bucket's done callbacks, which
+//    wake a caller blocked in wait()/wait_all(), the loop yields its core
+//    once (YieldToWokenCaller), so a caller woken onto this core runs before
+//    the loop's own bookkeeping (freeing the cycle's entries, plans, counters).
+//
+// Where a lock-step step's time went, before these two rules (2-core VM, 2
+// ranks, ResNet-50's 214 gradients at 1/64, medians per rank, 5f73a5b with
+// probes, load 1.5): grouped 506 us = pybind submission 152-161 (1 us per
+// item: Note [A group item's common form] in cc/python/engine_bindings.cc),
+// push to the loop's take 26-28 (the caller's own work after the push: the
+// loop polls but both cores run the ranks' submitting threads), admission and
+// cache bits 12, agreement 9-15, execution 223-235 (of which the 214 done
+// callbacks 19), last callback to the caller running 12-15, wait_all's own
+// return 19-21; the raw MPI_Allreduce 347 us. Per tensor 829 us: submission
+// 270-288 (214 calls), last push to take 56 (the 30 us admission gap and the
+// timer wake-up that ends it: now polled, above), admission and cache lookup
+// of 214 entries 72, agreement 8-18, cache hits 14, execution 278-287,
+// caller wake-up 17-19, wait_all's return 28-29.
+// The bisect of 40433e6..9dfe90f with engine_cpu_cost_bench under load 5-7
+// (benchmarks/results/engine_cpu_cost_bisect_2rank.json) found no build
+// slower than the noise: 40433e6's grouped step was 2.88x the raw
+// MPI_Allreduce there, every later build 1.77-1.93x.
+// Measurements of the policy: benchmarks/results/engine_cpu_cost_wait_2rank.json
+// (this policy against main, alternated, with the load of every launch).
 
 // ---- Waiting for the queue ---------------------------------------------------
 
@@ -94,15 +124,36 @@ class ExpectedWork {
   double last_ = -1;
 };
 
+// ---- Polling without taking a busy core -------------------------------------
+
+// A sched_yield that returned later than this gave the core to another thread
+// for that long. On the 2-core VM a yield with nothing else runnable takes
+// 0.6 us (p99 0.7 us; 0.1% above 20 us, the hypervisor's own preemptions).
+constexpr double kContendedYieldS = 20e-6;
+
+// Yields the core once; false when another thread held it for longer than
+// kContendedYieldS meanwhile (the polling phase then ends: see Note [Waiting
+// for a lock-step caller]).
+inline bool YieldUncontended() {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point before = Clock::now();
+  std::this_thread::yield();
+  return std::chrono::duration<double>(Clock::now() - before).count() < kContendedYieldS;
+}
+
+// After done callbacks that may have woken a caller: one yield, so a caller
+// woken onto this core runs now (a no-op system call when none was).
+inline void YieldToWokenCaller() { std::this_thread::yield(); }
+
 // ---- Waiting for MPI (WaitMpi, mpi_wait.cc) ---------------------------------
 
 // A small collective between ranks of one host completes in 5-30 us: the
 // common case never leaves the busy phase.
 constexpr double kBusyPollS = 50e-6;
-// A cycle with work: yield the core between polls up to here. A peer slightly
-// behind (its caller's submission came later, or its thread waited for a
-// core) joins within it; longer yield-polling took CPU from the peers on an
-// oversubscribed host.
+// A cycle with work: yield the core between polls up to here (while the yields
+// find the core free: YieldUncontended). A peer slightly behind (its caller's
+// submission came later, or its thread waited for a core) joins within it;
+// longer yield-polling took CPU from the peers on an oversubscribed host.
 constexpr double kInFlightYieldPollS = 250e-6;
 // Then sleeps, growing from 1 us: steps up to kMinMaxSleepUs, and in a long
 // wait up to kLateFraction of the time waited so far (at most kMaxSleepUs),

@@ -51,24 +51,30 @@ Device ParseDevice(const std::string& name) {
   throw EngineError("INVALID_ARGUMENT: unknown device '" + name + "' (expected 'cpu' or 'cuda:N')");
 }
 
+CollectiveRequest AllreduceRequest(std::string name, uintptr_t in, uintptr_t out, std::vector<int64_t> shape,
+                                   DataType dtype, ReduceOp op, double prescale, double postscale, Device device,
+                                   uintptr_t ready_event) {
+  CollectiveRequest q;
+  q.name = std::move(name);
+  q.type = CollectiveType::kAllreduce;
+  q.input = reinterpret_cast<const void*>(in);
+  q.output = reinterpret_cast<void*>(out);
+  q.shape = std::move(shape);
+  q.dtype = dtype;
+  q.op = op;
+  q.prescale_factor = prescale;
+  q.postscale_factor = postscale;
+  q.device = device;
+  q.ready_event = reinterpret_cast<void*>(ready_event);
+  return q;
+}
 
 CollectiveRequest MakeAllreduce(const std::string& name, uintptr_t in, uintptr_t out,
                                 std::vector<int64_t> shape, const std::string& dtype,
                                 const std::string& op, double prescale, double postscale,
                                 const std::string& device, uintptr_t ready_event) {
-  CollectiveRequest q;
-  q.name = name;
-  q.type = CollectiveType::kAllreduce;
-  q.input = reinterpret_cast<const void*>(in);
-  q.output = reinterpret_cast<void*>(out);
-  q.shape = std::move(shape);
-  q.dtype = ParseDataType(dtype);
-  q.op = ParseReduceOp(op);
-  q.prescale_factor = prescale;
-  q.postscale_factor = postscale;
-  q.device = ParseDevice(device);
-  q.ready_event = reinterpret_cast<void*>(ready_event);
-  return q;
+  return AllreduceRequest(name, in, out, std::move(shape), ParseDataType(dtype), ParseReduceOp(op), prescale,
+                          postscale, ParseDevice(device), ready_event);
 }
 
 }  // namespace nvgroup

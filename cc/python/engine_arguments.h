@@ -38,6 +38,11 @@ DataType ParseDataType(const std::string& name);
 ReduceOp ParseReduceOp(const std::string& name);
 Device ParseDevice(const std::string& name);
 
+// An allreduce request from parsed arguments (the one place its fields are set).
+CollectiveRequest AllreduceRequest(std::string name, uintptr_t in, uintptr_t out, std::vector<int64_t> shape,
+                                   DataType dtype, ReduceOp op, double prescale, double postscale, Device device,
+                                   uintptr_t ready_event);
+
 // An allreduce request from allreduce_async's arguments (addresses as integers).
 CollectiveRequest MakeAllreduce(const std::string& name, uintptr_t in, uintptr_t out,
                                 std::vector<int64_t> shape, const std::string& dtype,

@@ -10,7 +10,8 @@
   3. lone tensors run on the fused path (results, prescale/postscale, average);
   4. a bucket waits once per distinct ready event (CPU: WaitEvent is a no-op,
      the counter still counts the calls);
-  5. a burst of one allreduce_async per tensor, then wait_all;
+  5. a burst of one allreduce_async per tensor, then wait_all; the forms of a
+     grouped_allreduce_async item give the same results and errors (5b);
   6. last: one rank's cache/plan digest is perturbed: the next collective
      fails on every rank naming the cause (never a wrong result or a hang),
      and a later init works again."""
@@ -210,6 +211,56 @@ for step in range(3):
         check_close("burst/%d" % i, y, reference(400 + i, size, s, "float32", "sum"), "float32")
     digest_same_on_all_ranks(ys, "burst")
 expect_error(lambda: E.wait_all(hs), "unknown or already waited handle", code="INVALID_ARGUMENT")
+
+# 5b. The forms of a group item (Note [A group item's common form],
+#     cc/python/engine_bindings.cc): the common 5-tuple (str, int, int, list or
+#     tuple of ints, str) is read without pybind11's casters, every other form
+#     through them; in one group they give the same results, and the errors of
+#     a common-form item are those of the generic path.
+
+
+class Name(str):
+    pass
+
+
+form_shapes = [[6], [3, 4], [5], [2, 2], [9], [1], [7]]
+xs = [rank_data(700 + i, rank, s, "float32") for i, s in enumerate(form_shapes)]
+ys = [np.zeros_like(x) for x in xs]
+p = [(x.ctypes.data, y.ctypes.data) for x, y in zip(xs, ys)]
+items = [("form/0", p[0][0], p[0][1], [6], "float32"),  # common: list shape
+         ("form/1", p[1][0], p[1][1], (3, 4), "float32"),  # common: tuple shape
+         ("form/2", p[2][0], p[2][1], [np.int64(5)], "float32"),  # numpy dims: generic
+         (Name("form/3"), p[3][0], p[3][1], [2, 2], "float32"),  # a str subclass: generic
+         ("form/4", p[4][0], p[4][1], [9], "float32", "sum"),  # 6 fields: generic
+         ("form/5", p[5][0], p[5][1], [1], "Float32"),  # common, the dtype's other spelling
+         ("form/6", p[6][0], p[6][1], [7], "float32", "sum", 1.0, 1.0, "cpu", 0)]  # all 10 fields
+for step in range(2):  # negotiated, then from its plan
+    for y in ys:
+        y[...] = 0
+    E.wait_all(E.grouped_allreduce_async(items))
+    for i, (s, y) in enumerate(zip(form_shapes, ys)):
+        check_close("form/%d step %d" % (i, step), y, reference(700 + i, size, s, "float32", "sum"), "float32")
+    digest_same_on_all_ranks(ys, "forms")
+x1, y1 = xs[0], ys[0]
+expect_error(lambda: E.grouped_allreduce_async([("bad/d", x1.ctypes.data, y1.ctypes.data, [6], "complex64")]),
+             "unknown dtype 'complex64'", code="INVALID_ARGUMENT")
+expect_error(lambda: E.grouped_allreduce_async([("bad/n", x1.ctypes.data, y1.ctypes.data, [-6], "float32")]),
+             "negative dimension", code="INVALID_ARGUMENT")
+expect_error(lambda: E.grouped_allreduce_async([("", x1.ctypes.data, y1.ctypes.data, [6], "float32")]),
+             "non-empty name", code="INVALID_ARGUMENT")
+expect_error(lambda: E.grouped_allreduce_async([("bad/p", 0, y1.ctypes.data, [6], "float32")]),
+             "input pointer is null", code="INVALID_ARGUMENT")
+for bad_item in [("bad/f", float(x1.ctypes.data), y1.ctypes.data, [6], "float32"),  # not an int: the casters'
+                 ("bad/s", x1.ctypes.data, y1.ctypes.data, ["6"], "float32"),
+                 ("bad/neg", -1, y1.ctypes.data, [6], "float32")]:
+    try:
+        E.grouped_allreduce_async([bad_item])
+        check(False, "item %r was accepted" % (bad_item,))
+    except (TypeError, RuntimeError, OverflowError):
+        pass
+# Nothing is left in flight by the refusals: the names work.
+E.wait_all(E.grouped_allreduce_async([("bad/d", x1.ctypes.data, y1.ctypes.data, [6], "float32")]))
+check_close("bad/d", y1, reference(700, size, [6], "float32", "sum"), "float32")
 
 # 6. Diverged state (as a bug would leave it) on one rank: the next collective
 #    fails on every rank, naming the cause.
