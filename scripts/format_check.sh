@@ -24,7 +24,7 @@ CONFORMING=(
   cc/common/status.cc
   cc/common/thread_setup.cc
   cc/common/thread_setup.h
-  cc/communicator_factory.cc
+  cc/communicator/communicator_factory.cc
   cc/cpu/cpu_communicator.h
   cc/cpu/half.h
   cc/device/ipc.h

@@ -1,5 +1,5 @@
 // Argument checks of the collectives, written once for the CPU and the CUDA
-// communicator (cc/cpu/cpu_communicator.cc, cc/device/cuda_communicator_*_cuda.cc)
+// communicator (cc/cpu/cpu_communicator.cc, cc/device/communicator_*_cuda.cc)
 // so both reject the same misuse with the same words (communicator.h states
 // the rules), and the registered buffer's size both create.
 #pragma once

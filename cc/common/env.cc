@@ -48,6 +48,15 @@ Status IntInto(const char* name, const std::string& value, int* out) {
   return Status::Ok();
 }
 
+// The settings table's type "milliseconds" (a number >= 0).
+Status MillisecondsInto(const char* name, const std::string& value, double* out) {
+  StatusOr<double> r = ParseDoubleKnob(name, value, 0.0);
+  if (!r.ok()) return r.status();
+  *out = r.value();
+  return Status::Ok();
+}
+
+// The settings table's type "seconds" (a number >= 0).
 Status SecondsInto(const char* name, const std::string& value, double* out) {
   StatusOr<double> r = ParseDoubleKnob(name, value, 0.0);
   if (!r.ok()) return r.status();
@@ -154,7 +163,7 @@ std::vector<Setting> MakeSettings() {
       {"NVGROUP_CYCLE_TIME", S::kPerProcess, "milliseconds", "1.0", "engine", "--cycle-time-ms",
        "How long the background loop waits for more requests when nothing is ready (it wakes at once on "
        "an enqueue).",
-       +[](const char* n, const std::string& v, K* k) { return SecondsInto(n, v, &k->cycle_time_ms); },
+       +[](const char* n, const std::string& v, K* k) { return MillisecondsInto(n, v, &k->cycle_time_ms); },
        +[](const K& k) { return ShortestDouble(k.cycle_time_ms); }},
       {"NVGROUP_TIMEOUT", S::kPerProcess, "seconds (> 0)", "30", "engine", "",
        "A collective or barrier that cannot progress for this long because a peer is gone fails with "

@@ -3,13 +3,13 @@
 // One per (MPI communicator, GPU). Creation is collective over `comm`:
 //   1. topology: every rank picks its GPU, queries cudaDeviceCanAccessPeer for
 //      every pair of GPUs on its node and the node's ranks agree on NV-groups
-//      (cc/device/topology_cuda.cc);
+//      (cc/device/device_topology_cuda.cc);
 //   2. registration: each rank cudaMallocs its registered buffer and barrier
 //      flags once, and opens its group members' copies through CUDA IPC
 //      (cc/device/ipc_cuda.cc);
 //   3. the communicator owns one stream: every collective runs there, joined
 //      to the caller's stream with events (Note [Internal stream] in
-//      cuda_communicator_setup_cuda.cc; communicator.h has the stream contract).
+//      communicator_setup_cuda.cc; communicator.h has the stream contract).
 // Allreduce runs the one skeleton (cc/algorithms/hierarchical_allreduce.h) with
 // DevicePrimitives (cc/device/device_primitives.h): one group -> the one-shot
 // or two-shot NVLink kernel (cc/kernels/p2p_allreduce.cuh); several groups ->

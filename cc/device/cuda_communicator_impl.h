@@ -1,18 +1,18 @@
 // CudaCommunicator, the Communicator behind CreateCudaCommunicator
 // (cuda_communicator.h): its state and its members, declared once for the
 // files that implement it, one concept each:
-//   cuda_communicator_setup_cuda.cc       creation (topology, IPC registration,
-//                                         streams, buffers), teardown, tuning,
-//                                         the internal stream (Note [Internal
-//                                         stream]) and the stream helpers;
-//   cuda_communicator_liveness_cuda.cc    the members' processes and the host
-//                                         waits that watch them (Note [Peer
-//                                         processes]);
-//   cuda_communicator_reductions_cuda.cc  Allreduce, FusedAllreduce,
-//                                         ReduceScatter (the skeletons over
-//                                         the device primitives);
-//   cuda_communicator_transfers_cuda.cc   Allgatherv, Broadcast, Alltoallv
-//                                         (peer copies or host staging).
+//   communicator_setup_cuda.cc       creation (topology, IPC registration,
+//                                    streams, buffers), teardown, tuning,
+//                                    the internal stream (Note [Internal
+//                                    stream]) and the stream helpers;
+//   communicator_liveness_cuda.cc    the members' processes and the host
+//                                    waits that watch them (Note [Peer
+//                                    processes]);
+//   communicator_reductions_cuda.cc  Allreduce, FusedAllreduce,
+//                                    ReduceScatter (the skeletons over
+//                                    the device primitives);
+//   communicator_transfers_cuda.cc   Allgatherv, Broadcast, Alltoallv
+//                                    (peer copies or host staging).
 // See cuda_communicator.h for the overview and cc/kernels/p2p_allreduce.cuh
 // for the NVLink protocol. Included by those files only (CUDA build).
 #pragma once

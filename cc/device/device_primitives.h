@@ -49,7 +49,7 @@
 // completed; the fold is the device fold kernel on fold_stream, synchronized
 // before the allgather round; nothing to copy back.
 // The kernels run on the communicator's own stream (Note [Internal stream] in
-// cuda_communicator_setup_cuda.cc).
+// communicator_setup_cuda.cc).
 #pragma once
 
 #include <cuda_runtime.h>

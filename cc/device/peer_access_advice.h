@@ -1,6 +1,6 @@
 // The one-line warning a node prints when its local GPUs cannot form an
 // NV-group (no mutual peer access), with the likely cause and its fix.
-// Host-only (no CUDA): topology_cuda.cc gathers the facts, this words them.
+// Host-only (no CUDA): device_topology_cuda.cc gathers the facts, this words them.
 #pragma once
 
 #include <string>

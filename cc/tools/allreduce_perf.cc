@@ -19,7 +19,7 @@
 //
 // --sweep: instead of the tables, times nvgroup (out of place) for one-shot and
 // two-shot at grid caps 4..128 over 8 B..64 MiB: the data behind the defaults
-// in cc/device/cuda_communicator_setup_cuda.cc.
+// in cc/device/communicator_setup_cuda.cc.
 // --pipeline_sweep: instead of the tables, times the two-shot kernel on user
 // buffers un-pipelined (chunk 0) against the pipelined kernel at chunks of
 // 1..32 MiB per slice, grid caps 64/128/192, and NCCL, 16 MiB..--max_bytes;

@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
   const size_t capacity = configs[0].comm->registered_capacity();
   const Layout layout = GatherLayout(t);
   const bool hierarchical = t.group_count > 1;
-  int cuda_aware = 0;  // the communicator's own test (MpiIsCudaAware in cuda_communicator_setup_cuda.cc)
+  int cuda_aware = 0;  // the communicator's own test (MpiIsCudaAware in communicator_setup_cuda.cc)
 #if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
   cuda_aware = MPIX_Query_cuda_support();
 #endif

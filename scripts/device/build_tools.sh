@@ -20,7 +20,7 @@ NVFLAGS="-O3 -std=c++17 $GENCODE -DNVGROUP_WITH_CUDA=1 -Icc/include -Icc"
 # The communicator's closure: common, topology, host folds (tools' reference), device, tools;
 # the factory defines Communicator's out-of-line virtual (DelayStream), so its typeinfo,
 # and brings the CPU communicator with it.
-HOST_SRCS="cc/common/collective_args.cc cc/common/env.cc cc/common/logging.cc cc/common/status.cc cc/common/types.cc cc/topology/topology.cc cc/cpu/host_reduce.cc cc/algorithms/cross_exchange.cc cc/device/peer_access_advice.cc cc/communicator_factory.cc cc/cpu/cpu_communicator.cc cc/cpu/host_primitives.cc cc/transport/shm_group.cc"
+HOST_SRCS="cc/common/collective_args.cc cc/common/env.cc cc/common/logging.cc cc/common/status.cc cc/common/types.cc cc/topology/topology.cc cc/cpu/host_reduce.cc cc/algorithms/cross_exchange.cc cc/device/peer_access_advice.cc cc/communicator/communicator_factory.cc cc/cpu/cpu_communicator.cc cc/cpu/host_primitives.cc cc/transport/shm_group.cc"
 CUDA_CC_SRCS=$(ls cc/device/*_cuda.cc)
 CU_SRCS=$(ls cc/kernels/*.cu)
 # engine_perf links the whole engine (as setup.py's engine_sources()).

@@ -1,5 +1,5 @@
 """The CUDA communicator's warning when a node's GPUs form no NV-group
-(cc/device/peer_access_advice.cc, printed once per node by topology_cuda.cc):
+(cc/device/peer_access_advice.cc, printed once per node by device_topology_cuda.cc):
 ranks restricted to their own GPU by the launcher get the cause and the fix,
 not the generic "lack peer access" line. Pure function, tested through the
 pybind module (no GPU needed)."""
