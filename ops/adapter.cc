@@ -7,22 +7,14 @@ namespace tf_adapter {
 absl::Status ToTfStatus(const Status& status) {
   const std::string& m = status.message();
   switch (status.code()) {
-    case StatusCode::kOk:
-      return absl::OkStatus();
-    case StatusCode::kInvalidArgument:
-      return absl::InvalidArgumentError(m);
-    case StatusCode::kFailedPrecondition:
-      return absl::FailedPreconditionError(m);
-    case StatusCode::kAborted:
-      return absl::AbortedError(m);
-    case StatusCode::kUnavailable:
-      return absl::UnavailableError(m);
-    case StatusCode::kDeadlineExceeded:
-      return absl::DeadlineExceededError(m);
-    case StatusCode::kUnimplemented:
-      return absl::UnimplementedError(m);
-    case StatusCode::kInternal:
-      return absl::InternalError(m);
+    case StatusCode::kOk: return absl::OkStatus();
+    case StatusCode::kInvalidArgument: return absl::InvalidArgumentError(m);
+    case StatusCode::kFailedPrecondition: return absl::FailedPreconditionError(m);
+    case StatusCode::kAborted: return absl::AbortedError(m);
+    case StatusCode::kUnavailable: return absl::UnavailableError(m);
+    case StatusCode::kDeadlineExceeded: return absl::DeadlineExceededError(m);
+    case StatusCode::kUnimplemented: return absl::UnimplementedError(m);
+    case StatusCode::kInternal: return absl::InternalError(m);
   }
   return absl::InternalError("unknown nvgroup status code " +
                              std::to_string(static_cast<int>(status.code())) + ": " + m);
@@ -32,12 +24,9 @@ Status FromTfStatus(const absl::Status& status) {
   if (status.ok()) return Status::Ok();
   const std::string m(status.message());
   switch (status.code()) {
-    case absl::StatusCode::kInvalidArgument:
-      return Status::InvalidArgument(m);
-    case absl::StatusCode::kFailedPrecondition:
-      return Status::FailedPrecondition(m);
-    case absl::StatusCode::kUnimplemented:
-      return Status::Unimplemented(m);
+    case absl::StatusCode::kInvalidArgument: return Status::InvalidArgument(m);
+    case absl::StatusCode::kFailedPrecondition: return Status::FailedPrecondition(m);
+    case absl::StatusCode::kUnimplemented: return Status::Unimplemented(m);
     default:  // allocation failures (kResourceExhausted) and the rest
       return Status::Internal("TensorFlow: " + status.ToString());
   }
@@ -90,8 +79,7 @@ absl::Status MakeAllreduceRequest(tf::OpKernelContext* context, int index, const
                                   const AllreduceAttrs& attrs, CollectiveRequest* request) {
   const tf::Tensor& input = context->input(index);
   tf::Tensor* output = nullptr;
-  TF_RETURN_IF_ERROR(
-      context->forward_input_or_allocate_output({index}, index, input.shape(), &output));
+  TF_RETURN_IF_ERROR(context->forward_input_or_allocate_output({index}, index, input.shape(), &output));
   TF_RETURN_IF_ERROR(ToTfStatus(ToEngineDataType(input.dtype(), &request->dtype)));
   request->name = name;
   request->type = CollectiveType::kAllreduce;

@@ -94,8 +94,12 @@ class Completion {
  public:
   Completion(tf::OpKernelContext* context, tf::AsyncOpKernel::DoneCallback done, int pending,
              const Device& device, void* event)
-      : context_(context), done_(std::move(done)), pending_(pending), device_pending_(pending),
-        device_(device), event_(event) {}
+      : context_(context),
+        done_(std::move(done)),
+        pending_(pending),
+        device_pending_(pending),
+        device_(device),
+        event_(event) {}
 
   // completion_event_ready of one request (engine thread, before its `done`).
   // One wait per op suffices: the engine runs an op's requests in order on one
@@ -161,7 +165,7 @@ struct CpuTraits {
 // Event-pool counters of the GPU kernels (c_api.cc exports them for tests);
 // zeros without GOOGLE_CUDA.
 struct GpuEventStats {
-  int64_t created = 0;   // cudaEventCreate calls, ever
+  int64_t created = 0;  // cudaEventCreate calls, ever
   int64_t recorded = 0;  // readiness records, ever
 };
 GpuEventStats GetGpuEventStats();
@@ -179,8 +183,8 @@ void Submit(tf::OpKernelContext* context, std::vector<CollectiveRequest> request
     done();
     return;
   }
-  auto completion = std::make_shared<Completion<Traits>>(
-      context, std::move(done), static_cast<int>(requests.size()), device, event);
+  auto completion = std::make_shared<Completion<Traits>>(context, std::move(done),
+                                                         static_cast<int>(requests.size()), device, event);
   for (CollectiveRequest& request : requests) {
     request.device = device;
     request.ready_event = event;
@@ -188,8 +192,8 @@ void Submit(tf::OpKernelContext* context, std::vector<CollectiveRequest> request
     if (Traits::kDeviceCompletion)
       request.completion_event_ready = [completion](void* e) { completion->OnDeviceEvent(e); };
     if (request.allocate_output) {  // readiness after the allocation (header comment)
-      request.allocate_output = [allocate = std::move(request.allocate_output), context, event](
-                                    const std::vector<int64_t>& shape, void** out) -> Status {
+      request.allocate_output = [allocate = std::move(request.allocate_output), context,
+                                 event](const std::vector<int64_t>& shape, void** out) -> Status {
         Status allocated = allocate(shape, out);
         if (!allocated.ok()) return allocated;
         return FromTfStatus(Traits::RecordReady(context, event));
@@ -239,8 +243,7 @@ class AllreduceOp : public tf::AsyncOpKernel {
 
   void ComputeAsync(tf::OpKernelContext* context, DoneCallback done) override {
     std::vector<CollectiveRequest> requests(1);
-    OP_REQUIRES_OK_ASYNC(context, MakeAllreduceRequest(context, 0, name_, attrs_, &requests[0]),
-                         done);
+    OP_REQUIRES_OK_ASYNC(context, MakeAllreduceRequest(context, 0, name_, attrs_, &requests[0]), done);
     Submit<Traits>(context, std::move(requests), std::move(done));
   }
 
@@ -263,8 +266,8 @@ class GroupedAllreduceOp : public tf::AsyncOpKernel {
     std::vector<CollectiveRequest> requests(n);
     for (int i = 0; i < n; ++i) {
       OP_REQUIRES_OK_ASYNC(context,
-                           MakeAllreduceRequest(context, i, name_ + "[" + std::to_string(i) + "]",
-                                                attrs_, &requests[i]),
+                           MakeAllreduceRequest(context, i, name_ + "[" + std::to_string(i) + "]", attrs_,
+                                                &requests[i]),
                            done);
     }
     Submit<Traits>(context, std::move(requests), std::move(done));
@@ -288,9 +291,9 @@ class AllgatherOp : public tf::AsyncOpKernel {
   void ComputeAsync(tf::OpKernelContext* context, DoneCallback done) override {
     const tf::Tensor& input = context->input(0);
     OP_REQUIRES_ASYNC(context, input.dims() >= 1,
-                      absl::InvalidArgumentError(
-                          "allgather of '" + name_ + "' needs a tensor of rank >= 1 (it "
-                          "concatenates along the first dimension); got a scalar"),
+                      absl::InvalidArgumentError("allgather of '" + name_ +
+                                                 "' needs a tensor of rank >= 1 (it "
+                                                 "concatenates along the first dimension); got a scalar"),
                       done);
     std::vector<CollectiveRequest> requests(1);
     CollectiveRequest& request = requests[0];
@@ -335,12 +338,11 @@ class BroadcastOp : public tf::AsyncOpKernel {
   void ComputeAsync(tf::OpKernelContext* context, DoneCallback done) override {
     const tf::Tensor& input = context->input(0);
     tf::Tensor* output = nullptr;
-    OP_REQUIRES_OK_ASYNC(
-        context, context->forward_input_or_allocate_output({0}, 0, input.shape(), &output), done);
+    OP_REQUIRES_OK_ASYNC(context, context->forward_input_or_allocate_output({0}, 0, input.shape(), &output),
+                         done);
     std::vector<CollectiveRequest> requests(1);
     CollectiveRequest& request = requests[0];
-    OP_REQUIRES_OK_ASYNC(context, ToTfStatus(ToEngineDataType(input.dtype(), &request.dtype)),
-                         done);
+    OP_REQUIRES_OK_ASYNC(context, ToTfStatus(ToEngineDataType(input.dtype(), &request.dtype)), done);
     request.name = name_;
     request.type = CollectiveType::kBroadcast;
     request.shape = ToEngineShape(input.shape());

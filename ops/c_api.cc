@@ -32,8 +32,8 @@ int ReportValue(const nvgroup::StatusOr<int>& value, int* out, char* msg, int ms
 }
 
 // `text` into `value` (value_len bytes with its terminating NUL), else its error.
-int ReportText(const nvgroup::StatusOr<std::string>& text, const char* name, char* value, int value_len, char* msg,
-               int msg_len) {
+int ReportText(const nvgroup::StatusOr<std::string>& text, const char* name, char* value, int value_len,
+               char* msg, int msg_len) {
   if (!text.ok()) return Report(text.status(), msg, msg_len);
   if (value == nullptr || value_len <= 0 || text.value().size() >= static_cast<size_t>(value_len))
     return Report(nvgroup::Status::InvalidArgument(std::string(name) + "'s value does not fit in " +
@@ -61,13 +61,9 @@ int nvgroup_tf_init(int64_t mpi_comm_fortran, char* msg, int msg_len) {
   return Report(nvgroup::Init(options), msg, msg_len);
 }
 
-int nvgroup_tf_shutdown(char* msg, int msg_len) {
-  return Report(nvgroup::Shutdown(), msg, msg_len);
-}
+int nvgroup_tf_shutdown(char* msg, int msg_len) { return Report(nvgroup::Shutdown(), msg, msg_len); }
 
-int nvgroup_tf_finalize_mpi(char* msg, int msg_len) {
-  return Report(nvgroup::FinalizeMpi(), msg, msg_len);
-}
+int nvgroup_tf_finalize_mpi(char* msg, int msg_len) { return Report(nvgroup::FinalizeMpi(), msg, msg_len); }
 
 int nvgroup_tf_is_initialized() { return nvgroup::IsInitialized() ? 1 : 0; }
 

@@ -71,7 +71,8 @@ class AllocatedCollectiveOp : public tf::AsyncOpKernel {
     std::vector<CollectiveRequest> requests(n);
     for (int i = 0; i < n; ++i) {
       const std::string name = grouped_ ? name_ + "[" + std::to_string(i) + "]" : name_;
-      OP_REQUIRES_OK_ASYNC(context, MakeAllocatedRequest(context, i, type_, name, process_set_id_, &requests[i]),
+      OP_REQUIRES_OK_ASYNC(context,
+                           MakeAllocatedRequest(context, i, type_, name, process_set_id_, &requests[i]),
                            done);
       requests[i].op = attrs_.op;
       requests[i].prescale_factor = attrs_.prescale_factor;
@@ -121,12 +122,14 @@ class AlltoallOp : public tf::AsyncOpKernel {
   void ComputeAsync(tf::OpKernelContext* context, DoneCallback done) override {
     std::vector<CollectiveRequest> requests(1);
     CollectiveRequest& request = requests[0];
-    OP_REQUIRES_OK_ASYNC(context, MakeAllocatedRequest(context, 0, CollectiveType::kAlltoall, name_,
-                                                       process_set_id_, &request),
+    OP_REQUIRES_OK_ASYNC(context,
+                         MakeAllocatedRequest(context, 0, CollectiveType::kAlltoall, name_, process_set_id_,
+                                              &request),
                          done);
     const tf::Tensor& splits = context->input(1);
     OP_REQUIRES_ASYNC(context, splits.dims() == 1,
-                      absl::InvalidArgumentError("alltoall of '" + name_ + "': splits must be a vector"), done);
+                      absl::InvalidArgumentError("alltoall of '" + name_ + "': splits must be a vector"),
+                      done);
     auto flat = splits.flat<int32_t>();
     for (int64_t i = 0; i < flat.size(); ++i) request.splits.push_back(flat(i));
     // Received rows: written by the engine before it allocates output 0, then
@@ -137,8 +140,8 @@ class AlltoallOp : public tf::AsyncOpKernel {
     request.allocate_output = [context, received, data_output](const std::vector<int64_t>& shape,
                                                                void** out) -> Status {
       tf::Tensor* recv = nullptr;
-      absl::Status allocated = context->allocate_output(
-          1, tf::TensorShape({static_cast<int64_t>(received->size())}), &recv);
+      absl::Status allocated =
+          context->allocate_output(1, tf::TensorShape({static_cast<int64_t>(received->size())}), &recv);
       if (!allocated.ok()) return FromTfStatus(allocated);
       auto r = recv->flat<int32_t>();
       for (size_t i = 0; i < received->size(); ++i) r(i) = static_cast<int32_t>((*received)[i]);

@@ -116,7 +116,8 @@ REGISTER_KERNEL_BUILDER(Name("NvgroupReducescatter").Device(tf::DEVICE_CPU), Red
 REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedReducescatter").Device(tf::DEVICE_CPU),
                         GroupedReducescatterOp<CpuTraits>);
 REGISTER_KERNEL_BUILDER(Name("NvgroupAlltoall").Device(tf::DEVICE_CPU), AlltoallOp<CpuTraits>);
-REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedAllgather").Device(tf::DEVICE_CPU), GroupedAllgatherOp<CpuTraits>);
+REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedAllgather").Device(tf::DEVICE_CPU),
+                        GroupedAllgatherOp<CpuTraits>);
 REGISTER_KERNEL_BUILDER(Name("NvgroupJoin").Device(tf::DEVICE_CPU), JoinOp);
 
 }  // namespace tf_adapter

@@ -140,8 +140,8 @@ struct GpuTraits {
   static absl::Status WaitOnCompletion(tf::OpKernelContext* context, void* completion_event) {
     stream_executor::Stream* stream = nullptr;
     TF_RETURN_IF_ERROR(ComputeStream(context, &stream));
-    cudaError_t error =
-        cudaStreamWaitEvent(CudaStream(stream), static_cast<cudaEvent_t>(completion_event), 0);
+    cudaError_t error = cudaStreamWaitEvent(CudaStream(stream), static_cast<cudaEvent_t>(completion_event),
+                                            0);
     if (error != cudaSuccess) return CudaError("cudaStreamWaitEvent (TF's stream on the collective)", error);
     return absl::OkStatus();
   }
@@ -169,7 +169,8 @@ REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedReducescatter").Device(tf::DEVICE_GP
 REGISTER_KERNEL_BUILDER(
     Name("NvgroupAlltoall").Device(tf::DEVICE_GPU).HostMemory("splits").HostMemory("received_splits"),
     AlltoallOp<GpuTraits>);
-REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedAllgather").Device(tf::DEVICE_GPU), GroupedAllgatherOp<GpuTraits>);
+REGISTER_KERNEL_BUILDER(Name("NvgroupGroupedAllgather").Device(tf::DEVICE_GPU),
+                        GroupedAllgatherOp<GpuTraits>);
 
 }  // namespace tf_adapter
 }  // namespace nvgroup

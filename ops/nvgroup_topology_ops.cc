@@ -63,12 +63,12 @@ REGISTER_OP("NvgroupSize")
     .Doc("Number of ranks in the process set (0 = all), read when the op runs.");
 REGISTER_KERNEL_BUILDER(Name("NvgroupSize").Device(tf::DEVICE_CPU), SizeOp);
 
-#define NVG_TOPOLOGY_OP(OpName, Query, what)                                             \
-  REGISTER_OP(OpName)                                                                    \
-      .Output("value: int32")                                                            \
-      .SetIsStateful()                                                                   \
-      .SetShapeFn(tf::shape_inference::ScalarShape)                                      \
-      .Doc(what " of this process in the running engine, read when the op runs.");      \
+#define NVG_TOPOLOGY_OP(OpName, Query, what)                                       \
+  REGISTER_OP(OpName)                                                              \
+      .Output("value: int32")                                                      \
+      .SetIsStateful()                                                             \
+      .SetShapeFn(tf::shape_inference::ScalarShape)                                \
+      .Doc(what " of this process in the running engine, read when the op runs."); \
   REGISTER_KERNEL_BUILDER(Name(OpName).Device(tf::DEVICE_CPU), TopologyOp<Query>)
 
 NVG_TOPOLOGY_OP("NvgroupRank", Rank, "Rank");

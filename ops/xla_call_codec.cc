@@ -62,16 +62,11 @@ std::string MlirI64Array(const std::vector<int64_t>& values) {
 }  // namespace
 
 std::string XlaAttributes(const CallAttributes& a) {
-  return "{name = " + MlirString(a.name) +
-         ", type = " + MlirI64(static_cast<int64_t>(a.type)) +
-         ", grouped = " + MlirI64(a.grouped ? 1 : 0) +
-         ", op = " + MlirI64(static_cast<int64_t>(a.op)) +
-         ", prescale = " + MlirF64(a.prescale_factor) +
-         ", postscale = " + MlirF64(a.postscale_factor) +
-         ", root = " + MlirI64(a.root_rank) +
-         ", process_set = " + MlirI64(a.process_set_id) +
-         ", splits = " + MlirI64Array(a.splits) +
-         ", received = " + MlirI64Array(a.received_splits) + "}";
+  return "{name = " + MlirString(a.name) + ", type = " + MlirI64(static_cast<int64_t>(a.type)) +
+         ", grouped = " + MlirI64(a.grouped ? 1 : 0) + ", op = " + MlirI64(static_cast<int64_t>(a.op)) +
+         ", prescale = " + MlirF64(a.prescale_factor) + ", postscale = " + MlirF64(a.postscale_factor) +
+         ", root = " + MlirI64(a.root_rank) + ", process_set = " + MlirI64(a.process_set_id) +
+         ", splits = " + MlirI64Array(a.splits) + ", received = " + MlirI64Array(a.received_splits) + "}";
 }
 
 namespace {
@@ -132,16 +127,17 @@ std::vector<int64_t> Dims(const ffi::AnyBuffer& buffer) {
 
 // The engine's result shape must be the one XLA compiled (xla_ops.h, "Static
 // shapes"); then the result goes straight into XLA's buffer.
-AllocateOutputFn IntoCompiledBuffer(const CallAttributes& a, const std::string& name, const ffi::AnyBuffer& output) {
+AllocateOutputFn IntoCompiledBuffer(const CallAttributes& a, const std::string& name,
+                                    const ffi::AnyBuffer& output) {
   const std::vector<int64_t> compiled = Dims(output);
   void* data = output.untyped_data();
   const std::string what = std::string(CollectiveTypeName(a.type)) + " of '" + name + "' under XLA";
   return [compiled, data, what](const std::vector<int64_t>& shape, void** out_ptr) {
     if (shape != compiled)
-      return Status::FailedPrecondition(
-          what + ": the result shape is " + ShapeToString(shape) + " but the XLA program was compiled for " +
-          ShapeToString(compiled) + " (the ranks' shapes or splits changed after compilation; every rank "
-          "must recompile with the same shapes)");
+      return Status::FailedPrecondition(what + ": the result shape is " + ShapeToString(shape) +
+                                        " but the XLA program was compiled for " + ShapeToString(compiled) +
+                                        " (the ranks' shapes or splits changed after compilation; every rank "
+                                        "must recompile with the same shapes)");
     *out_ptr = data;
     return Status::Ok();
   };
@@ -182,9 +178,7 @@ Status DecodeCall(const WireAttributes& wire, ffi::RemainingArgs args, ffi::Rema
     q.process_set_id = a.process_set_id;
     switch (a.type) {
       case CollectiveType::kAllgather:
-      case CollectiveType::kReducescatter:
-        q.allocate_output = IntoCompiledBuffer(a, q.name, output);
-        break;
+      case CollectiveType::kReducescatter: q.allocate_output = IntoCompiledBuffer(a, q.name, output); break;
       case CollectiveType::kAlltoall: {
         q.splits = a.splits;
         // The engine writes the received splits, then allocates: both must be
@@ -195,7 +189,8 @@ Status DecodeCall(const WireAttributes& wire, ffi::RemainingArgs args, ffi::Rema
         AllocateOutputFn into = IntoCompiledBuffer(a, q.name, output);
         const std::vector<int64_t> compiled = a.received_splits;
         const std::string name = q.name;
-        q.allocate_output = [received, into, compiled, name](const std::vector<int64_t>& shape, void** out_ptr) {
+        q.allocate_output = [received, into, compiled, name](const std::vector<int64_t>& shape,
+                                                             void** out_ptr) {
           if (*received != compiled)
             return Status::FailedPrecondition(
                 "alltoall of '" + name + "' under XLA: this rank receives " + ShapeToString(*received) +
@@ -205,8 +200,7 @@ Status DecodeCall(const WireAttributes& wire, ffi::RemainingArgs args, ffi::Rema
         };
         break;
       }
-      default:
-        q.output = output.untyped_data();
+      default: q.output = output.untyped_data();
     }
     requests->push_back(std::move(q));
   }
@@ -234,8 +228,8 @@ Status DecodeDone(const WireAttributes& wire, ffi::RemainingArgs args, ffi::Rema
     const ffi::AnyBuffer f = *from;
     const ffi::AnyBuffer t = **to;
     if (f.size_bytes() != t.size_bytes())
-      return Status::Internal("nvgroup XLA done call '" + a.name + "': result " + std::to_string(i) + " has " +
-                              std::to_string(t.size_bytes()) + " bytes, its operand " +
+      return Status::Internal("nvgroup XLA done call '" + a.name + "': result " + std::to_string(i) +
+                              " has " + std::to_string(t.size_bytes()) + " bytes, its operand " +
                               std::to_string(f.size_bytes()));
     buffers->push_back({f.untyped_data(), t.untyped_data(), t.size_bytes()});
   }

@@ -43,9 +43,10 @@ Status PairCalls::Put(const std::string& name, std::shared_ptr<PairCall> call) {
   std::lock_guard<std::mutex> lock(PairCallsMutex());
   auto& slot = PairCallMap()[name];
   if (slot != nullptr && !slot->Finished())
-    return Status::FailedPrecondition("nvgroup XLA collective '" + name +
-                                      "' started while its previous start is still in flight (two collectives "
-                                      "of one name at once; give them different names)");
+    return Status::FailedPrecondition(
+        "nvgroup XLA collective '" + name +
+        "' started while its previous start is still in flight (two collectives "
+        "of one name at once; give them different names)");
   slot = std::move(call);
   return Status::Ok();
 }

@@ -167,10 +167,11 @@ XLA_FFI_DEFINE_HANDLER(kHostCollective, HostCollective, BindCall(ffi::Ffi::Bind(
 }  // namespace
 
 namespace {
-[[maybe_unused]] const bool kHostRegistered = RegisterHandler(kXlaTarget, "Host", kHostCollective) &&
-                                              RegisterHandler(kXlaAsyncTarget, "Host", kHostCollectiveAsync) &&
-                                              RegisterHandler(kXlaStartTarget, "Host", kHostCollectiveStart) &&
-                                              RegisterHandler(kXlaDoneTarget, "Host", kHostCollectiveDone);
+[[maybe_unused]] const bool kHostRegistered =
+    RegisterHandler(kXlaTarget, "Host", kHostCollective) &&
+    RegisterHandler(kXlaAsyncTarget, "Host", kHostCollectiveAsync) &&
+    RegisterHandler(kXlaStartTarget, "Host", kHostCollectiveStart) &&
+    RegisterHandler(kXlaDoneTarget, "Host", kHostCollectiveDone);
 }  // namespace
 
 }  // namespace xla_adapter

@@ -53,8 +53,9 @@ absl::Status StaticShapeWithLayout(XlaOpKernelContext* ctx, int index, const std
                                    ::xla::Shape* shape) {
   TF_ASSIGN_OR_RETURN(*shape, ctx->InputXlaShape(index));
   if (!shape->is_static())
-    return absl::InvalidArgumentError("nvgroup collective '" + name + "' under XLA needs static shapes; input " +
-                                      std::to_string(index) + " is " + shape->ToString());
+    return absl::InvalidArgumentError("nvgroup collective '" + name +
+                                      "' under XLA needs static shapes; input " + std::to_string(index) +
+                                      " is " + shape->ToString());
   ::xla::LayoutUtil::SetToDefaultLayout(shape);  // row-major: what the engine's buffers are
   return absl::OkStatus();
 }
@@ -150,13 +151,16 @@ std::vector<::xla::XlaOp> EmitStartDone(XlaOpKernelContext* ctx, const CallAttri
   ::xla::LayoutUtil::SetToDefaultLayout(&token);
   start_results.push_back(token);
   const std::string config = XlaAttributes(attributes);
-  ::xla::XlaOp start = ::xla::CustomCallWithLayout(
-      builder, kXlaStartTarget, start_operands, ::xla::ShapeUtil::MakeTupleShape(start_results),
-      start_operand_shapes, config, /*has_side_effect=*/true, /*output_operand_aliasing=*/{},
-      /*literal=*/nullptr, ::xla::CustomCallSchedule::SCHEDULE_EARLIEST,
-      ::xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+  ::xla::XlaOp start = ::xla::CustomCallWithLayout(builder, kXlaStartTarget, start_operands,
+                                                   ::xla::ShapeUtil::MakeTupleShape(start_results),
+                                                   start_operand_shapes, config, /*has_side_effect=*/true,
+                                                   /*output_operand_aliasing=*/{},
+                                                   /*literal=*/nullptr,
+                                                   ::xla::CustomCallSchedule::SCHEDULE_EARLIEST,
+                                                   ::xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
   std::vector<::xla::XlaOp> done_operands;
-  for (size_t i = 0; i < n; ++i) done_operands.push_back(::xla::GetTupleElement(start, static_cast<int64_t>(i)));
+  for (size_t i = 0; i < n; ++i)
+    done_operands.push_back(::xla::GetTupleElement(start, static_cast<int64_t>(i)));
   for (const ::xla::XlaOp& in : inputs) done_operands.push_back(in);
   std::vector<::xla::Shape> done_operand_shapes = out_shapes;
   for (const ::xla::Shape& shape : in_shapes) done_operand_shapes.push_back(shape);
@@ -175,10 +179,11 @@ std::vector<::xla::XlaOp> EmitStartDone(XlaOpKernelContext* ctx, const CallAttri
     aliasing.push_back({tuple ? ::xla::ShapeIndex{static_cast<int64_t>(i)} : ::xla::ShapeIndex{},
                         {static_cast<int64_t>(i), ::xla::ShapeIndex{}}});
   const ::xla::Shape done_result = tuple ? ::xla::ShapeUtil::MakeTupleShape(out_shapes) : out_shapes[0];
-  ::xla::XlaOp done = ::xla::CustomCallWithLayout(
-      builder, kXlaDoneTarget, done_operands, done_result, done_operand_shapes, config,
-      /*has_side_effect=*/true, aliasing, /*literal=*/nullptr, ::xla::CustomCallSchedule::SCHEDULE_LATEST,
-      ::xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+  ::xla::XlaOp done = ::xla::CustomCallWithLayout(builder, kXlaDoneTarget, done_operands, done_result,
+                                                  done_operand_shapes, config,
+                                                  /*has_side_effect=*/true, aliasing, /*literal=*/nullptr,
+                                                  ::xla::CustomCallSchedule::SCHEDULE_LATEST,
+                                                  ::xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
   std::vector<::xla::XlaOp> outputs;
   if (!tuple) {
     outputs.push_back(done);
@@ -212,10 +217,12 @@ std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes
   std::vector<::xla::XlaOp> operands;
   if (!OrderedOperands(ctx, &operands, &in_shapes)) return {};
   const ::xla::Shape result = tuple ? ::xla::ShapeUtil::MakeTupleShape(out_shapes) : out_shapes[0];
-  ::xla::XlaOp call = ::xla::CustomCallWithLayout(
-      builder, target, operands, result, in_shapes, XlaAttributes(attributes),
-      /*has_side_effect=*/true, /*output_operand_aliasing=*/{}, /*literal=*/nullptr,
-      ::xla::CustomCallSchedule::SCHEDULE_NONE, ::xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+  ::xla::XlaOp call = ::xla::CustomCallWithLayout(builder, target, operands, result, in_shapes,
+                                                  XlaAttributes(attributes),
+                                                  /*has_side_effect=*/true, /*output_operand_aliasing=*/{},
+                                                  /*literal=*/nullptr,
+                                                  ::xla::CustomCallSchedule::SCHEDULE_NONE,
+                                                  ::xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
   std::vector<::xla::XlaOp> outputs;
   if (!tuple) {
     outputs.push_back(call);
@@ -229,15 +236,16 @@ std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes
 // This rank's place in the collective's process set (compile time).
 Status PlaceInSet(const CallAttributes& a, int* rank, int* size) {
   StatusOr<int> r = ProcessSetRank(a.process_set_id);
-  if (!r.ok()) return r.status().WithContext("compiling " + std::string(CollectiveTypeName(a.type)) + " '" +
-                                             a.name + "' for XLA");
+  if (!r.ok())
+    return r.status().WithContext("compiling " + std::string(CollectiveTypeName(a.type)) + " '" + a.name +
+                                  "' for XLA");
   StatusOr<int> n = ProcessSetSize(a.process_set_id);
   if (!n.ok()) return n.status();
   if (r.value() < 0) {
     StatusOr<int> me = Rank();
     return Status::InvalidArgument("rank " + std::to_string(me.ok() ? me.value() : -1) +
-                                   " is not a member of process set " + std::to_string(a.process_set_id) + "; '" +
-                                   a.name + "' can only run on its members");
+                                   " is not a member of process set " + std::to_string(a.process_set_id) +
+                                   "; '" + a.name + "' can only run on its members");
   }
   *rank = r.value();
   *size = n.value();
@@ -267,7 +275,8 @@ Status GatherAtCompileTime(const CallAttributes& a, const std::string& name, std
   };
   Status status = EnqueueAndWait(std::move(requests));
   if (!status.ok())
-    return status.WithContext("compiling " + std::string(CollectiveTypeName(a.type)) + " '" + a.name + "' for XLA");
+    return status.WithContext("compiling " + std::string(CollectiveTypeName(a.type)) + " '" + a.name +
+                              "' for XLA");
   return Status::Ok();
 }
 
@@ -302,13 +311,14 @@ Status AgreeOnSplits(CallAttributes* a, int64_t dim0) {
   } else {
     int64_t total = 0;
     for (int64_t v : splits) {
-      if (v < 0 && mine.ok()) mine = Status::InvalidArgument(who + ": alltoall splits must be >= 0, got " +
-                                                             ShapeToString(splits));
+      if (v < 0 && mine.ok())
+        mine = Status::InvalidArgument(who + ": alltoall splits must be >= 0, got " + ShapeToString(splits));
       total += v;
     }
     if (mine.ok() && total != dim0)
       mine = Status::InvalidArgument(who + ": alltoall splits " + ShapeToString(splits) + " sum to " +
-                                     std::to_string(total) + ", not the first dimension " + std::to_string(dim0));
+                                     std::to_string(total) + ", not the first dimension " +
+                                     std::to_string(dim0));
   }
   std::vector<int64_t> sent(1 + size, 0);  // [invalid, splits...]
   sent[0] = mine.ok() ? 0 : 1;
@@ -348,7 +358,8 @@ class CollectiveXlaOp : public XlaOpKernel {
       OP_REQUIRES_OK(context, context->GetAttr("tensor_name", &tensor_name));
       OP_REQUIRES_OK(context, context->GetAttr("process_set_id", &process_set_id));
     }
-    if (type == CollectiveType::kBroadcast) OP_REQUIRES_OK(context, context->GetAttr("root_rank", &attributes_.root_rank));
+    if (type == CollectiveType::kBroadcast)
+      OP_REQUIRES_OK(context, context->GetAttr("root_rank", &attributes_.root_rank));
     attributes_.process_set_id = process_set_id;
     attributes_.name = tf_adapter::CollectiveName(*this, tensor_name);
     gpu_ = context->device_type().type_string() == "XLA_GPU_JIT";
@@ -384,9 +395,10 @@ class CollectiveXlaOp : public XlaOpKernel {
     for (size_t i = 0; i < out->size(); ++i) {
       ::xla::Shape& shape = (*out)[i];
       if (shape.dimensions().size() < 1)
-        return Status::InvalidArgument(std::string(CollectiveTypeName(a->type)) + " of '" + a->name +
-                                       "' needs a tensor of rank >= 1 (it splits or concatenates along the first "
-                                       "dimension); got a scalar");
+        return Status::InvalidArgument(
+            std::string(CollectiveTypeName(a->type)) + " of '" + a->name +
+            "' needs a tensor of rank >= 1 (it splits or concatenates along the first "
+            "dimension); got a scalar");
       const int64_t dim0 = shape.dimensions(0);
       int64_t rows = 0;
       if (a->type == CollectiveType::kReducescatter) {
@@ -424,7 +436,8 @@ REGISTER_XLA_OP(Name("NvgroupGroupedAllgather"), XlaOpOf<CollectiveType::kAllgat
 REGISTER_XLA_OP(Name("NvgroupBroadcast"), XlaOpOf<CollectiveType::kBroadcast>);
 REGISTER_XLA_OP(Name("NvgroupReducescatter"), XlaOpOf<CollectiveType::kReducescatter>);
 REGISTER_XLA_OP(Name("NvgroupGroupedReducescatter"), XlaOpOf<CollectiveType::kReducescatter>);
-REGISTER_XLA_OP(Name("NvgroupAlltoall").CompileTimeConstantInput("splits"), XlaOpOf<CollectiveType::kAlltoall>);
+REGISTER_XLA_OP(Name("NvgroupAlltoall").CompileTimeConstantInput("splits"),
+                XlaOpOf<CollectiveType::kAlltoall>);
 
 }  // namespace
 }  // namespace xla_adapter
@@ -452,4 +465,3 @@ extern "C" int nvgroup_tf_register_xla_kernels(char* msg, int msg_len) {
   }
   return 1;
 }
-

@@ -143,9 +143,9 @@ constexpr const char* kXlaDoneTarget = "nvgroup_collective_done";
 // What the custom call's attributes say (XlaAttributes writes them at
 // lowering; the handlers get them back through DecodeCall).
 struct CallAttributes {
-  std::string name;                       // engine name (grouped: member i is "<name>[i]")
+  std::string name;  // engine name (grouped: member i is "<name>[i]")
   CollectiveType type = CollectiveType::kAllreduce;
-  bool grouped = false;                   // one request per operand, "<name>[i]"
+  bool grouped = false;  // one request per operand, "<name>[i]"
   ReduceOp op = ReduceOp::kSum;
   double prescale_factor = 1.0;
   double postscale_factor = 1.0;

@@ -114,7 +114,8 @@ Status RecordReadyEvent(cudaStream_t stream, int ordinal, cudaEvent_t* event) {
 // One call's requests, shared by their callbacks (engine threads) and the
 // handler (XLA's thread), which may return before the last `done` runs.
 struct CallState {
-  CallState(cudaStream_t s, cudaEvent_t e, int n) : stream(s), ready_event(e), pending(n), device_pending(n) {}
+  CallState(cudaStream_t s, cudaEvent_t e, int n)
+      : stream(s), ready_event(e), pending(n), device_pending(n) {}
   // Runs with the last `done` (engine thread) or the handler's return, whichever
   // is later; the call's status is given by then, so a failure can only be told.
   ~CallState() {
@@ -138,7 +139,8 @@ struct CallState {
     std::lock_guard<std::mutex> lock(mu);
     if (--device_pending != 0 || !first_error.ok()) return;
     const cudaError_t error = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(completion_event), 0);
-    if (error != cudaSuccess) first_error = CudaStatus("cudaStreamWaitEvent (XLA's stream on the collective)", error);
+    if (error != cudaSuccess)
+      first_error = CudaStatus("cudaStreamWaitEvent (XLA's stream on the collective)", error);
     else stream_waits = true;
     changed.notify_all();
   }
@@ -184,7 +186,8 @@ ffi::Error CudaCollective(cudaStream_t stream, int32_t ordinal, ffi::RemainingAr
   // Bounded: every accepted request's `done` runs in bounded time (engine.h).
   std::unique_lock<std::mutex> lock(state->mu);
   state->changed.wait(lock, [&] { return state->stream_waits || state->pending == 0; });
-  if (state->stream_waits) return ffi::Error::Success();  // the `done`s follow; a late error aborts the engine
+  if (state->stream_waits)
+    return ffi::Error::Success();  // the `done`s follow; a late error aborts the engine
   // Every `done` ran without the early event (an error, or the engine had no
   // event and drained its stream: then the result is complete already).
   return ToFfiError(state->first_error);
@@ -238,7 +241,12 @@ StatusOr<cudaStream_t> RelayStream(int ordinal) {
 
 struct CudaPairCall : PairCall {
   CudaPairCall(int ordinal_, cudaEvent_t ready, cudaEvent_t finished_, cudaStream_t relay_, int n)
-      : ordinal(ordinal_), ready_event(ready), finished(finished_), relay(relay_), pending(n), device_pending(n) {}
+      : ordinal(ordinal_),
+        ready_event(ready),
+        finished(finished_),
+        relay(relay_),
+        pending(n),
+        device_pending(n) {}
   // Runs after the last `done` and the done handler, whichever is later
   // (cudaEventDestroy of an event still waited on is deferred by CUDA).
   ~CudaPairCall() override {
@@ -261,13 +269,15 @@ struct CudaPairCall : PairCall {
     int previous = 0;
     cudaError_t error = cudaGetDevice(&previous);
     if (error == cudaSuccess && previous != ordinal) error = cudaSetDevice(ordinal);
-    if (error == cudaSuccess) error = cudaStreamWaitEvent(relay, static_cast<cudaEvent_t>(completion_event), 0);
+    if (error == cudaSuccess)
+      error = cudaStreamWaitEvent(relay, static_cast<cudaEvent_t>(completion_event), 0);
     if (error == cudaSuccess) error = cudaEventRecord(finished, relay);
     if (previous != ordinal) {
       const cudaError_t restored = cudaSetDevice(previous);
       if (error == cudaSuccess) error = restored;
     }
-    if (error != cudaSuccess) first_error = CudaStatus("relaying an XLA collective's completion event", error);
+    if (error != cudaSuccess)
+      first_error = CudaStatus("relaying an XLA collective's completion event", error);
     else relayed = true;
     changed.notify_all();
   }
@@ -306,7 +316,8 @@ ffi::Error CudaCollectiveStart(cudaStream_t stream, int32_t ordinal, ffi::Remain
     return ToFfiError(status);
   }
   const int count = static_cast<int>(requests.size());
-  auto call = std::make_shared<CudaPairCall>(ordinal, ready, finished, relay.value(), count);  // owns the events
+  auto call = std::make_shared<CudaPairCall>(ordinal, ready, finished, relay.value(),
+                                             count);  // owns the events
   for (CollectiveRequest& q : requests) {
     q.device = Device::Cuda(ordinal);
     q.ready_event = ready;
@@ -351,17 +362,21 @@ ffi::Error CudaCollectiveDone(cudaStream_t stream, int32_t /*ordinal*/, ffi::Rem
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER(kCudaCollectiveStart, CudaCollectiveStart,
-                       BindCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
-XLA_FFI_DEFINE_HANDLER(kCudaCollectiveDone, CudaCollectiveDone,
-                       BindCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
+XLA_FFI_DEFINE_HANDLER(
+    kCudaCollectiveStart, CudaCollectiveStart,
+    BindCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
+XLA_FFI_DEFINE_HANDLER(
+    kCudaCollectiveDone, CudaCollectiveDone,
+    BindCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
 
-XLA_FFI_DEFINE_HANDLER(kCudaCollective, CudaCollective,
-                       BindCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
+XLA_FFI_DEFINE_HANDLER(
+    kCudaCollective, CudaCollective,
+    BindCall(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
 
 [[maybe_unused]] const bool kCudaRegistered = RegisterHandler(kXlaTarget, "CUDA", kCudaCollective) &&
                                               RegisterHandler(kXlaAsyncTarget, "CUDA", kCudaCollective) &&
-                                              RegisterHandler(kXlaStartTarget, "CUDA", kCudaCollectiveStart) &&
+                                              RegisterHandler(kXlaStartTarget, "CUDA",
+                                                              kCudaCollectiveStart) &&
                                               RegisterHandler(kXlaDoneTarget, "CUDA", kCudaCollectiveDone);
 
 }  // namespace

@@ -16,6 +16,7 @@ done
 
 bash scripts/setup.sh
 .venv/bin/ruff check .
+bash scripts/format_check.sh
 # pytest exits 5 when it collected no tests; under `set -e` that (like any
 # failure) fails this script.
 if [ "$fast" = 1 ]; then

@@ -77,7 +77,8 @@ Status PostRound(MPI_Comm comm, int peers, int me, const void* send, const int* 
 Status TestRound(std::vector<MPI_Request>* requests, bool* done) {
   int flag = 1;
   if (!requests->empty())
-    NVG_MPI_CHECK(MPI_Testall(static_cast<int>(requests->size()), requests->data(), &flag, MPI_STATUSES_IGNORE));
+    NVG_MPI_CHECK(MPI_Testall(static_cast<int>(requests->size()), requests->data(), &flag,
+                              MPI_STATUSES_IGNORE));
   *done = flag != 0;
   if (*done) requests->clear();
   return Status::Ok();
@@ -144,8 +145,9 @@ CrossExchange::~CrossExchange() {
 
 CrossExchange::Variant CrossExchange::VariantFor(size_t count, size_t element_size) const {
   const size_t allgather_sends = count * element_size * static_cast<size_t>(peers_ - 1);
-  return allgather_max_bytes_ > 0 && allgather_sends <= allgather_max_bytes_ ? Variant::kAllgatherFold
-                                                                             : Variant::kReduceScatterAllgather;
+  return allgather_max_bytes_ > 0 && allgather_sends <= allgather_max_bytes_
+             ? Variant::kAllgatherFold
+             : Variant::kReduceScatterAllgather;
 }
 
 size_t CrossExchange::RecvBytes(size_t count, size_t element_size) const {
@@ -156,15 +158,14 @@ size_t CrossExchange::RecvBytes(size_t count, size_t element_size) const {
 size_t CrossExchange::MaxRecvBytes(size_t max_slice_bytes) const {
   // Reduce-scatter: P parts of at most ceil(n / P) rounded up to 16 bytes.
   const size_t scatter = max_slice_bytes + 16 * static_cast<size_t>(peers_);
-  const size_t largest_allgather =
-      peers_ > 1 ? std::min(max_slice_bytes, allgather_max_bytes_ / (peers_ - 1)) : max_slice_bytes;
+  const size_t largest_allgather = peers_ > 1 ? std::min(max_slice_bytes, allgather_max_bytes_ / (peers_ - 1))
+                                              : max_slice_bytes;
   return std::max(scatter, largest_allgather * peers_);
 }
 
 Status CrossExchange::Start(Job job, uint64_t* ticket) {
   if (job.count * job.element_size > static_cast<size_t>(INT_MAX))
-    return Status::InvalidArgument("cross-group slice of " +
-                                   std::to_string(job.count * job.element_size) +
+    return Status::InvalidArgument("cross-group slice of " + std::to_string(job.count * job.element_size) +
                                    " bytes exceeds MPI's int counts");
   if (!job.fold) return Status::InvalidArgument("cross-group exchange without a fold");
   auto a = std::make_unique<Active>();
@@ -208,7 +209,8 @@ Status CrossExchange::Start(Job job, uint64_t* ticket) {
 
 Status CrossExchange::StartReduceScatter(ScatterJob sj, uint64_t* ticket) {
   if (!sj.fold) return Status::InvalidArgument("cross-group reduce-scatter without a fold");
-  if (sj.part_counts == nullptr) return Status::InvalidArgument("cross-group reduce-scatter without part counts");
+  if (sj.part_counts == nullptr)
+    return Status::InvalidArgument("cross-group reduce-scatter without part counts");
   const size_t es = sj.element_size;
   size_t send_elems = 0;
   for (int p = 0; p < peers_; ++p) send_elems += sj.part_counts[p];
@@ -282,10 +284,8 @@ Status CrossExchange::Wait(uint64_t ticket) {
   waiting_callers_.fetch_add(1, std::memory_order_seq_cst);
   Clock::time_point last = Clock::now();
   while (!Finished(ticket)) {
-    if (TryProgress())
-      last = Clock::now();
-    else if (SecondsSince(last) > kBackToBackPollS)
-      std::this_thread::yield();
+    if (TryProgress()) last = Clock::now();
+    else if (SecondsSince(last) > kBackToBackPollS) std::this_thread::yield();
   }
   bool wake = false;
   if (threaded_) {
@@ -322,9 +322,9 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
       NVG_RETURN_IF_ERROR_CTX(j.ready(&ready), "waiting for the cross-group slice");
       if (!ready) return Status::Ok();
     }
-    NVG_RETURN_IF_ERROR_CTX(PostRound(rs_comm_, peers_, me_, j.send, a.send_bytes.data(), a.send_displs.data(),
-                                      j.recv, a.recv_bytes.data(), a.recv_displs.data(), host_memory_,
-                                      &a.requests),
+    NVG_RETURN_IF_ERROR_CTX(PostRound(rs_comm_, peers_, me_, j.send, a.send_bytes.data(),
+                                      a.send_displs.data(), j.recv, a.recv_bytes.data(), a.recv_displs.data(),
+                                      host_memory_, &a.requests),
                             a.kind == Active::kAllgatherFold ? "posting the cross-group allgather"
                                                              : "posting the cross-group reduce-scatter");
     uint64_t sent = 0;
@@ -365,7 +365,8 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
                                       a.ag_send_displs.data(), j.result, a.ag_recv_bytes.data(),
                                       a.ag_recv_displs.data(), host_memory_, &a.requests),
                             "posting the cross-group allgather of the parts");
-    g_bytes_sent.fetch_add(static_cast<uint64_t>(a.recv_bytes[me_]) * (peers_ - 1), std::memory_order_relaxed);
+    g_bytes_sent.fetch_add(static_cast<uint64_t>(a.recv_bytes[me_]) * (peers_ - 1),
+                           std::memory_order_relaxed);
     ++next_ag_post_;
     a.stage = Active::kSecond;
   }
@@ -383,7 +384,8 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
 bool CrossExchange::ProgressOnce() {
   if (submitted_.load(std::memory_order_acquire) != taken_) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (; !incoming_.empty(); incoming_.pop_front(), ++taken_) active_.push_back(std::move(incoming_.front()));
+    for (; !incoming_.empty(); incoming_.pop_front(), ++taken_)
+      active_.push_back(std::move(incoming_.front()));
   }
   bool moved = false;
   for (auto& a : active_) {
@@ -395,7 +397,8 @@ bool CrossExchange::ProgressOnce() {
     a->stage = Active::kFinished;
     moved = true;
     std::lock_guard<std::mutex> lock(mu_);
-    if (failure_.ok()) failure_ = s.WithContext("cross-group exchange (job " + std::to_string(a->ticket) + ")");
+    if (failure_.ok())
+      failure_ = s.WithContext("cross-group exchange (job " + std::to_string(a->ticket) + ")");
     failed_.store(true, std::memory_order_seq_cst);
   }
   bool finished_any = false;
@@ -424,10 +427,8 @@ void CrossExchange::ProgressLoop() {
       if (stop_ && !HasWork()) return;
       last = Clock::now();
     }
-    if (TryProgress())
-      last = Clock::now();
-    else if (SecondsSince(last) > kBackToBackPollS)
-      std::this_thread::yield();
+    if (TryProgress()) last = Clock::now();
+    else if (SecondsSince(last) > kBackToBackPollS) std::this_thread::yield();
   }
 }
 

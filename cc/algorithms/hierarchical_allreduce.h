@@ -147,7 +147,8 @@ struct PipelineChunking {
   size_t ChunkElements(size_t count, size_t element_size, int group_size) const {
     const size_t unit = AlignUnitElements(element_size) * group_size;
     const size_t most = std::max(unit, (max_bytes / element_size) / unit * unit);
-    const size_t least = std::min(most, (std::min(min_bytes, max_bytes) / element_size + unit - 1) / unit * unit);
+    const size_t least = std::min(most,
+                                  (std::min(min_bytes, max_bytes) / element_size + unit - 1) / unit * unit);
     const size_t quarter = ((count + kMinPipelineChunks - 1) / kMinPipelineChunks + unit - 1) / unit * unit;
     return std::max(unit, std::min(most, std::max(least, quarter)));
   }

@@ -96,8 +96,8 @@ struct RowOwners {
       const int j = place[2 * r], l = place[2 * r + 1];
       const size_t slot = static_cast<size_t>(j) * topo.group_size + l;
       if (j < 0 || j >= topo.group_count || l < 0 || l >= topo.group_size || owners->rank_of[slot] != -1)
-        return Status::Internal("inconsistent group placement: rank " + std::to_string(r) + " reports group " +
-                                std::to_string(j) + ", group rank " + std::to_string(l));
+        return Status::Internal("inconsistent group placement: rank " + std::to_string(r) +
+                                " reports group " + std::to_string(j) + ", group rank " + std::to_string(l));
       owners->rank_of[slot] = r;
     }
     return Status::Ok();
@@ -216,7 +216,9 @@ class RowScatterPlan {
   size_t MyPartOffset(const RowChunk& ch) const { return PartBegin(ch, me_) - my_offset(); }
 
  private:
-  int RankOf(int j, int l) const { return owners_->rank_of[static_cast<size_t>(j) * owners_->group_size + l]; }
+  int RankOf(int j, int l) const {
+    return owners_->rank_of[static_cast<size_t>(j) * owners_->group_size + l];
+  }
   // Elements of rank r's rows inside [p0, p1); *first = where they start.
   size_t Clip(int r, size_t p0, size_t p1, size_t* first) const {
     const size_t a = std::max(begin_[r], p0), b = std::min(begin_[r] + (*counts_)[r], p1);

@@ -39,8 +39,9 @@ Status CheckReduceScatter(const void* in, const void* out, const std::vector<siz
     return Status::InvalidArgument("reducescatter output overlaps the registered buffer");
   s.in_registered = in == reg && s.total * element_size <= capacity;
   if (!s.in_registered && Overlaps(in, s.total * element_size, reg, capacity))
-    return Status::InvalidArgument("reducescatter input overlaps the registered buffer but does not fit it "
-                                   "from its start");
+    return Status::InvalidArgument(
+        "reducescatter input overlaps the registered buffer but does not fit it "
+        "from its start");
   *split = s;
   return Status::Ok();
 }
@@ -51,7 +52,8 @@ Status AgreeAlltoallv(MPI_Comm comm, int size, const void* in, const std::vector
   const int n = size;
   agreed->mpi_failed = false;
   if (static_cast<int>(send_bytes.size()) != n || static_cast<int>(recv_bytes.size()) != n)
-    return Status::InvalidArgument("alltoallv: byte counts must have one entry per rank (" + std::to_string(n) + ")");
+    return Status::InvalidArgument("alltoallv: byte counts must have one entry per rank (" +
+                                   std::to_string(n) + ")");
   size_t send_total = 0, recv_total = 0;
   std::vector<uint64_t> sent(2 * static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
@@ -68,8 +70,8 @@ Status AgreeAlltoallv(MPI_Comm comm, int size, const void* in, const std::vector
     agreed->mpi_failed = true;
     return Status::Internal(std::string(call) + " failed: " + MpiErrorString(rc));
   };
-  NVG_RETURN_IF_ERROR(mpi(MPI_Alltoall(sent.data(), 2, MPI_UINT64_T, agreed->incoming.data(), 2,
-                                       MPI_UINT64_T, comm),
+  NVG_RETURN_IF_ERROR(mpi(MPI_Alltoall(sent.data(), 2, MPI_UINT64_T, agreed->incoming.data(), 2, MPI_UINT64_T,
+                                       comm),
                           "MPI_Alltoall (argument check of an alltoallv)"));
   // counts disagree, null pointer, beyond int, this rank cannot take the fast
   // path, this rank captures a CUDA graph
@@ -81,12 +83,14 @@ Status AgreeAlltoallv(MPI_Comm comm, int size, const void* in, const std::vector
   int64_t any[5];
   NVG_RETURN_IF_ERROR(mpi(MPI_Allreduce(verdict, any, 5, MPI_INT64_T, MPI_MAX, comm),
                           "MPI_Allreduce (argument check of an alltoallv)"));
-  if (any[0]) return Status::InvalidArgument("alltoallv: a rank expects different byte counts than its peers send");
+  if (any[0])
+    return Status::InvalidArgument("alltoallv: a rank expects different byte counts than its peers send");
   if (any[1]) return Status::InvalidArgument("alltoallv: a rank passed a null input or output pointer");
   if (any[2]) return Status::Unimplemented("alltoallv: more than 2^31-1 bytes sent or received by one rank");
   if (any[4])
-    return Status::InvalidArgument("alltoallv: a rank called it while capturing a CUDA graph (alltoallv "
-                                   "waits on the host and cannot be captured)");
+    return Status::InvalidArgument(
+        "alltoallv: a rank called it while capturing a CUDA graph (alltoallv "
+        "waits on the host and cannot be captured)");
   agreed->fast_everywhere = any[3] == 0;
   return Status::Ok();
 }

@@ -8,16 +8,15 @@
 
 #include "common/checks.h"
 
-#define NVG_CUDA_CHECK(call)                                                         \
-  do {                                                                               \
-    cudaError_t _nvg_err = (call);                                                   \
-    if (_nvg_err != cudaSuccess) {                                                   \
-      (void)cudaGetLastError();                                                      \
-      return ::nvgroup::Status::Internal(                                            \
-          std::string(#call) + " failed: " + cudaGetErrorName(_nvg_err) + ": " +     \
-          cudaGetErrorString(_nvg_err) + " at " +                                    \
-          ::nvgroup::SourceLocation(__FILE__, __LINE__));                            \
-    }                                                                                \
+#define NVG_CUDA_CHECK(call)                                                                             \
+  do {                                                                                                   \
+    cudaError_t _nvg_err = (call);                                                                       \
+    if (_nvg_err != cudaSuccess) {                                                                       \
+      (void)cudaGetLastError();                                                                          \
+      return ::nvgroup::Status::Internal(std::string(#call) + " failed: " + cudaGetErrorName(_nvg_err) + \
+                                         ": " + cudaGetErrorString(_nvg_err) + " at " +                  \
+                                         ::nvgroup::SourceLocation(__FILE__, __LINE__));                 \
+    }                                                                                                    \
   } while (0)
 
 // After a kernel launch.

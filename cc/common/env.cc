@@ -97,7 +97,8 @@ std::vector<Setting> MakeSettings() {
   using K = Knobs;
   return {
       // ---- agreed across ranks (AgreedKnobs, in this order)
-      {"NVGROUP_FUSION_THRESHOLD", S::kAgreed, "bytes", "67108864 (64 MiB)", "engine", "--fusion-threshold-mb",
+      {"NVGROUP_FUSION_THRESHOLD", S::kAgreed, "bytes", "67108864 (64 MiB)", "engine",
+       "--fusion-threshold-mb",
        "Largest fused buffer: ready allreduces of one dtype, op and device are packed into one buffer of up "
        "to this many bytes and reduced by one collective. 0 disables fusion.",
        +[](const char* n, const std::string& v, K* k) { return SizeInto(n, v, &k->fusion_threshold); },
@@ -111,14 +112,13 @@ std::vector<Setting> MakeSettings() {
        "auto: the hierarchical NV-group allreduce when it applies; mpi: the flat MPI reference path; "
        "hierarchical: the NV-group skeleton even with one group.",
        +[](const char* n, const std::string& v, K* k) -> Status {
-         for (int i = 0; i < 3; ++i)
-           if (v == kAlgorithms[i]) {
-             k->algorithm = static_cast<AllreduceAlgorithm>(i);
-             return Status::Ok();
-           }
-         return Malformed(n, v, "one of auto, mpi, hierarchical");
-       },
-       +[](const K& k) { return std::string(kAlgorithms[static_cast<int>(k.algorithm)]); }},
+    for (int i = 0; i < 3; ++i)
+      if (v == kAlgorithms[i]) {
+        k->algorithm = static_cast<AllreduceAlgorithm>(i);
+        return Status::Ok();
+      }
+    return Malformed(n, v, "one of auto, mpi, hierarchical");
+  }, +[](const K& k) { return std::string(kAlgorithms[static_cast<int>(k.algorithm)]); }},
       {"NVGROUP_PIPELINE_CHUNK", S::kAgreed, "bytes (> 0)", "4194304 (4 MiB)", "engine", "",
        "Chunk of the pipelined hierarchical allreduce.",
        +[](const char* n, const std::string& v, K* k) { return PositiveSizeInto(n, v, &k->pipeline_chunk); },
@@ -127,15 +127,17 @@ std::vector<Setting> MakeSettings() {
        "Smallest chunk of the pipelined hierarchical allreduce: a message is cut into 4 chunks, but none "
        "smaller than this nor larger than NVGROUP_PIPELINE_CHUNK, so the copies and the MPI exchange of "
        "consecutive chunks overlap (a value above NVGROUP_PIPELINE_CHUNK means NVGROUP_PIPELINE_CHUNK).",
-       +[](const char* n, const std::string& v, K* k) { return PositiveSizeInto(n, v, &k->pipeline_min_chunk); },
-       +[](const K& k) { return std::to_string(k.pipeline_min_chunk); }},
+       +[](const char* n, const std::string& v, K* k) {
+    return PositiveSizeInto(n, v, &k->pipeline_min_chunk);
+  }, +[](const K& k) { return std::to_string(k.pipeline_min_chunk); }},
       {"NVGROUP_CROSS_ALLGATHER_MAX_BYTES", S::kAgreed, "bytes", "16384 (16 KiB)", "engine", "",
        "Cross-group step between NV-groups: a slice whose allgather sends at most this many bytes to each "
        "peer ((groups - 1) x the slice) is exchanged in one allgather and folded locally; larger ones by "
        "reduce-scatter + allgather. 0 always takes reduce-scatter + allgather. Results are the same bits "
        "either way.",
-       +[](const char* n, const std::string& v, K* k) { return SizeInto(n, v, &k->cross_allgather_max_bytes); },
-       +[](const K& k) { return std::to_string(k.cross_allgather_max_bytes); }},
+       +[](const char* n, const std::string& v, K* k) {
+    return SizeInto(n, v, &k->cross_allgather_max_bytes);
+  }, +[](const K& k) { return std::to_string(k.cross_allgather_max_bytes); }},
       {"NVGROUP_ONESHOT_MAX_BYTES", S::kAgreed, "bytes", "0 (the measured default)", "engine (CUDA)", "",
        "CUDA: allreduces up to this size use the one-shot kernel, larger ones the two-shot kernel; 0 keeps "
        "the measured default (docs/PERFORMANCE.md).",
@@ -151,14 +153,13 @@ std::vector<Setting> MakeSettings() {
        "starts early). 0 puts every gradient in a bucket of its own. The constructor's bucket_cap_bytes "
        "wins. Read when the optimizer or tape is made.",
        +[](const char* n, const std::string& v, K* k) -> Status {
-         if (v.find_first_not_of(" \t\n\v\f\r\x1c\x1d\x1e\x1f") == std::string::npos)
-           return Status::Ok();  // only whitespace counts as unset
-         StatusOr<double> r = ParseNonNegativeDecimal(n, v, kBucketCapExpected);
-         if (!r.ok()) return r.status();
-         k->bucket_cap_mb = r.value();
-         return Status::Ok();
-       },
-       +[](const K& k) { return ShortestDouble(k.bucket_cap_mb); }},
+    if (v.find_first_not_of(" \t\n\v\f\r\x1c\x1d\x1e\x1f") == std::string::npos)
+      return Status::Ok();  // only whitespace counts as unset
+    StatusOr<double> r = ParseNonNegativeDecimal(n, v, kBucketCapExpected);
+    if (!r.ok()) return r.status();
+    k->bucket_cap_mb = r.value();
+    return Status::Ok();
+  }, +[](const K& k) { return ShortestDouble(k.bucket_cap_mb); }},
       // ---- per process
       {"NVGROUP_CYCLE_TIME", S::kPerProcess, "milliseconds", "1.0", "engine", "--cycle-time-ms",
        "How long the background loop waits for more requests when nothing is ready (it wakes at once on "
@@ -168,15 +169,17 @@ std::vector<Setting> MakeSettings() {
       {"NVGROUP_TIMEOUT", S::kPerProcess, "seconds (> 0)", "30", "engine", "",
        "A collective or barrier that cannot progress for this long because a peer is gone fails with "
        "UnavailableError naming it; bounds every wait of the engine.",
-       +[](const char* n, const std::string& v, K* k) { return PositiveSecondsInto(n, v, &k->peer_timeout_s); },
-       +[](const K& k) { return ShortestDouble(k.peer_timeout_s); }},
+       +[](const char* n, const std::string& v, K* k) {
+    return PositiveSecondsInto(n, v, &k->peer_timeout_s);
+  }, +[](const K& k) { return ShortestDouble(k.peer_timeout_s); }},
       {"NVGROUP_INIT_TIMEOUT", S::kPerProcess, "seconds (> 0)", "120", "engine", "",
        "How long init() and process-set registration wait for every rank (the larger of this and "
        "NVGROUP_TIMEOUT): a rank that has not reached init() by then is named in the error of every rank "
        "that did; a phase of init() stuck this long plus 5 s in MPI (a peer stopped or died inside a "
        "blocking MPI call) logs the phase at error level and ends the process with exit code 70.",
-       +[](const char* n, const std::string& v, K* k) { return PositiveSecondsInto(n, v, &k->init_timeout_s); },
-       +[](const K& k) { return ShortestDouble(k.init_timeout_s); }},
+       +[](const char* n, const std::string& v, K* k) {
+    return PositiveSecondsInto(n, v, &k->init_timeout_s);
+  }, +[](const K& k) { return ShortestDouble(k.init_timeout_s); }},
       {"NVGROUP_STALL_WARNING_TIME", S::kPerProcess, "seconds", "60", "engine", "",
        "Rank 0 warns about ranks missing tensors after this long. 0 turns the warning off.",
        +[](const char* n, const std::string& v, K* k) { return SecondsInto(n, v, &k->stall_warning_s); },
@@ -188,41 +191,38 @@ std::vector<Setting> MakeSettings() {
       {"NVGROUP_TIMELINE", S::kPerProcess, "file path", "off", "engine", "--timeline-filename",
        "Chrome-trace timeline file, written by rank 0.",
        +[](const char*, const std::string& v, K* k) {
-         k->timeline_path = v;
-         return Status::Ok();
-       },
-       +[](const K& k) { return k.timeline_path; }},
+    k->timeline_path = v;
+    return Status::Ok();
+  }, +[](const K& k) { return k.timeline_path; }},
       {"NVGROUP_LOG_LEVEL", S::kPerProcess, "trace, debug, info, warning or error", "warning", "engine",
        "--log-level", "Least severe message the engine prints; every line starts with the rank.",
        +[](const char* n, const std::string& v, K* k) -> Status {
-         for (int i = 0; i < 5; ++i)
-           if (v == kLogLevels[i]) {
-             k->log_level = i;
-             return Status::Ok();
-           }
-         return Malformed(n, v, "one of trace, debug, info, warning, error");
-       },
-       +[](const K& k) { return std::string(kLogLevels[k.log_level]); }},
-      {"NVGROUP_LIVENESS_ADDR", S::kPerProcess, "IPv4 address a.b.c.d", "unset (chosen as NVGROUP_LIVENESS_IFACE says)",
-       "engine", "",
+    for (int i = 0; i < 5; ++i)
+      if (v == kLogLevels[i]) {
+        k->log_level = i;
+        return Status::Ok();
+      }
+    return Malformed(n, v, "one of trace, debug, info, warning, error");
+  }, +[](const K& k) { return std::string(kLogLevels[k.log_level]); }},
+      {"NVGROUP_LIVENESS_ADDR", S::kPerProcess, "IPv4 address a.b.c.d",
+       "unset (chosen as NVGROUP_LIVENESS_IFACE says)", "engine", "",
        "The only address of rank 0 the other ranks use for the dead-rank connections (read on rank 0). "
        "Wins over NVGROUP_LIVENESS_IFACE.",
        +[](const char* n, const std::string& v, K* k) -> Status {
-         in_addr a{};
-         if (inet_pton(AF_INET, v.c_str(), &a) != 1) return Malformed(n, v, "an IPv4 address (a.b.c.d)");
-         k->liveness_address = v;
-         return Status::Ok();
-       },
-       +[](const K& k) { return k.liveness_address; }},
-      {"NVGROUP_LIVENESS_IFACE", S::kPerProcess, "interface name", "unset (chosen automatically)", "engine", "",
+    in_addr a{};
+    if (inet_pton(AF_INET, v.c_str(), &a) != 1) return Malformed(n, v, "an IPv4 address (a.b.c.d)");
+    k->liveness_address = v;
+    return Status::Ok();
+  }, +[](const K& k) { return k.liveness_address; }},
+      {"NVGROUP_LIVENESS_IFACE", S::kPerProcess, "interface name", "unset (chosen automatically)", "engine",
+       "",
        "Rank 0's interface whose addresses the dead-rank connections use (read on rank 0). Unset: every "
        "address of rank 0, best first: on an interface MPI was told to use, then its host name's "
        "addresses, then the rest, container and VM bridges last.",
        +[](const char*, const std::string& v, K* k) {
-         k->liveness_interface = v;
-         return Status::Ok();
-       },
-       +[](const K& k) { return k.liveness_interface; }},
+    k->liveness_interface = v;
+    return Status::Ok();
+  }, +[](const K& k) { return k.liveness_interface; }},
       {"NVGROUP_XLA_ASYNC", S::kPerProcess, "0 or 1", "0", "TF ops (XLA on CPU)", "",
        "1 lowers the collectives of XLA programs on the CPU to the custom call that returns a future "
        "instead of waiting (docs/XLA.md). Read once per process, at the first compilation.",
@@ -233,11 +233,10 @@ std::vector<Setting> MakeSettings() {
        "on the engine's completion event; host: it waits on the host until the result is complete "
        "(docs/XLA.md). Read once per process, at the first call.",
        +[](const char* n, const std::string& v, K* k) -> Status {
-         if (v != "stream" && v != "host") return Malformed(n, v, "stream or host");
-         k->xla_cuda_wait_on_stream = v == "stream";
-         return Status::Ok();
-       },
-       +[](const K& k) { return std::string(k.xla_cuda_wait_on_stream ? "stream" : "host"); }},
+    if (v != "stream" && v != "host") return Malformed(n, v, "stream or host");
+    k->xla_cuda_wait_on_stream = v == "stream";
+    return Status::Ok();
+  }, +[](const K& k) { return std::string(k.xla_cuda_wait_on_stream ? "stream" : "host"); }},
       {"NVGROUP_XLA_START_DONE", S::kPerProcess, "auto, 0 or 1", "auto", "TF ops (XLA)", "",
        "1 lowers every collective of an XLA program to a start/done pair of custom calls, so XLA schedules "
        "the program's independent work (the rest of backprop) between them and the collective runs "
@@ -245,17 +244,16 @@ std::vector<Setting> MakeSettings() {
        "complete (CPU). auto: the pair for GPU programs, one call on the CPU (docs/XLA.md). Read once per "
        "process, at the first compilation.",
        +[](const char* n, const std::string& v, K* k) -> Status {
-         if (v == "auto") k->xla_start_done = -1;
-         else if (v == "1") k->xla_start_done = 1;
-         else if (v == "0") k->xla_start_done = 0;
-         else return Malformed(n, v, "auto, 0 or 1");
-         return Status::Ok();
-       },
-       +[](const K& k) {
-         return std::string(k.xla_start_done < 0 ? "auto" : (k.xla_start_done ? "1" : "0"));
-       }},
-      {"NVGROUP_ELASTIC_BASE", S::kPerProcess, "absolute directory path", "unset (the system's temporary "
-       "directory: $TMPDIR, else /tmp)", "nvgrouprun (elastic mode)", "",
+    if (v == "auto") k->xla_start_done = -1;
+    else if (v == "1") k->xla_start_done = 1;
+    else if (v == "0") k->xla_start_done = 0;
+    else return Malformed(n, v, "auto, 0 or 1");
+    return Status::Ok();
+  }, +[](const K& k) { return std::string(k.xla_start_done < 0 ? "auto" : (k.xla_start_done ? "1" : "0")); }},
+      {"NVGROUP_ELASTIC_BASE", S::kPerProcess, "absolute directory path",
+       "unset (the system's temporary "
+       "directory: $TMPDIR, else /tmp)",
+       "nvgrouprun (elastic mode)", "",
        "Where nvgrouprun's elastic driver makes each job's directory nvgroup_elastic_<job id>: on every host "
        "the newest commit of that host's ranks, on the driver's host also the file that tells rank 0 of a "
        "change of hosts. Rank 0 must see the driver's file: list the driver's host first in the discovery "
@@ -270,12 +268,11 @@ std::vector<Setting> MakeSettings() {
        "newest after a relaunch, and commit() raises HostsUpdatedInterrupt when the driver reports new "
        "hosts; NVGROUP_ELASTIC_DIR, NVGROUP_ELASTIC_NOTIFY and NVGROUP_ELASTIC_LAUNCH must be set with it.",
        +[](const char* n, const std::string& v, K* k) -> Status {
-         if (v.size() != 32 || v.find_first_not_of("0123456789abcdef") != std::string::npos)
-           return Malformed(n, v, "32 lowercase hexadecimal digits (the job identity nvgrouprun sets)");
-         k->elastic_job = v;
-         return Status::Ok();
-       },
-       +[](const K& k) { return k.elastic_job; }},
+    if (v.size() != 32 || v.find_first_not_of("0123456789abcdef") != std::string::npos)
+      return Malformed(n, v, "32 lowercase hexadecimal digits (the job identity nvgrouprun sets)");
+    k->elastic_job = v;
+    return Status::Ok();
+  }, +[](const K& k) { return k.elastic_job; }},
       {"NVGROUP_ELASTIC_DIR", S::kPerProcess, "absolute directory path", "unset",
        "Python front end (nvgroup_tf/elastic.py)", "",
        "Set by nvgrouprun's elastic driver: the job's directory on each host; each host's local rank 0 "
@@ -300,12 +297,11 @@ std::vector<Setting> MakeSettings() {
        "bucket completes; CPU: the engine's thread sleeps): the simulated link of "
        "benchmarks/xla_overlap_bench.py.",
        +[](const char* n, const std::string& v, K* k) -> Status {
-         StatusOr<double> r = ParseNonNegativeDecimal(n, v, "a number of microseconds >= 0");
-         if (!r.ok()) return r.status();
-         k->test_bucket_delay_us = r.value();
-         return Status::Ok();
-       },
-       +[](const K& k) { return ShortestDouble(k.test_bucket_delay_us); }},
+    StatusOr<double> r = ParseNonNegativeDecimal(n, v, "a number of microseconds >= 0");
+    if (!r.ok()) return r.status();
+    k->test_bucket_delay_us = r.value();
+    return Status::Ok();
+  }, +[](const K& k) { return ShortestDouble(k.test_bucket_delay_us); }},
       {"NVGROUP_ONE_GPU_GROUP", S::kTests, "0 or 1", "0", "engine (CUDA)", "",
        "1 lets ranks on one GPU form an NV-group (run under MPS), so the group kernels can be checked on a "
        "one-GPU machine.",
@@ -316,7 +312,8 @@ std::vector<Setting> MakeSettings() {
       {"NVGROUP_TEST_TF_GPU_DENSE", S::kTests, "0 or 1", "0", "tests/gpu/test_tf_gpu.py", "",
        "1 adds the GPU tests that need cuDNN (Keras fit, examples/resnet50 on the GPU).", nullptr, nullptr},
       {"NVGROUP_TEST_CPU_DRY_RUN", S::kTests, "0 or 1", "0", "tests/gpu/workers/gpu_common.py", "",
-       "1 lets the GPU test workers run on a machine without a GPU (to check the workers themselves).", nullptr, nullptr},
+       "1 lets the GPU test workers run on a machine without a GPU (to check the workers themselves).",
+       nullptr, nullptr},
       {"NVGROUP_TEST_XLA_FOUR_RANKS", S::kTests, "0 or 1", "0", "tests/tf/test_xla_scatter_alltoall.py", "",
        "1 adds the 4-rank runs of the XLA collective checks.", nullptr, nullptr},
       {"NVGROUP_TEST_DUMP_AFTER", S::kTests, "seconds", "200", "tests/tf/workers/common.py", "",
@@ -325,14 +322,15 @@ std::vector<Setting> MakeSettings() {
       {"NVGROUP_WITH_CUDA", S::kBuild, "0 or 1", "0", "setup.py", "",
        "1 builds the CUDA engine and the DEVICE_GPU kernels (needs CUDA_HOME or nvcc on PATH).", nullptr,
        nullptr},
-      {"NVGROUP_CUDA_ARCH", S::kBuild, "compute capabilities", "90", "setup.py, scripts/check_gpu_build.sh", "",
-       "GPU architectures to compile for: one or a list such as 70;80;90 (80 = A100, 90 = H100/H200).",
+      {"NVGROUP_CUDA_ARCH", S::kBuild, "compute capabilities", "90", "setup.py, scripts/check_gpu_build.sh",
+       "", "GPU architectures to compile for: one or a list such as 70;80;90 (80 = A100, 90 = H100/H200).",
        nullptr, nullptr},
       {"NVGROUP_BUILD_JOBS", S::kBuild, "count", "the number of cores", "setup.py", "",
        "Compiles run in parallel.", nullptr, nullptr},
       {"NVGROUP_WITHOUT_TF", S::kBuild, "0 or 1", "0", "setup.py", "",
        "1 builds only the pybind11 module nvgroup_tf._engine (no TensorFlow needed).", nullptr, nullptr},
-      {"NVGROUP_PYTHON", S::kBuild, "path", ".venv/bin/python", "scripts/bazel_build.sh, bazel/local_deps.bzl", "",
+      {"NVGROUP_PYTHON", S::kBuild, "path", ".venv/bin/python",
+       "scripts/bazel_build.sh, bazel/local_deps.bzl", "",
        "The Python whose TensorFlow the Bazel build compiles against.", nullptr, nullptr},
   };
 }
@@ -364,10 +362,8 @@ StatusOr<int64_t> ParseInt64Knob(const char* name, const std::string& value, int
   errno = 0;
   char* end = nullptr;
   long long v = std::strtoll(value.c_str(), &end, 10);
-  if (errno != 0 || end == value.c_str() || *end != '\0')
-    return Malformed(name, value, "an integer");
-  if (v < min_value)
-    return Malformed(name, value, "an integer >= " + std::to_string(min_value));
+  if (errno != 0 || end == value.c_str() || *end != '\0') return Malformed(name, value, "an integer");
+  if (v < min_value) return Malformed(name, value, "an integer >= " + std::to_string(min_value));
   return static_cast<int64_t>(v);
 }
 
@@ -381,7 +377,8 @@ StatusOr<double> ParseDoubleKnob(const char* name, const std::string& value, dou
   return v;
 }
 
-StatusOr<double> ParseNonNegativeDecimal(const char* name, const std::string& value, const std::string& expected) {
+StatusOr<double> ParseNonNegativeDecimal(const char* name, const std::string& value,
+                                         const std::string& expected) {
   // Python's str.strip() whitespace (the ASCII part: \t..\r, \x1c..\x1f, space).
   auto space = [](char c) { return c == ' ' || (c >= '\t' && c <= '\r') || (c >= '\x1c' && c <= '\x1f'); };
   size_t begin = 0, end = value.size();
@@ -397,7 +394,8 @@ StatusOr<double> ParseNonNegativeDecimal(const char* name, const std::string& va
       continue;
     }
     // Decimal syntax only (no hex, inf or nan: Python rejects those or they fail the range check).
-    if (!digit(c) && c != '+' && c != '-' && c != '.' && c != 'e' && c != 'E') return Malformed(name, value, expected);
+    if (!digit(c) && c != '+' && c != '-' && c != '.' && c != 'e' && c != 'E')
+      return Malformed(name, value, expected);
     text += c;
   }
   errno = 0;

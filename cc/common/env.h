@@ -168,7 +168,8 @@ StatusOr<int64_t> ParseInt64Knob(const char* name, const std::string& value, int
 StatusOr<double> ParseDoubleKnob(const char* name, const std::string& value, double min_value);
 // A non-negative number with Python float()'s syntax (surrounding whitespace,
 // '_' between digits; decimal only); nan and inf are rejected.
-StatusOr<double> ParseNonNegativeDecimal(const char* name, const std::string& value, const std::string& expected);
+StatusOr<double> ParseNonNegativeDecimal(const char* name, const std::string& value,
+                                         const std::string& expected);
 // The shortest text that reads back as `value` (Python's repr of a float).
 std::string ShortestDouble(double value);
 

@@ -29,8 +29,8 @@ bool LogEnabled(LogLevel level) { return static_cast<int>(level) >= g_level.load
 
 void LogMessage(LogLevel level, const std::string& text) {
   int rank = g_rank.load();
-  std::string line = "[nvgroup rank " + (rank < 0 ? std::string("?") : std::to_string(rank)) +
-                     "] " + LevelName(level) + ": " + text + "\n";
+  std::string line = "[nvgroup rank " + (rank < 0 ? std::string("?") : std::to_string(rank)) + "] " +
+                     LevelName(level) + ": " + text + "\n";
   std::fwrite(line.data(), 1, line.size(), stderr);
   std::fflush(stderr);
 }

@@ -42,7 +42,7 @@ struct LogVoidify {
 }  // namespace nvgroup
 
 // NVG_LOG(kWarning) << "text";  The arguments are not evaluated when the level is off.
-#define NVG_LOG(level)                                                               \
-  !::nvgroup::LogEnabled(::nvgroup::LogLevel::level)                                 \
-      ? (void)0                                                                      \
+#define NVG_LOG(level)                               \
+  !::nvgroup::LogEnabled(::nvgroup::LogLevel::level) \
+      ? (void)0                                      \
       : ::nvgroup::LogVoidify() & ::nvgroup::LogLine(::nvgroup::LogLevel::level).stream()

@@ -37,8 +37,8 @@ const char* DataTypeName(DataType dtype) {
 }
 
 bool IsFloatingPoint(DataType dtype) {
-  return dtype == DataType::kFloat16 || dtype == DataType::kBFloat16 ||
-         dtype == DataType::kFloat32 || dtype == DataType::kFloat64;
+  return dtype == DataType::kFloat16 || dtype == DataType::kBFloat16 || dtype == DataType::kFloat32 ||
+         dtype == DataType::kFloat64;
 }
 
 bool SupportsReduction(DataType dtype) {

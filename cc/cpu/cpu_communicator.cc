@@ -77,8 +77,7 @@ class CpuCommunicator final : public Communicator {
   Status Track(Status s);
   Status HierarchicalAllreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
   Status FlatAllreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
-  Status RunPieces(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
-                   bool in_registered);
+  Status RunPieces(const void* in, void* out, size_t count, DataType dtype, ReduceOp op, bool in_registered);
   Status GroupReduceScatter(const void* in, void* out, size_t total, size_t my_offset, size_t mine,
                             DataType dtype, ReduceOp op, bool in_registered);
   Status HierarchicalReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
@@ -94,7 +93,8 @@ class CpuCommunicator final : public Communicator {
   std::unique_ptr<ShmGroup> shm_;
   std::string first_failure_;        // non-empty once a collective failed mid-way
   std::vector<char> flat_scratch_[2];  // the flat exchange's receive buffers, by piece parity
-  std::vector<char> scatter_scratch_;  // ReduceScatter through a full allreduce (NVGROUP_ALLREDUCE_ALGORITHM=mpi)
+  std::vector<char>
+      scatter_scratch_;  // ReduceScatter through a full allreduce (NVGROUP_ALLREDUCE_ALGORITHM=mpi)
   // The hierarchical ReduceScatter (several groups): who sits where, the
   // call's plan and its buffers, kept between calls.
   RowOwners row_owners_;
@@ -127,12 +127,13 @@ Status CpuCommunicator::Init(MPI_Comm comm, const Knobs& knobs, const Communicat
                                    " is too small (at least 8 bytes)");
   std::vector<int> global_ranks(topo_.group_size);
   NVG_MPI_CHECK(MPI_Allgather(&topo_.rank, 1, MPI_INT, global_ranks.data(), 1, MPI_INT, comms_.group));
-  StatusOr<std::unique_ptr<ShmGroup>> shm =
-      ShmGroup::Create(comms_.group, global_ranks, registered_bytes, knobs.peer_timeout_s, &aborted_);
+  StatusOr<std::unique_ptr<ShmGroup>> shm = ShmGroup::Create(comms_.group, global_ranks, registered_bytes,
+                                                             knobs.peer_timeout_s, &aborted_);
   if (!shm.ok()) return shm.status().WithContext("setting up the group's shared memory");
   shm_ = shm.consume();
   if (topo_.group_count > 1) {
-    NVG_RETURN_IF_ERROR_CTX(RowOwners::Gather(comm_, topo_, &row_owners_), "placing the ranks in their groups");
+    NVG_RETURN_IF_ERROR_CTX(RowOwners::Gather(comm_, topo_, &row_owners_),
+                            "placing the ranks in their groups");
     CrossExchange::Options cross_options;
     cross_options.allgather_max_bytes = knobs.cross_allgather_max_bytes;
     StatusOr<std::unique_ptr<CrossExchange>> cross = CrossExchange::Create(comms_.cross, cross_options);
@@ -170,8 +171,8 @@ Status CpuCommunicator::Track(Status s) {
   return s;
 }
 
-Status CpuCommunicator::Allreduce(const void* in, void* out, size_t count, DataType dtype,
-                                  ReduceOp op, void* /*stream*/) {
+Status CpuCommunicator::Allreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
+                                  void* /*stream*/) {
   NVG_RETURN_IF_ERROR(ValidateReduction(dtype, op));
   if (count > 0 && (in == nullptr || out == nullptr))
     return Status::InvalidArgument("allreduce of " + std::to_string(count) +
@@ -240,8 +241,8 @@ Status CpuCommunicator::FlatAllreduce(const void* in, void* out, size_t count, D
 // buffers the caller passes must not alias it in ways the protocol would break.
 // Checked before the first barrier: a bad pointer is this rank's own error and
 // leaves the group intact.
-Status CpuCommunicator::HierarchicalAllreduce(const void* in, void* out, size_t count,
-                                              DataType dtype, ReduceOp op) {
+Status CpuCommunicator::HierarchicalAllreduce(const void* in, void* out, size_t count, DataType dtype,
+                                              ReduceOp op) {
   const size_t bytes = count * DataTypeSize(dtype);
   const char* reg = shm_->buffer(topo_.group_rank);
   const size_t capacity = shm_->capacity();
@@ -264,8 +265,8 @@ Status CpuCommunicator::HierarchicalAllreduce(const void* in, void* out, size_t 
 //   barrier "reads done"       -- orders every member's reads of our buffer
 //                                 before we copy the next piece (or the caller
 //                                 fuses the next message) into it.
-Status CpuCommunicator::RunPieces(const void* in, void* out, size_t count, DataType dtype,
-                                  ReduceOp op, bool in_registered) {
+Status CpuCommunicator::RunPieces(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
+                                  bool in_registered) {
   const size_t esize = DataTypeSize(dtype);
   char* reg = shm_->buffer(topo_.group_rank);
   const size_t piece_elems = in_registered ? count : PieceElements(shm_->capacity(), esize, 1);
@@ -285,12 +286,11 @@ Status CpuCommunicator::RunPieces(const void* in, void* out, size_t count, DataT
 // Allgatherv and Broadcast first agree on their arguments in one small
 // collective, so a mismatch or a bad pointer on any rank becomes the same
 // kInvalidArgument on every rank instead of a hang or a truncation error.
-Status CpuCommunicator::Allgatherv(const void* in, void* out,
-                                   const std::vector<size_t>& bytes_per_rank, void* /*stream*/) {
+Status CpuCommunicator::Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes_per_rank,
+                                   void* /*stream*/) {
   const int n = topo_.size;
   if (static_cast<int>(bytes_per_rank.size()) != n)
-    return Status::InvalidArgument("allgatherv: bytes_per_rank has " +
-                                   std::to_string(bytes_per_rank.size()) +
+    return Status::InvalidArgument("allgatherv: bytes_per_rank has " + std::to_string(bytes_per_rank.size()) +
                                    " entries, expected one per rank (" + std::to_string(n) + ")");
   NVG_RETURN_IF_ERROR(CheckUsable());
   size_t total = 0;
@@ -314,8 +314,8 @@ Status CpuCommunicator::Allgatherv(const void* in, void* out,
   for (int r = 0; r < n; ++r) {
     if (all[3 * r + 1] != truth)
       return Status::InvalidArgument("allgatherv: rank " + std::to_string(r) +
-                                     " expects different per-rank byte counts than the ranks send ([" +
-                                     sent + "])");
+                                     " expects different per-rank byte counts than the ranks send ([" + sent +
+                                     "])");
     if (all[3 * r + 2] == 0)
       return Status::InvalidArgument("allgatherv: rank " + std::to_string(r) +
                                      " passed a null input or output pointer");
@@ -332,15 +332,16 @@ Status CpuCommunicator::Allgatherv(const void* in, void* out,
       counts[r] = static_cast<int>(bytes_per_rank[r]);
       int_displs[r] = static_cast<int>(displs[r]);
     }
-    return Track(Mpi(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out, counts.data(),
-                                    int_displs.data(), MPI_BYTE, comm_),
+    return Track(Mpi(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out, counts.data(), int_displs.data(),
+                                    MPI_BYTE, comm_),
                      "MPI_Allgatherv"));
   }
   // Beyond int displacements: each rank broadcasts its block, in int-sized pieces.
   for (int r = 0; r < n; ++r)
     for (size_t off = 0; off < bytes_per_rank[r]; off += kMaxMpiBytes)
       NVG_RETURN_IF_ERROR(Track(Mpi(MPI_Bcast(outc + displs[r] + off,
-                                              static_cast<int>(std::min(kMaxMpiBytes, bytes_per_rank[r] - off)),
+                                              static_cast<int>(std::min(kMaxMpiBytes,
+                                                                        bytes_per_rank[r] - off)),
                                               MPI_BYTE, r, comm_),
                                     "MPI_Bcast (block of a large allgatherv)")));
   return Status::Ok();
@@ -356,10 +357,9 @@ Status CpuCommunicator::Broadcast(void* buf, size_t bytes, int root, void* /*str
   NVG_RETURN_IF_ERROR(Track(Mpi(MPI_Allreduce(view, agreed, 5, MPI_INT64_T, MPI_MIN, comm_),
                                 "MPI_Allreduce (argument check of a broadcast)")));
   if (agreed[0] != -agreed[1] || agreed[2] != -agreed[3])
-    return Status::InvalidArgument("broadcast: ranks disagree on root (" + std::to_string(agreed[0]) +
-                                   ".." + std::to_string(-agreed[1]) + ") or size (" +
-                                   std::to_string(agreed[2]) + ".." + std::to_string(-agreed[3]) +
-                                   " bytes)");
+    return Status::InvalidArgument("broadcast: ranks disagree on root (" + std::to_string(agreed[0]) + ".." +
+                                   std::to_string(-agreed[1]) + ") or size (" + std::to_string(agreed[2]) +
+                                   ".." + std::to_string(-agreed[3]) + " bytes)");
   if (root < 0 || root >= topo_.size)
     return Status::InvalidArgument("broadcast root " + std::to_string(root) + " is not a rank (size " +
                                    std::to_string(topo_.size) + ")");
@@ -383,7 +383,8 @@ Status CpuCommunicator::ReduceScatter(const void* in, void* out, const std::vect
   const size_t total = split.total, my_offset = split.offset, mine = split.mine;
   const bool in_registered = split.in_registered;
   if (total == 0) return Status::Ok();
-  const bool one_group = topo_.group_count == 1 && topo_.group_size > 1 && algorithm_ != AllreduceAlgorithm::kMpi;
+  const bool one_group = topo_.group_count == 1 && topo_.group_size > 1 &&
+                         algorithm_ != AllreduceAlgorithm::kMpi;
   if (one_group) return Track(GroupReduceScatter(in, out, total, my_offset, mine, dtype, op, in_registered));
   if (topo_.group_count > 1 && algorithm_ != AllreduceAlgorithm::kMpi)
     return Track(HierarchicalReduceScatter(in, out, counts, dtype, op, in_registered));
@@ -431,16 +432,18 @@ Status CpuCommunicator::GroupReduceScatter(const void* in, void* out, size_t tot
 // registered buffers); with groups of one rank nothing is shared and the whole
 // message is one piece. A rank's parts of one chunk hold at most a member's
 // share of the pipeline chunk (chunk / G, as the allreduce's slice).
-Status CpuCommunicator::HierarchicalReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
-                                                  DataType dtype, ReduceOp op, bool in_registered) {
+Status CpuCommunicator::HierarchicalReduceScatter(const void* in, void* out,
+                                                  const std::vector<size_t>& counts, DataType dtype,
+                                                  ReduceOp op, bool in_registered) {
   const size_t esize = DataTypeSize(dtype);
   size_t total = 0;
   for (size_t c : counts) total += c;
-  const size_t piece = topo_.group_size == 1 || in_registered ? total : PieceElements(shm_->capacity(), esize, 1);
+  const size_t piece = topo_.group_size == 1 || in_registered ? total
+                                                              : PieceElements(shm_->capacity(), esize, 1);
   const size_t capacity = std::max<size_t>(2 * static_cast<size_t>(topo_.group_count),
                                            chunk_bytes_ / esize / topo_.group_size);
-  NVG_RETURN_IF_ERROR(row_plan_.Build(counts, row_owners_, topo_.group_rank, topo_.group_index, piece, capacity,
-                                      capacity));
+  NVG_RETURN_IF_ERROR(row_plan_.Build(counts, row_owners_, topo_.group_rank, topo_.group_index, piece,
+                                      capacity, capacity));
   HostScatterPrimitives prims(topo_, shm_.get(), cross_.get(), row_plan_, in, in_registered, out, dtype, op,
                               &row_buffers_);
   return RunHierarchicalReduceScatter(prims, row_plan_);
@@ -455,14 +458,14 @@ Status CpuCommunicator::FusedAllreduce(const FusedMember* members, size_t num_me
   NVG_RETURN_IF_ERROR(CheckUsable());
   if (bytes > shm_->capacity())
     return Status::InvalidArgument("fused allreduce of " + std::to_string(bytes) +
-                                   " bytes exceeds the registered buffer (" + std::to_string(shm_->capacity()) +
-                                   " bytes)");
+                                   " bytes exceeds the registered buffer (" +
+                                   std::to_string(shm_->capacity()) + " bytes)");
   if (topo_.size == 1)
     return FusedAllreduceOneRank(members, num_members, dtype, prescale, postscale, stream, observer);
   if (algorithm_ == AllreduceAlgorithm::kAuto && topo_.group_count == 1 && topo_.group_size > 1) {
     HostPrimitives prims(topo_, shm_.get(), cross_.get(), dtype, op, cross_scratch_);
-    return Track(prims.GroupAllreduceMembers(members, num_members, bytes / DataTypeSize(dtype), prescale, postscale,
-                                             observer));
+    return Track(prims.GroupAllreduceMembers(members, num_members, bytes / DataTypeSize(dtype), prescale,
+                                             postscale, observer));
   }
   return FusedAllreduceThroughBuffer(members, num_members, bytes, dtype, op, prescale, postscale, stream,
                                      observer);

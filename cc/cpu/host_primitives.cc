@@ -9,8 +9,8 @@
 
 namespace nvgroup {
 
-HostPrimitives::HostPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross,
-                               DataType dtype, ReduceOp op, std::vector<char>* cross_scratch)
+HostPrimitives::HostPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross, DataType dtype,
+                               ReduceOp op, std::vector<char>* cross_scratch)
     : topo_(topo),
       shm_(shm),
       cross_(cross),
@@ -42,8 +42,9 @@ void HostPrimitives::GatherSlices(const ChunkSlices& chunk, void* out) const {
   }
 }
 
-Status HostPrimitives::ReduceAndGatherMembers(const ChunkSlices& whole, const Communicator::FusedMember* members,
-                                              size_t num_members, bool own_from_inputs, double postscale,
+Status HostPrimitives::ReduceAndGatherMembers(const ChunkSlices& whole,
+                                              const Communicator::FusedMember* members, size_t num_members,
+                                              bool own_from_inputs, double postscale,
                                               const Communicator::PhaseObserver& observer) {
   using Phase = Communicator::FusedPhase;
   const int me = topo_.group_rank, group = topo_.group_size;
@@ -57,7 +58,8 @@ Status HostPrimitives::ReduceAndGatherMembers(const ChunkSlices& whole, const Co
     if (lo >= hi) continue;
     for (int g = 0; g < group; ++g) sources[g] = shm_->buffer(g) + lo * esize_;
     if (own_from_inputs) sources[me] = static_cast<const char*>(m.input) + (lo - a) * esize_;
-    NVG_RETURN_IF_ERROR(ReduceFold(dtype_, op_, sources.data(), group, reg + lo * esize_, hi - lo, final_divisor_));
+    NVG_RETURN_IF_ERROR(ReduceFold(dtype_, op_, sources.data(), group, reg + lo * esize_, hi - lo,
+                                   final_divisor_));
   }
   NVG_RETURN_IF_ERROR(shm_->Barrier("group allreduce: slices reduced"));
   observer(Phase::kReduce, false);
@@ -67,7 +69,8 @@ Status HostPrimitives::ReduceAndGatherMembers(const ChunkSlices& whole, const Co
     const Communicator::FusedMember& m = members[k];
     const size_t a = m.offset / esize_, b = a + m.count;
     for (int g = 0; g < group; ++g) {
-      const size_t lo = std::max(a, whole.SliceOffset(g)), hi = std::min(b, whole.SliceOffset(g) + whole.SliceCount(g));
+      const size_t lo = std::max(a, whole.SliceOffset(g)),
+                   hi = std::min(b, whole.SliceOffset(g) + whole.SliceCount(g));
       if (lo >= hi) continue;
       NVG_RETURN_IF_ERROR(ScaledCopy(dtype_, shm_->buffer(g) + lo * esize_,
                                      static_cast<char*>(m.output) + (lo - a) * esize_, hi - lo, postscale));
@@ -101,8 +104,8 @@ Status HostPrimitives::GroupAllreduceMembers(const Communicator::FusedMember* me
   const bool direct = prescale == 1.0;  // our slice read from the inputs themselves
   auto copy_in = [&](const Communicator::FusedMember& m, size_t a, size_t lo, size_t hi) -> Status {
     if (lo >= hi) return Status::Ok();
-    return ScaledCopy(dtype_, static_cast<const char*>(m.input) + (lo - a) * esize_, reg + lo * esize_, hi - lo,
-                      prescale);
+    return ScaledCopy(dtype_, static_cast<const char*>(m.input) + (lo - a) * esize_, reg + lo * esize_,
+                      hi - lo, prescale);
   };
   observer(Phase::kCopyIn, true);
   for (size_t k = 0; k < num_members; ++k) {
@@ -152,15 +155,15 @@ Status HostPrimitives::CrossStart(const ChunkSlices& chunk) {
 Status HostPrimitives::CrossFinish(const ChunkSlices& chunk) { return jobs_.Finish(chunk.index); }
 
 Status HostPrimitives::GroupAllgather(const ChunkSlices& chunk, void* out) {
-  NVG_RETURN_IF_ERROR(
-      shm_->Barrier(("group allgather of chunk " + std::to_string(chunk.index)).c_str()));
+  NVG_RETURN_IF_ERROR(shm_->Barrier(("group allgather of chunk " + std::to_string(chunk.index)).c_str()));
   GatherSlices(chunk, out);
   return Status::Ok();
 }
 
 HostScatterPrimitives::HostScatterPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross,
                                              const RowScatterPlan& plan, const void* in, bool in_registered,
-                                             void* out, DataType dtype, ReduceOp op, HostScatterBuffers* buffers)
+                                             void* out, DataType dtype, ReduceOp op,
+                                             HostScatterBuffers* buffers)
     : topo_(topo),
       shm_(shm),
       cross_(cross),
@@ -181,7 +184,8 @@ Status HostScatterPrimitives::GroupFold(const RowChunk& chunk) {
   if (G > 1 && chunk.first_of_piece()) {
     if (chunk.index > 0) NVG_RETURN_IF_ERROR(shm_->Barrier("reducescatter: reads done"));
     if (!in_registered_)
-      std::memcpy(shm_->buffer(topo_.group_rank), in_ + chunk.piece_begin * esize_, chunk.piece_count * esize_);
+      std::memcpy(shm_->buffer(topo_.group_rank), in_ + chunk.piece_begin * esize_,
+                  chunk.piece_count * esize_);
     NVG_RETURN_IF_ERROR(shm_->Barrier("reducescatter: inputs in place"));
   }
   const int k = static_cast<int>(chunk.index % 2);

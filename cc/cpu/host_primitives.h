@@ -78,8 +78,8 @@ class HostPrimitives {
  public:
   // One per Allreduce piece. `cross` (null with one group) and the two
   // scratch buffers `cross_scratch[0..1]` belong to the communicator.
-  HostPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross, DataType dtype,
-                 ReduceOp op, std::vector<char>* cross_scratch);
+  HostPrimitives(const Topology& topo, ShmGroup* shm, CrossExchange* cross, DataType dtype, ReduceOp op,
+                 std::vector<char>* cross_scratch);
 
   const Topology& topology() const { return topo_; }
   size_t element_size() const { return esize_; }
@@ -88,7 +88,8 @@ class HostPrimitives {
   // `count` elements: the members' extent (their offsets are bytes into our
   // registered buffer). `observer` marks the copy-in, reduce and copy-out.
   Status GroupAllreduceMembers(const Communicator::FusedMember* members, size_t num_members, size_t count,
-                               double prescale, double postscale, const Communicator::PhaseObserver& observer);
+                               double prescale, double postscale,
+                               const Communicator::PhaseObserver& observer);
   Status GroupReduceScatter(const ChunkSlices& chunk);
   Status CrossStart(const ChunkSlices& chunk);
   Status CrossFinish(const ChunkSlices& chunk);

@@ -154,8 +154,7 @@ void Scale(const void* src, void* dst, size_t count, double scale) {
 
 Status ValidateReduction(DataType dtype, ReduceOp op) {
   if (!SupportsReduction(dtype))
-    return Status::InvalidArgument(std::string("allreduce does not support dtype ") +
-                                   DataTypeName(dtype) +
+    return Status::InvalidArgument(std::string("allreduce does not support dtype ") + DataTypeName(dtype) +
                                    " (supported: every numeric type, not bool)");
   switch (op) {
     case ReduceOp::kSum:
@@ -167,24 +166,40 @@ Status ValidateReduction(DataType dtype, ReduceOp op) {
   return Status::InvalidArgument("unknown reduce op " + std::to_string(static_cast<int>(op)));
 }
 
-Status ReduceFold(DataType dtype, ReduceOp op, const void* const* sources, int num_sources,
-                  void* dst, size_t count, int average_divisor) {
+Status ReduceFold(DataType dtype, ReduceOp op, const void* const* sources, int num_sources, void* dst,
+                  size_t count, int average_divisor) {
   NVG_RETURN_IF_ERROR(ValidateReduction(dtype, op));
   if (num_sources < 1 || average_divisor < 1 || (average_divisor > 1 && op != ReduceOp::kAverage))
     return Status::Internal("ReduceFold: bad arguments (num_sources=" + std::to_string(num_sources) +
-                            ", average_divisor=" + std::to_string(average_divisor) + ", op=" +
-                            ReduceOpName(op) + ")");
+                            ", average_divisor=" + std::to_string(average_divisor) +
+                            ", op=" + ReduceOpName(op) + ")");
   switch (dtype) {
     case DataType::kFloat16: FoldByOp<Half>(op, sources, num_sources, dst, count, average_divisor); break;
     case DataType::kBFloat16: FoldByOp<BFloat>(op, sources, num_sources, dst, count, average_divisor); break;
-    case DataType::kFloat32: FoldByOp<Plain<float>>(op, sources, num_sources, dst, count, average_divisor); break;
-    case DataType::kFloat64: FoldByOp<Plain<double>>(op, sources, num_sources, dst, count, average_divisor); break;
-    case DataType::kInt32: FoldByOp<Plain<int32_t>>(op, sources, num_sources, dst, count, average_divisor); break;
-    case DataType::kInt64: FoldByOp<Plain<int64_t>>(op, sources, num_sources, dst, count, average_divisor); break;
-    case DataType::kUint8: FoldByOp<Plain<uint8_t>>(op, sources, num_sources, dst, count, average_divisor); break;
-    case DataType::kInt8: FoldByOp<Plain<int8_t>>(op, sources, num_sources, dst, count, average_divisor); break;
-    case DataType::kUint16: FoldByOp<Plain<uint16_t>>(op, sources, num_sources, dst, count, average_divisor); break;
-    case DataType::kInt16: FoldByOp<Plain<int16_t>>(op, sources, num_sources, dst, count, average_divisor); break;
+    case DataType::kFloat32:
+      FoldByOp<Plain<float>>(op, sources, num_sources, dst, count, average_divisor);
+      break;
+    case DataType::kFloat64:
+      FoldByOp<Plain<double>>(op, sources, num_sources, dst, count, average_divisor);
+      break;
+    case DataType::kInt32:
+      FoldByOp<Plain<int32_t>>(op, sources, num_sources, dst, count, average_divisor);
+      break;
+    case DataType::kInt64:
+      FoldByOp<Plain<int64_t>>(op, sources, num_sources, dst, count, average_divisor);
+      break;
+    case DataType::kUint8:
+      FoldByOp<Plain<uint8_t>>(op, sources, num_sources, dst, count, average_divisor);
+      break;
+    case DataType::kInt8:
+      FoldByOp<Plain<int8_t>>(op, sources, num_sources, dst, count, average_divisor);
+      break;
+    case DataType::kUint16:
+      FoldByOp<Plain<uint16_t>>(op, sources, num_sources, dst, count, average_divisor);
+      break;
+    case DataType::kInt16:
+      FoldByOp<Plain<int16_t>>(op, sources, num_sources, dst, count, average_divisor);
+      break;
     default: break;  // rejected by ValidateReduction
   }
   return Status::Ok();
@@ -207,14 +222,14 @@ Status ScaledCopy(DataType dtype, const void* src, void* dst, size_t count, doub
     case DataType::kUint16: Scale<Plain<uint16_t>>(src, dst, count, scale); break;
     case DataType::kInt16: Scale<Plain<int16_t>>(src, dst, count, scale); break;
     default:
-      return Status::InvalidArgument(std::string("cannot scale dtype ") + DataTypeName(dtype) +
-                                     " by " + std::to_string(scale) + " (only 1.0 is allowed)");
+      return Status::InvalidArgument(std::string("cannot scale dtype ") + DataTypeName(dtype) + " by " +
+                                     std::to_string(scale) + " (only 1.0 is allowed)");
   }
   return Status::Ok();
 }
 
 std::function<Status(const void*, int, void*, size_t)> ContiguousHostFold(DataType dtype, ReduceOp op,
-                                                                      int average_divisor) {
+                                                                          int average_divisor) {
   const size_t esize = DataTypeSize(dtype);
   return [dtype, op, esize, average_divisor](const void* src, int num, void* dst, size_t count) {
     std::vector<const void*> sources(num);

@@ -40,8 +40,8 @@ Status ValidateReduction(DataType dtype, ReduceOp op);
 
 // Folds `num_sources` (>= 1) arrays of `count` elements into dst (see above).
 // `average_divisor` >= 1; values other than 1 are only allowed with kAverage.
-Status ReduceFold(DataType dtype, ReduceOp op, const void* const* sources, int num_sources,
-                  void* dst, size_t count, int average_divisor);
+Status ReduceFold(DataType dtype, ReduceOp op, const void* const* sources, int num_sources, void* dst,
+                  size_t count, int average_divisor);
 
 // The cross step's fold on the host (CrossExchange::Fold): `num_sources`
 // contiguous copies of `count` elements at `sources` (copy k at sources + k *

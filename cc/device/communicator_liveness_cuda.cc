@@ -51,10 +51,9 @@ bool ProcessAlive(pid_t pid) {
 
 std::string CudaCommunicator::MemberName(int p) const {
   const bool known = p >= 0 && p < static_cast<int>(member_ranks_.size());
-  return "group rank " + std::to_string(p) + " (rank " +
-         std::to_string(known ? member_ranks_[p] : -1) + ", pid " +
-         std::to_string(known && p < static_cast<int>(member_pids_.size()) ? member_pids_[p] : -1) +
-         ")";
+  return "group rank " + std::to_string(p) + " (rank " + std::to_string(known ? member_ranks_[p] : -1) +
+         ", pid " +
+         std::to_string(known && p < static_cast<int>(member_pids_.size()) ? member_pids_[p] : -1) + ")";
 }
 
 int CudaCommunicator::DeadMember() {
@@ -72,12 +71,11 @@ int CudaCommunicator::DeadMember() {
 }
 
 Status CudaCommunicator::Diagnose(Status s) {
-  if (s.ok() || s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kInvalidArgument)
-    return s;
+  if (s.ok() || s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kInvalidArgument) return s;
   const int p = DeadMember();
   if (p < 0) return s;
-  return Status::Unavailable(MemberName(p) + " exited while its memory was mapped here (" +
-                             s.ToString() + "). This communicator cannot be used any more.");
+  return Status::Unavailable(MemberName(p) + " exited while its memory was mapped here (" + s.ToString() +
+                             "). This communicator cannot be used any more.");
 }
 
 Status CudaCommunicator::CheckHealthy() const {
@@ -88,14 +86,13 @@ Status CudaCommunicator::CheckHealthy() const {
                                "cannot be used any more.");
   if (c->failure == kFailureTimeout) {
     const int p = c->failed_peer;
-    const bool alive = p >= 0 && p < static_cast<int>(member_pids_.size()) &&
-                       ProcessAlive(member_pids_[p]);
-    return Status::Unavailable(
-        "NV-group barrier timed out: " + MemberName(p) + " did not arrive within " +
-        std::to_string(group_.timeout_ns / 1e9) + " s of the call's start (block " +
-        std::to_string(c->failed_block) + "); its process " +
-        (alive ? "still runs (it hung or does not take part in this call)" : "is gone") +
-        ". This communicator cannot be used any more.");
+    const bool alive = p >= 0 && p < static_cast<int>(member_pids_.size()) && ProcessAlive(member_pids_[p]);
+    return Status::Unavailable("NV-group barrier timed out: " + MemberName(p) + " did not arrive within " +
+                               std::to_string(group_.timeout_ns / 1e9) + " s of the call's start (block " +
+                               std::to_string(c->failed_block) + "); its process " +
+                               (alive ? "still runs (it hung or does not take part in this call)"
+                                      : "is gone") +
+                               ". This communicator cannot be used any more.");
   }
   if (c->failure == kFailureAborted || aborted_ || c->abort)
     return Status::Aborted("the CUDA communicator was aborted");
@@ -133,8 +130,8 @@ Status CudaCommunicator::WaitForEvent(cudaEvent_t event) {
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) {
       (void)cudaGetLastError();
-      return Diagnose(Status::Internal(std::string("waiting for the stream failed: ") +
-                                       cudaGetErrorName(q) + ": " + cudaGetErrorString(q)));
+      return Diagnose(Status::Internal(std::string("waiting for the stream failed: ") + cudaGetErrorName(q) +
+                                       ": " + cudaGetErrorString(q)));
     }
     const auto now = Clock::now();
     if (now - start < kSpin) continue;

@@ -29,22 +29,21 @@ Status CudaCommunicator::CheckDevicePointer(const void* p, const char* what) {
                   ((attr.type == cudaMemoryTypeDevice && attr.device == group_.device) ||
                    attr.type == cudaMemoryTypeManaged);
   if (!ok)
-    return Status::InvalidArgument(std::string(what) + " pointer is not device memory of cuda:" +
-                                   std::to_string(group_.device));
+    return Status::InvalidArgument(std::string(what) +
+                                   " pointer is not device memory of cuda:" + std::to_string(group_.device));
   checked_[next_checked_] = p;
   next_checked_ = (next_checked_ + 1) % kCheckedPointers;
   return Status::Ok();
 }
 
-Status CudaCommunicator::Allreduce(const void* in, void* out, size_t count, DataType dtype,
-                                   ReduceOp op, void* stream_arg) {
+Status CudaCommunicator::Allreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
+                                   void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
   if (!SupportsReduction(dtype))
     return Status::InvalidArgument(std::string("allreduce: dtype ") + DataTypeName(dtype) +
                                    " cannot be reduced");
   if (static_cast<int>(op) < 0 || static_cast<int>(op) > static_cast<int>(ReduceOp::kProduct))
-    return Status::InvalidArgument("allreduce: unknown reduce op " +
-                                   std::to_string(static_cast<int>(op)));
+    return Status::InvalidArgument("allreduce: unknown reduce op " + std::to_string(static_cast<int>(op)));
   if (count == 0) return Status::Ok();
   if (in == nullptr || out == nullptr)
     return Status::InvalidArgument("allreduce: null input or output pointer with count " +
@@ -60,8 +59,8 @@ Status CudaCommunicator::Allreduce(const void* in, void* out, size_t count, Data
   return Diagnose(s.ok() ? left : s);
 }
 
-Status CudaCommunicator::AllreduceOnWork(const void* in, void* out, size_t count, DataType dtype,
-                                         ReduceOp op, cudaStream_t caller) {
+Status CudaCommunicator::AllreduceOnWork(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
+                                         cudaStream_t caller) {
   const size_t esize = DataTypeSize(dtype);
   const size_t bytes = count * esize;
 
@@ -96,8 +95,8 @@ Status CudaCommunicator::AllreduceOnWork(const void* in, void* out, size_t count
     if (offset % kSliceAlignBytes != 0 || offset + bytes > capacity)
       return Status::InvalidArgument("allreduce: input at offset " + std::to_string(offset) +
                                      " of the registered buffer with " + std::to_string(bytes) +
-                                     " bytes is misaligned or exceeds its " +
-                                     std::to_string(capacity) + " bytes");
+                                     " bytes is misaligned or exceeds its " + std::to_string(capacity) +
+                                     " bytes");
     return AllreducePiece(in, out, count, true, offset, dtype, op);
   }
   // Any other input: pieces of at most the registered capacity (whole units
@@ -105,17 +104,16 @@ Status CudaCommunicator::AllreduceOnWork(const void* in, void* out, size_t count
   const size_t piece = PieceElements(capacity, esize, AlignUnitElements(esize) * group_.topo.group_size);
   for (size_t first = 0; first < count; first += piece) {
     const size_t n = std::min(piece, count - first);
-    NVG_RETURN_IF_ERROR_CTX(
-        AllreducePiece(in_c + first * esize, static_cast<char*>(out) + first * esize, n, false, 0,
-                       dtype, op),
-        "allreduce of elements " + std::to_string(first) + ".." + std::to_string(first + n));
+    NVG_RETURN_IF_ERROR_CTX(AllreducePiece(in_c + first * esize, static_cast<char*>(out) + first * esize, n,
+                                           false, 0, dtype, op),
+                            "allreduce of elements " + std::to_string(first) + ".." +
+                                std::to_string(first + n));
   }
   return Status::Ok();
 }
 
-Status CudaCommunicator::AllreducePiece(const void* in, void* out, size_t count,
-                                        bool in_registered, size_t offset, DataType dtype,
-                                        ReduceOp op) {
+Status CudaCommunicator::AllreducePiece(const void* in, void* out, size_t count, bool in_registered,
+                                        size_t offset, DataType dtype, ReduceOp op) {
   const bool flat = group_.topo.group_count == 1 && !force_hierarchy_;
   if (!flat && !in_registered) {  // the skeleton starts from the registered buffer
     NVG_CUDA_CHECK(cudaMemcpyAsync(registered_buffer(), in, count * DataTypeSize(dtype),
@@ -195,7 +193,8 @@ Status CudaCommunicator::ReduceScatter(const void* in, void* out, const std::vec
 Status CudaCommunicator::GroupRowReduceScatter(const void* in, void* out, size_t total, size_t my_offset,
                                                size_t mine, bool in_registered, DataType dtype, ReduceOp op) {
   const size_t esize = DataTypeSize(dtype);
-  const size_t piece = in_registered ? total : PieceElements(registered_capacity(), esize, AlignUnitElements(esize));
+  const size_t piece = in_registered ? total
+                                     : PieceElements(registered_capacity(), esize, AlignUnitElements(esize));
   const int divisor = op == ReduceOp::kAverage ? group_.topo.size : 1;
   for (size_t p0 = 0; p0 < total; p0 += piece) {
     const size_t n = std::min(piece, total - p0);
@@ -211,9 +210,9 @@ Status CudaCommunicator::GroupRowReduceScatter(const void* in, void* out, size_t
       l.ranges[0].hi = hi - p0;
       l.ranges[0].out = static_cast<char*>(out) + (lo - my_offset) * esize;
     }
-    NVG_RETURN_IF_ERROR_CTX(LaunchRowReduceScatter(l, work_),
-                            "row reduce-scatter of elements " + std::to_string(p0) + ".." +
-                                std::to_string(p0 + n));
+    NVG_RETURN_IF_ERROR_CTX(LaunchRowReduceScatter(l, work_), "row reduce-scatter of elements " +
+                                                                  std::to_string(p0) + ".." +
+                                                                  std::to_string(p0 + n));
   }
   return Status::Ok();
 }
@@ -224,8 +223,9 @@ Status CudaCommunicator::GroupRowReduceScatter(const void* in, void* out, size_t
 // cross step's buffers (slice_capacity bytes; the receive buffer P copies of
 // one part). The plan is the same on every rank (same counts, owner table,
 // pieces and capacities).
-Status CudaCommunicator::HierarchicalReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
-                                                   bool in_registered, DataType dtype, ReduceOp op) {
+Status CudaCommunicator::HierarchicalReduceScatter(const void* in, void* out,
+                                                   const std::vector<size_t>& counts, bool in_registered,
+                                                   DataType dtype, ReduceOp op) {
   const Topology& topo = group_.topo;
   const size_t esize = DataTypeSize(dtype);
   size_t total = 0;
@@ -236,8 +236,8 @@ Status CudaCommunicator::HierarchicalReduceScatter(const void* in, void* out, co
   const size_t send_capacity = group_.slice_capacity / esize;
   const size_t recv_capacity =
       (group_.slice_capacity + kSliceAlignBytes * static_cast<size_t>(topo.group_count)) / esize;
-  NVG_RETURN_IF_ERROR(group_.row_plan.Build(counts, group_.row_owners, topo.group_rank, topo.group_index, piece,
-                                            send_capacity, recv_capacity));
+  NVG_RETURN_IF_ERROR(group_.row_plan.Build(counts, group_.row_owners, topo.group_rank, topo.group_index,
+                                            piece, send_capacity, recv_capacity));
   DeviceScatterPrimitives prims(&group_, in, in_registered, out, dtype, op, row_scatter_block_cap_, work_);
   return RunHierarchicalReduceScatter(prims, group_.row_plan);
 }

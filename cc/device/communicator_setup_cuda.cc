@@ -85,21 +85,19 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Knobs& k,
   NVG_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
 
   int ranks_on_device = 1;
-  NVG_RETURN_IF_ERROR_CTX(
-      ResolveDeviceTopology(comm_, device_ordinal, k.group_size, k.one_gpu_group, &group_.topo, &group_.comms,
-                            &group_.device, &ranks_on_device),
-      "resolving the GPU topology");
+  NVG_RETURN_IF_ERROR_CTX(ResolveDeviceTopology(comm_, device_ordinal, k.group_size, k.one_gpu_group,
+                                                &group_.topo, &group_.comms, &group_.device,
+                                                &ranks_on_device),
+                          "resolving the GPU topology");
   if (group_.topo.rank != host_topology.rank || group_.topo.size != host_topology.size ||
       group_.topo.local_rank != host_topology.local_rank)
     return Status::Internal("CUDA topology disagrees with the host topology passed in (rank " +
-                            std::to_string(host_topology.rank) + "/" +
-                            std::to_string(host_topology.size) + " vs " +
-                            std::to_string(group_.topo.rank) + "/" +
+                            std::to_string(host_topology.rank) + "/" + std::to_string(host_topology.size) +
+                            " vs " + std::to_string(group_.topo.rank) + "/" +
                             std::to_string(group_.topo.size) + ")");
   const Topology& topo = group_.topo;
   member_ranks_.resize(topo.group_size);
-  NVG_MPI_CHECK(MPI_Allgather(&topo.rank, 1, MPI_INT, member_ranks_.data(), 1, MPI_INT,
-                              group_.comms.group));
+  NVG_MPI_CHECK(MPI_Allgather(&topo.rank, 1, MPI_INT, member_ranks_.data(), 1, MPI_INT, group_.comms.group));
   std::vector<int> pids(topo.group_size);
   const int my_pid = static_cast<int>(getpid());
   NVG_MPI_CHECK(MPI_Allgather(&my_pid, 1, MPI_INT, pids.data(), 1, MPI_INT, group_.comms.group));
@@ -124,10 +122,9 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Knobs& k,
     row_scatter_block_cap_ = row_cap;
   }
 
-  group_.tuning.oneshot_max_bytes =
-      k.oneshot_max_bytes > 0 ? k.oneshot_max_bytes
-      : topo.group_size == 2  ? kDefaultOneShotMaxBytesTwoGpus
-                              : kDefaultOneShotMaxBytesLarger;
+  group_.tuning.oneshot_max_bytes = k.oneshot_max_bytes > 0 ? k.oneshot_max_bytes
+                                    : topo.group_size == 2  ? kDefaultOneShotMaxBytesTwoGpus
+                                                            : kDefaultOneShotMaxBytesLarger;
   if (group_.tuning.oneshot_max_bytes > kOneShotStagingBytes)
     return Status::InvalidArgument("NVGROUP_ONESHOT_MAX_BYTES=" +
                                    std::to_string(group_.tuning.oneshot_max_bytes) +
@@ -152,8 +149,8 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Knobs& k,
   if (!region.ok()) return region.status().WithContext("registering the IPC buffers");
   group_.region = region.consume();
 
-  NVG_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&group_.control_host),
-                               sizeof(DeviceControl), cudaHostAllocMapped | cudaHostAllocPortable));
+  NVG_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&group_.control_host), sizeof(DeviceControl),
+                               cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(const_cast<DeviceControl*>(group_.control_host), 0, sizeof(DeviceControl));
   NVG_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&group_.control_device),
                                           group_.control_host, 0));
@@ -168,8 +165,7 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Knobs& k,
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.staged[k2], cudaEventDisableTiming));
     NVG_CUDA_CHECK(cudaEventCreateWithFlags(&group_.returned[k2], cudaEventDisableTiming));
   }
-  for (CopySlot& s : slots_)
-    NVG_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
+  for (CopySlot& s : slots_) NVG_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
 
   if (topo.group_count > 1) {
     CrossExchange::Options cross_options;
@@ -189,21 +185,24 @@ Status CudaCommunicator::Init(MPI_Comm comm, int device_ordinal, const Knobs& k,
       if (group_.cuda_aware_mpi) {
         NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&group_.device_recv[k2]), recv));
       } else {
-        NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_send[k2]), group_.slice_capacity));
+        NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_send[k2]),
+                                      group_.slice_capacity));
         NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_recv[k2]), recv));
-        NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_result[k2]), group_.slice_capacity));
+        NVG_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&group_.host_result[k2]),
+                                      group_.slice_capacity));
       }
       NVG_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&group_.row_send[k2]), group_.slice_capacity));
     }
-    NVG_RETURN_IF_ERROR_CTX(RowOwners::Gather(comm_, topo, &group_.row_owners), "placing the ranks in their groups");
+    NVG_RETURN_IF_ERROR_CTX(RowOwners::Gather(comm_, topo, &group_.row_owners),
+                            "placing the ranks in their groups");
   }
   return Status::Ok();
 }
 
 CudaCommunicator::~CudaCommunicator() {
   (void)cudaSetDevice(group_.device);
-  const bool healthy = initialized_ && !aborted_ && dead_member_ < 0 &&
-                       group_.control_host != nullptr && group_.control_host->failure == 0;
+  const bool healthy = initialized_ && !aborted_ && dead_member_ < 0 && group_.control_host != nullptr &&
+                       group_.control_host->failure == 0;
   // Unhealthy: make every spin of this rank's kernels give up first.
   if (!healthy && group_.control_host != nullptr) group_.control_host->abort = 1;
   group_.cross.reset();  // completes the cross exchanges in flight (they use the buffers below)
@@ -268,8 +267,8 @@ Status CudaCommunicator::WaitEvent(void* event, void* stream) {
   return Status::Ok();
 }
 
-Status CudaCommunicator::BatchedScaledCopy(const CopySpec* copies, size_t num_copies,
-                                           DataType dtype, double scale, void* stream_arg) {
+Status CudaCommunicator::BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
+                                           double scale, void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
   if (scale != 1.0 && !SupportsReduction(dtype))
     return Status::InvalidArgument(std::string("batched copy: dtype ") + DataTypeName(dtype) +
@@ -280,8 +279,7 @@ Status CudaCommunicator::BatchedScaledCopy(const CopySpec* copies, size_t num_co
   for (size_t i = 0; i < num_copies; ++i) {
     if (copies[i].count == 0) continue;
     if (copies[i].src == nullptr || copies[i].dst == nullptr)
-      return Status::InvalidArgument("batched copy: copy " + std::to_string(i) +
-                                     " has a null pointer");
+      return Status::InvalidArgument("batched copy: copy " + std::to_string(i) + " has a null pointer");
     specs.push_back({copies[i].src, copies[i].dst, copies[i].count, blocks});
     blocks += CopyBlocksFor(copies[i].count);
   }
@@ -322,15 +320,13 @@ Status CudaCommunicator::DelayStream(double microseconds, void* stream) {
 }
 
 Status CudaCommunicator::SetTuning(const KernelTuning& t) {
-  if (t.oneshot_max_bytes > group_.region->staging_bytes() ||
-      t.oneshot_blocks < 1 || t.oneshot_blocks > kMaxBlocks || t.twoshot_blocks < 1 ||
-      t.twoshot_blocks > kMaxBlocks)
+  if (t.oneshot_max_bytes > group_.region->staging_bytes() || t.oneshot_blocks < 1 ||
+      t.oneshot_blocks > kMaxBlocks || t.twoshot_blocks < 1 || t.twoshot_blocks > kMaxBlocks)
     return Status::InvalidArgument("kernel tuning out of range: one-shot max " +
                                    std::to_string(t.oneshot_max_bytes) + " bytes (staging " +
                                    std::to_string(group_.region->staging_bytes()) + "), blocks " +
-                                   std::to_string(t.oneshot_blocks) + "/" +
-                                   std::to_string(t.twoshot_blocks) + " (1.." +
-                                   std::to_string(kMaxBlocks) + ")");
+                                   std::to_string(t.oneshot_blocks) + "/" + std::to_string(t.twoshot_blocks) +
+                                   " (1.." + std::to_string(kMaxBlocks) + ")");
   group_.tuning = t;
   return Status::Ok();
 }
@@ -340,15 +336,15 @@ Status CudaCommunicator::SetTwoShotChunk(size_t chunk_bytes) {
   return Status::Ok();
 }
 
-StatusOr<std::unique_ptr<Communicator>> CudaCommunicator::Create(
-    MPI_Comm comm, int device_ordinal, const Knobs& knobs, const CommunicatorOptions& options,
-    const Topology& host_topology) {
+StatusOr<std::unique_ptr<Communicator>> CudaCommunicator::Create(MPI_Comm comm, int device_ordinal,
+                                                                 const Knobs& knobs,
+                                                                 const CommunicatorOptions& options,
+                                                                 const Topology& host_topology) {
   std::unique_ptr<CudaCommunicator> c(new CudaCommunicator());
   Status s = c->Init(comm, device_ordinal, knobs, options, host_topology);
   // Agreement: a local failure (e.g. cudaMalloc) fails creation on every rank.
   int ok = s.ok() ? 1 : 0, all_ok = 0;
-  if (c->comm_ != MPI_COMM_NULL)
-    NVG_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, c->comm_));
+  if (c->comm_ != MPI_COMM_NULL) NVG_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, c->comm_));
   if (!s.ok()) return s.WithContext("creating the CUDA communicator");
   if (all_ok == 0)
     return Status::Internal("creating the CUDA communicator failed on another rank (see its error)");
@@ -368,7 +364,7 @@ Status SetCudaKernelTuning(Communicator* comm, size_t oneshot_max_bytes, int one
   auto* cuda = dynamic_cast<CudaCommunicator*>(comm);
   if (cuda == nullptr) return Status::InvalidArgument("not a CUDA communicator");
   return cuda->SetTuning({oneshot_max_bytes, oneshot_blocks, twoshot_blocks,
-                         cuda->tuning().twoshot_chunk_bytes});
+                          cuda->tuning().twoshot_chunk_bytes});
 }
 
 Status SetCudaTwoShotChunk(Communicator* comm, size_t chunk_bytes) {

@@ -15,8 +15,7 @@
 
 namespace nvgroup {
 
-StatusOr<bool> CudaCommunicator::UsePeerCopies(const void* a, size_t a_bytes, const void* b,
-                                               size_t b_bytes) {
+StatusOr<bool> CudaCommunicator::UsePeerCopies(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   const char* reg = static_cast<const char*>(group_.region->data(group_.topo.group_rank));
   auto overlaps = [&](const void* p, size_t n) {
     const char* c = static_cast<const char*>(p);
@@ -31,8 +30,8 @@ StatusOr<bool> CudaCommunicator::UsePeerCopies(const void* a, size_t a_bytes, co
 
 // Within one NV-group: peer copies through the registered buffers. Otherwise
 // host staging through MPI. Correct and simple, not tuned paths.
-Status CudaCommunicator::Allgatherv(const void* in, void* out,
-                                    const std::vector<size_t>& bytes_per_rank, void* stream_arg) {
+Status CudaCommunicator::Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes_per_rank,
+                                    void* stream_arg) {
   NVG_RETURN_IF_ERROR(CheckHealthy());
   const int size = group_.topo.size;
   if (static_cast<int>(bytes_per_rank.size()) != size)
@@ -56,13 +55,13 @@ Status CudaCommunicator::Allgatherv(const void* in, void* out,
   auto capturing = Capturing(StreamOf(stream_arg));
   if (!capturing.ok()) return capturing.status();
   if (capturing.value())
-    return Status::InvalidArgument("allgatherv/broadcast wait on the host between steps and "
-                                   "cannot be captured in a CUDA graph");
+    return Status::InvalidArgument(
+        "allgatherv/broadcast wait on the host between steps and "
+        "cannot be captured in a CUDA graph");
   NVG_RETURN_IF_ERROR(EnterWork(StreamOf(stream_arg)));
   cudaStream_t stream = work_;
-  StatusOr<bool> peer = total <= registered_capacity()
-                            ? UsePeerCopies(in, mine, out, total)
-                            : StatusOr<bool>(false);
+  StatusOr<bool> peer = total <= registered_capacity() ? UsePeerCopies(in, mine, out, total)
+                                                       : StatusOr<bool>(false);
   if (!peer.ok()) return peer.status();
   if (peer.value()) {
     // One NV-group: every rank puts its part into its registered buffer at its
@@ -78,8 +77,8 @@ Status CudaCommunicator::Allgatherv(const void* in, void* out,
       const int r = member_ranks_[p];
       if (counts[r] > 0)
         NVG_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(out) + displs[r],
-                                       group_.region->data(p) + displs[r], counts[r],
-                                       cudaMemcpyDefault, stream));
+                                       group_.region->data(p) + displs[r], counts[r], cudaMemcpyDefault,
+                                       stream));
     }
     NVG_CUDA_CHECK(cudaStreamSynchronize(stream));
     NVG_MPI_CHECK(MPI_Barrier(group_.comms.group));  // orders: reads done before reuse
@@ -88,8 +87,8 @@ Status CudaCommunicator::Allgatherv(const void* in, void* out,
   std::vector<char> send(mine), recv(total);
   NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: `in` is produced
   if (mine > 0) NVG_CUDA_CHECK(cudaMemcpy(send.data(), in, mine, cudaMemcpyDeviceToHost));
-  NVG_MPI_CHECK(MPI_Allgatherv(send.data(), static_cast<int>(mine), MPI_BYTE, recv.data(),
-                               counts.data(), displs.data(), MPI_BYTE, comm_));
+  NVG_MPI_CHECK(MPI_Allgatherv(send.data(), static_cast<int>(mine), MPI_BYTE, recv.data(), counts.data(),
+                               displs.data(), MPI_BYTE, comm_));
   if (total > 0) {
     NVG_CUDA_CHECK(cudaMemcpyAsync(out, recv.data(), total, cudaMemcpyHostToDevice, stream));
     NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // recv is freed on return
@@ -191,8 +190,9 @@ Status CudaCommunicator::Broadcast(void* buf, size_t bytes, int root, void* stre
   auto capturing = Capturing(StreamOf(stream_arg));
   if (!capturing.ok()) return capturing.status();
   if (capturing.value())
-    return Status::InvalidArgument("allgatherv/broadcast wait on the host between steps and "
-                                   "cannot be captured in a CUDA graph");
+    return Status::InvalidArgument(
+        "allgatherv/broadcast wait on the host between steps and "
+        "cannot be captured in a CUDA graph");
   NVG_RETURN_IF_ERROR(EnterWork(StreamOf(stream_arg)));
   cudaStream_t stream = work_;
   StatusOr<bool> peer = UsePeerCopies(buf, bytes, nullptr, 0);
@@ -209,13 +209,13 @@ Status CudaCommunicator::Broadcast(void* buf, size_t bytes, int root, void* stre
     for (size_t off = 0; off < bytes; off += cap) {
       const size_t n = std::min(cap, bytes - off);
       if (group_.topo.rank == root)
-        NVG_CUDA_CHECK(cudaMemcpyAsync(root_data, static_cast<char*>(buf) + off, n,
-                                       cudaMemcpyDeviceToDevice, stream));
+        NVG_CUDA_CHECK(cudaMemcpyAsync(root_data, static_cast<char*>(buf) + off, n, cudaMemcpyDeviceToDevice,
+                                       stream));
       NVG_CUDA_CHECK(cudaStreamSynchronize(stream));
       NVG_MPI_CHECK(MPI_Barrier(group_.comms.group));  // orders: the piece is staged
       if (group_.topo.rank != root) {
-        NVG_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(buf) + off, root_data, n,
-                                       cudaMemcpyDefault, stream));
+        NVG_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(buf) + off, root_data, n, cudaMemcpyDefault,
+                                       stream));
         NVG_CUDA_CHECK(cudaStreamSynchronize(stream));
       }
       NVG_MPI_CHECK(MPI_Barrier(group_.comms.group));  // orders: reads done before reuse
@@ -224,8 +224,7 @@ Status CudaCommunicator::Broadcast(void* buf, size_t bytes, int root, void* stre
   }
   std::vector<char> host(bytes);
   NVG_CUDA_CHECK(cudaStreamSynchronize(stream));  // orders: the root's buffer is produced
-  if (group_.topo.rank == root)
-    NVG_CUDA_CHECK(cudaMemcpy(host.data(), buf, bytes, cudaMemcpyDeviceToHost));
+  if (group_.topo.rank == root) NVG_CUDA_CHECK(cudaMemcpy(host.data(), buf, bytes, cudaMemcpyDeviceToHost));
   NVG_MPI_CHECK(MPI_Bcast(host.data(), static_cast<int>(bytes), MPI_BYTE, root, comm_));
   if (group_.topo.rank != root) {
     NVG_CUDA_CHECK(cudaMemcpyAsync(buf, host.data(), bytes, cudaMemcpyHostToDevice, stream));

@@ -42,8 +42,7 @@ constexpr int kCopySlots = 16;
 
 class CudaCommunicator final : public Communicator {
  public:
-  static StatusOr<std::unique_ptr<Communicator>> Create(MPI_Comm comm, int device_ordinal,
-                                                        const Knobs& knobs,
+  static StatusOr<std::unique_ptr<Communicator>> Create(MPI_Comm comm, int device_ordinal, const Knobs& knobs,
                                                         const CommunicatorOptions& options,
                                                         const Topology& host_topology);
   ~CudaCommunicator() override;
@@ -62,8 +61,8 @@ class CudaCommunicator final : public Communicator {
   void* registered_buffer() override { return group_.region->data(group_.topo.group_rank); }
   size_t registered_capacity() const override { return group_.region->data_bytes(); }
   Status WaitEvent(void* event, void* stream) override;
-  Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
-                           double scale, void* stream) override;
+  Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype, double scale,
+                           void* stream) override;
   Status FusedAllreduce(const FusedMember* members, size_t num_members, size_t bytes, DataType dtype,
                         ReduceOp op, double prescale, double postscale, void* stream,
                         const PhaseObserver& observer) override;
@@ -100,8 +99,8 @@ class CudaCommunicator final : public Communicator {
   StatusOr<bool> Capturing(cudaStream_t stream) const;
   Status AllreduceOnWork(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
                          cudaStream_t caller);
-  Status AllreducePiece(const void* in, void* out, size_t count, bool in_registered,
-                        size_t offset, DataType dtype, ReduceOp op);
+  Status AllreducePiece(const void* in, void* out, size_t count, bool in_registered, size_t offset,
+                        DataType dtype, ReduceOp op);
   // ReduceScatter's two paths (see there) and Alltoallv's peer path.
   Status GroupRowReduceScatter(const void* in, void* out, size_t total, size_t my_offset, size_t mine,
                                bool in_registered, DataType dtype, ReduceOp op);

@@ -76,8 +76,8 @@ namespace nvgroup {
 // Launch choices, measured on 2x H200 (docs/PERFORMANCE.md).
 struct KernelTuning {
   size_t oneshot_max_bytes = 0;  // messages up to this use the one-shot kernel
-  int oneshot_blocks = 0;        // grid cap of the one-shot kernel
-  int twoshot_blocks = 0;        // grid cap of the two-shot kernel
+  int oneshot_blocks = 0;  // grid cap of the one-shot kernel
+  int twoshot_blocks = 0;  // grid cap of the two-shot kernel
   // Two-shot on user buffers: pipeline chunk per slice in bytes (0: the phases
   // run one after the other over the whole message).
   size_t twoshot_chunk_bytes = 0;
@@ -89,7 +89,7 @@ struct DeviceGroup {
   TopologyComms comms;
   int device = 0;
   std::unique_ptr<IpcRegion> region;  // registered buffer + flags + staging of every member
-  DeviceControl* control_host = nullptr;    // cudaHostAllocMapped control words
+  DeviceControl* control_host = nullptr;  // cudaHostAllocMapped control words
   DeviceControl* control_device = nullptr;  // the same, as the kernels see them
   uint64_t timeout_ns = 0;
   KernelTuning tuning;
@@ -106,17 +106,17 @@ struct DeviceGroup {
   // variant of the exchange receives, CrossExchange::MaxRecvBytes).
   std::unique_ptr<CrossExchange> cross;
   cudaStream_t cross_stream = nullptr;  // D2H of the slices
-  cudaStream_t h2d_stream = nullptr;    // H2D of the reduced slices
-  cudaStream_t fold_stream = nullptr;   // CUDA-aware: the device fold
+  cudaStream_t h2d_stream = nullptr;  // H2D of the reduced slices
+  cudaStream_t fold_stream = nullptr;  // CUDA-aware: the device fold
   size_t slice_capacity = 0;
   size_t recv_capacity = 0;
-  char* host_send[2] = {nullptr, nullptr};    // pinned
-  char* host_recv[2] = {nullptr, nullptr};    // pinned
+  char* host_send[2] = {nullptr, nullptr};  // pinned
+  char* host_recv[2] = {nullptr, nullptr};  // pinned
   char* host_result[2] = {nullptr, nullptr};  // pinned
   char* device_recv[2] = {nullptr, nullptr};  // CUDA-aware only
   cudaEvent_t reduce_scattered[2] = {nullptr, nullptr};  // chunk's reduce-scatter done
-  cudaEvent_t staged[2] = {nullptr, nullptr};            // slice copied into host_send[k]
-  cudaEvent_t returned[2] = {nullptr, nullptr};          // host_result[k] copied back
+  cudaEvent_t staged[2] = {nullptr, nullptr};  // slice copied into host_send[k]
+  cudaEvent_t returned[2] = {nullptr, nullptr};  // host_result[k] copied back
   // Hierarchical reduce-scatter: the group fold's output (this rank's parts
   // of a chunk, the cross step's send buffer; slice_capacity bytes each, by
   // chunk parity), who sits where, and the call's plan and part counts.
@@ -140,8 +140,8 @@ class DevicePrimitives {
   // `in` is the call's input: in the registered buffer at `registered_offset`
   // bytes (then `in_registered`), or any device pointer (one-shot and two-shot
   // copy it in inside the kernel; the hierarchical path copies it first).
-  DevicePrimitives(DeviceGroup* group, const void* in, bool in_registered,
-                   size_t registered_offset, DataType dtype, ReduceOp op, cudaStream_t stream);
+  DevicePrimitives(DeviceGroup* group, const void* in, bool in_registered, size_t registered_offset,
+                   DataType dtype, ReduceOp op, cudaStream_t stream);
 
   const Topology& topology() const { return group_->topo; }
   size_t element_size() const { return esize_; }

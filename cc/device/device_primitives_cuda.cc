@@ -11,8 +11,7 @@
 namespace nvgroup {
 
 DevicePrimitives::DevicePrimitives(DeviceGroup* group, const void* in, bool in_registered,
-                                   size_t registered_offset, DataType dtype, ReduceOp op,
-                                   cudaStream_t stream)
+                                   size_t registered_offset, DataType dtype, ReduceOp op, cudaStream_t stream)
     : group_(group),
       in_(in),
       in_registered_(in_registered),
@@ -70,8 +69,7 @@ Status DevicePrimitives::GroupAllreduce(size_t count, void* out) {
   a.divisor = divisor;
   if (in_registered_ && out == in_)  // in place on the registered buffer: no allgather phase
     a.phases = kPhaseReduceScatter | kPhasePushResult;
-  else
-    a.phases = (in_registered_ ? 0 : kPhasePushScatter) | kPhaseReduceScatter | kPhaseAllgather;
+  else a.phases = (in_registered_ ? 0 : kPhasePushScatter) | kPhaseReduceScatter | kPhaseAllgather;
   if (a.phases == (kPhasePushScatter | kPhaseReduceScatter | kPhaseAllgather))
     a.chunk_units = (group_->tuning.twoshot_chunk_bytes + 15) / 16;
   return LaunchTwoShotAllreduce(a, stream_);
@@ -184,9 +182,7 @@ Status DevicePrimitives::CrossStart(const ChunkSlices& chunk) {
                 chunk.SliceOffset(topo.group_rank) * esize_;
   const int divisor = op_ == ReduceOp::kAverage ? topo.size : 1;
   if (topo.group_count == 1)  // forced hierarchy on one group: only the division is left
-    return divisor > 1
-               ? LaunchFoldSources(slice, 1, slice, n, dtype_, op_, divisor, stream_)
-               : Status::Ok();
+    return divisor > 1 ? LaunchFoldSources(slice, 1, slice, n, dtype_, op_, divisor, stream_) : Status::Ok();
 
   const size_t bytes = n * esize_;
   if (group_->cross == nullptr || bytes > group_->slice_capacity ||
@@ -220,8 +216,7 @@ Status DevicePrimitives::GroupAllgather(const ChunkSlices& chunk, void* out) {
   if (group_->topo.group_size == 1) {
     const char* src = Registered(0) + chunk.offset * esize_;
     if (src != dst)
-      NVG_CUDA_CHECK(cudaMemcpyAsync(dst, src, chunk.count * esize_, cudaMemcpyDeviceToDevice,
-                                     stream_));
+      NVG_CUDA_CHECK(cudaMemcpyAsync(dst, src, chunk.count * esize_, cudaMemcpyDeviceToDevice, stream_));
     return Status::Ok();
   }
   P2pLaunch a = BaseLaunch(chunk.count, group_->tuning.twoshot_blocks);
@@ -331,8 +326,8 @@ Status DeviceScatterPrimitives::CrossStart(const RowChunk& chunk) {
   CrossExchange::ScatterJob job;
   job.part_counts = parts.data();
   job.element_size = esize_;
-  NVG_RETURN_IF_ERROR(
-      StageCrossJob(g, k, g->row_send[k], send_bytes, result, mine * esize_, dtype_, op_, divisor, &job));
+  NVG_RETURN_IF_ERROR(StageCrossJob(g, k, g->row_send[k], send_bytes, result, mine * esize_, dtype_, op_,
+                                    divisor, &job));
   return jobs_.StartReduceScatter(chunk.index, std::move(job));
 }
 

@@ -37,8 +37,7 @@ namespace nvgroup {
 // `one_gpu_group`: ranks on one GPU may form a group (see above).
 // `*device_out` receives the chosen ordinal, `*ranks_on_device` how many local
 // ranks (itself included, of any group) drive the same GPU.
-Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_group_size,
-                             bool one_gpu_group, Topology* topo, TopologyComms* comms,
-                             int* device_out, int* ranks_on_device);
+Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_group_size, bool one_gpu_group,
+                             Topology* topo, TopologyComms* comms, int* device_out, int* ranks_on_device);
 
 }  // namespace nvgroup

@@ -32,9 +32,8 @@ int LargestGroupDividing(int n) {
 
 }  // namespace
 
-Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_group_size,
-                             bool one_gpu_group, Topology* topo, TopologyComms* comms,
-                             int* device_out, int* ranks_on_device) {
+Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_group_size, bool one_gpu_group,
+                             Topology* topo, TopologyComms* comms, int* device_out, int* ranks_on_device) {
   NVG_RETURN_IF_ERROR_CTX(SplitNodes(comm, topo, comms), "splitting ranks into nodes");
 
   int device_count = 0;
@@ -53,8 +52,8 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
   mine.visible_devices = device_count;
   NVG_CUDA_CHECK(cudaDeviceGetPCIBusId(mine.bus_id, kBusIdChars, device));
   std::vector<LocalGpu> gpus(n);
-  NVG_MPI_CHECK(MPI_Allgather(&mine, sizeof(LocalGpu), MPI_BYTE, gpus.data(), sizeof(LocalGpu),
-                              MPI_BYTE, comms->local));
+  NVG_MPI_CHECK(MPI_Allgather(&mine, sizeof(LocalGpu), MPI_BYTE, gpus.data(), sizeof(LocalGpu), MPI_BYTE,
+                              comms->local));
   std::vector<int> row(n, 0), matrix(static_cast<size_t>(n) * n, 0);
   for (int j = 0; j < n; ++j) {
     if (j == topo->local_rank) {
@@ -65,8 +64,7 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
       NVG_CUDA_CHECK(cudaDeviceCanAccessPeer(&row[j], device, gpus[j].ordinal));
     }
   }
-  NVG_MPI_CHECK(
-      MPI_Allgather(row.data(), n, MPI_INT, matrix.data(), n, MPI_INT, comms->local));
+  NVG_MPI_CHECK(MPI_Allgather(row.data(), n, MPI_INT, matrix.data(), n, MPI_INT, comms->local));
   auto blocks_connected = [&](int g) {
     for (int i = 0; i < n; ++i)
       for (int j = 0; j < n; ++j)
@@ -78,10 +76,8 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
   int g = requested_group_size;
   int requested_bad = 0;
   if (g > 0) {
-    if (g > kMaxGroupSize)
-      requested_bad = 2;
-    else if (n % g == 0 && !blocks_connected(g))
-      requested_bad = 1;
+    if (g > kMaxGroupSize) requested_bad = 2;
+    else if (n % g == 0 && !blocks_connected(g)) requested_bad = 1;
   } else {
     g = LargestGroupDividing(n);
     if (!blocks_connected(g)) {
@@ -93,8 +89,7 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
           bus[i] = std::string(gpus[i].bus_id, strnlen(gpus[i].bus_id, kBusIdChars));
         }
         std::fprintf(stderr, "%s\n",
-                     NoPeerAccessWarning(topo->node_index, visible, bus,
-                                         std::getenv("CUDA_VISIBLE_DEVICES"))
+                     NoPeerAccessWarning(topo->node_index, visible, bus, std::getenv("CUDA_VISIBLE_DEVICES"))
                          .c_str());
       }
       g = 1;
@@ -117,8 +112,7 @@ Status ResolveDeviceTopology(MPI_Comm comm, int device_ordinal, int requested_gr
         "whose groups are NVLink-connected, or leave it unset to detect");
   if (requested_group_size <= 0) g = agreed[0];  // the smallest detected G holds everywhere
   NVG_RETURN_IF_ERROR(SplitGroups(comm, requested_group_size > 0 ? requested_group_size : g,
-                                  requested_group_size > 0 ? "NVGROUP_GROUP_SIZE"
-                                                           : "detected NV-group size",
+                                  requested_group_size > 0 ? "NVGROUP_GROUP_SIZE" : "detected NV-group size",
                                   topo, comms));
   // Local ranks that drive the same GPU (this rank included), whatever their
   // group: their kernels share the GPU's multiprocessors at the same time (the

@@ -22,8 +22,7 @@ StatusOr<std::unique_ptr<IpcRegion>> IpcRegion::Create(MPI_Comm group_comm, size
   NVG_MPI_CHECK(MPI_Comm_rank(group_comm, &r->group_rank_));
   if (r->group_size_ > kMaxGroupSize)
     return Status::InvalidArgument("NV-group of " + std::to_string(r->group_size_) +
-                                   " GPUs exceeds the kernels' maximum of " +
-                                   std::to_string(kMaxGroupSize));
+                                   " GPUs exceeds the kernels' maximum of " + std::to_string(kMaxGroupSize));
   r->data_bytes_ = RoundUp(data_bytes);
   r->staging_bytes_ = RoundUp(staging_bytes);
   const size_t total = FlagsBytes() + r->data_bytes_ + 2 * r->staging_bytes_;
@@ -38,8 +37,10 @@ StatusOr<std::unique_ptr<IpcRegion>> IpcRegion::Create(MPI_Comm group_comm, size
   int got = malloc_error == cudaSuccess ? 1 : 0, all_got = 0;
   NVG_MPI_CHECK(MPI_Allreduce(&got, &all_got, 1, MPI_INT, MPI_MIN, group_comm));
   if (malloc_error != cudaSuccess)
-    return Status::Unavailable("cudaMalloc of " + std::to_string(total >> 20) + " MiB of GPU memory for "
-                               "nvgroup_tf's registered buffers failed: " + cudaGetErrorString(malloc_error) +
+    return Status::Unavailable("cudaMalloc of " + std::to_string(total >> 20) +
+                               " MiB of GPU memory for "
+                               "nvgroup_tf's registered buffers failed: " +
+                               cudaGetErrorString(malloc_error) +
                                ". Initialize nvgroup_tf before TensorFlow reserves the GPU's memory, turn on "
                                "memory growth, or lower NVGROUP_FUSION_THRESHOLD (README 'GPU memory')");
   if (all_got == 0)
@@ -51,16 +52,15 @@ StatusOr<std::unique_ptr<IpcRegion>> IpcRegion::Create(MPI_Comm group_comm, size
   cudaIpcMemHandle_t mine;
   NVG_CUDA_CHECK(cudaIpcGetMemHandle(&mine, own));
   cudaIpcMemHandle_t all[kMaxGroupSize];
-  NVG_MPI_CHECK(MPI_Allgather(&mine, sizeof(mine), MPI_BYTE, all, sizeof(mine), MPI_BYTE,
-                              group_comm));
+  NVG_MPI_CHECK(MPI_Allgather(&mine, sizeof(mine), MPI_BYTE, all, sizeof(mine), MPI_BYTE, group_comm));
   for (int p = 0; p < r->group_size_; ++p) {
     if (p == r->group_rank_) continue;
     void* mapped = nullptr;
     cudaError_t err = cudaIpcOpenMemHandle(&mapped, all[p], cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      return Status::Internal(std::string("cudaIpcOpenMemHandle of group rank ") +
-                              std::to_string(p) + "'s buffer failed: " + cudaGetErrorString(err) +
+      return Status::Internal(std::string("cudaIpcOpenMemHandle of group rank ") + std::to_string(p) +
+                              "'s buffer failed: " + cudaGetErrorString(err) +
                               " (are both GPUs visible to this process and peer-capable?)");
     }
     r->base_[p] = static_cast<char*>(mapped);

@@ -5,8 +5,7 @@
 namespace nvgroup {
 
 std::string NoPeerAccessWarning(int node_index, const std::vector<int>& visible_devices,
-                                const std::vector<std::string>& bus_ids,
-                                const char* cuda_visible_devices) {
+                                const std::vector<std::string>& bus_ids, const char* cuda_visible_devices) {
   const int n = static_cast<int>(visible_devices.size());
   bool each_sees_one = n > 1;
   for (int v : visible_devices) each_sees_one = each_sees_one && v == 1;

@@ -17,7 +17,6 @@ namespace nvgroup {
 // When all local ranks share one GPU (one bus id), it says so. Otherwise it is
 // the generic "lack mutual peer access" warning.
 std::string NoPeerAccessWarning(int node_index, const std::vector<int>& visible_devices,
-                                const std::vector<std::string>& bus_ids,
-                                const char* cuda_visible_devices);
+                                const std::vector<std::string>& bus_ids, const char* cuda_visible_devices);
 
 }  // namespace nvgroup

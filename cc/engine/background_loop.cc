@@ -54,7 +54,8 @@ Engine::Engine(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::uniqu
   }
   if (rank_ == 0 && !knobs.timeline_path.empty()) {
     Status s = timeline_.Open(knobs.timeline_path, MonotonicSeconds());
-    if (!s.ok()) NVG_LOG(kWarning) << "NVGROUP_TIMELINE: " << s.message() << "; continuing without a timeline";
+    if (!s.ok())
+      NVG_LOG(kWarning) << "NVGROUP_TIMELINE: " << s.message() << "; continuing without a timeline";
   }
   thread_ = std::thread([this] { Loop(); });
 }
@@ -114,7 +115,8 @@ void Engine::Loop() {
     if (exit_status.ok()) exit_status = Execute(&work, c.cache_hits);
     const bool executed = !work.empty() || !groups_.ready().empty();
     loop.quick_cycles = executed ? kQuickCycles : loop.quick_cycles - 1;
-    if (executed) loop.expected.Activity(MonotonicSeconds());  // completions ran: the caller's next step comes
+    if (executed)
+      loop.expected.Activity(MonotonicSeconds());  // completions ran: the caller's next step comes
     execute.Stop();
     if (!exit_status.ok()) {
       exit_status = abort_.Cause(exit_status);
@@ -132,7 +134,8 @@ void Engine::WaitForSubmissions(LoopState* loop, Cycle* c) {
   // Note [An idle rank sleeps] and Note [Waiting for a lock-step caller] (wait_policy.h).
   c->nothing_in_flight = negotiation_.NothingInFlight() && groups_.empty();
   const double cycle_s = knobs_.cycle_time_ms / 1000.0;
-  const double wait_s = c->leftovers ? std::min(kLeftoverWaitS, cycle_s) : IdleCycleWaitSeconds(cycle_s, c->nothing_in_flight);
+  const double wait_s = c->leftovers ? std::min(kLeftoverWaitS, cycle_s)
+                                     : IdleCycleWaitSeconds(cycle_s, c->nothing_in_flight);
   EngineCounters::AddSeconds(counters_.idle_ns,
                              queue_.WaitAndPop(wait_s, loop->expected.PollSeconds(MonotonicSeconds()),
                                                std::min(kAdmissionGapS, cycle_s), cycle_s, &loop->fresh,
@@ -183,12 +186,14 @@ Status Engine::Agree(const LoopState& loop, Cycle* c) {
   MPI_Request req;
   int rc = MPI_Iallreduce(MPI_IN_PLACE, bits.data(), static_cast<int>(bits.size()), MPI_UINT64_T, MPI_BAND,
                           comm_, &req);
-  if (rc != MPI_SUCCESS) return Status::Internal("MPI_Iallreduce of the cache bits failed: " + MpiErrorString(rc));
+  if (rc != MPI_SUCCESS)
+    return Status::Internal("MPI_Iallreduce of the cache bits failed: " + MpiErrorString(rc));
   EngineCounters::Add(counters_.agreement_allreduces);
   // Note [An idle rank sleeps]: an idle rank's agreement waits for its
   // peers' cycle, asleep until a submission comes (Note [Waiting for a
   // lock-step caller]).
-  return WaitMpi(&req, "the agreement allreduce", knobs_.peer_timeout_s, abort_.flag(), static_cast<int64_t>(cycle_),
+  return WaitMpi(&req, "the agreement allreduce", knobs_.peer_timeout_s, abort_.flag(),
+                 static_cast<int64_t>(cycle_),
                  /*sleep_at_once=*/c->nothing_in_flight && loop.fresh.empty() && !c->shutdown_requested,
                  &loop.sleep_unless_pushed);
 }
@@ -201,7 +206,9 @@ Status Engine::ReadAgreement(Cycle* c) {
     // caches or plans differ, so cache hits would run different collectives.
     return Status::Internal(
         "the ranks' response caches or cached plans differ (a bug in nvgroup_tf, detected by the "
-        "state digest of cycle " + std::to_string(cycle_) + "); the engine has stopped rather than "
+        "state digest of cycle " +
+        std::to_string(cycle_) +
+        "); the engine has stopped rather than "
         "run mismatched collectives");
   }
   c->shut_down = !(bits[0] & kNoShutdown);
@@ -236,8 +243,8 @@ Status Engine::NegotiateRound(const Cycle& c, std::vector<Work>* work) {
 
 Status Engine::Execute(std::vector<Work>* work, size_t cache_hits) {
   if (work->empty() && groups_.ready().empty()) return Status::Ok();
-  NVG_LOG(kDebug) << "cycle " << cycle_ << ": executing " << work->size() << " responses ("
-                  << cache_hits << " from the response cache, " << work->size() - cache_hits
+  NVG_LOG(kDebug) << "cycle " << cycle_ << ": executing " << work->size() << " responses (" << cache_hits
+                  << " from the response cache, " << work->size() - cache_hits
                   << " negotiated through rank 0) and " << groups_.ready().size() << " cached groups";
   const double now = MonotonicSeconds();
   if (mark_cycles_ && timeline_.enabled()) timeline_.MarkCycle(now);
@@ -303,8 +310,8 @@ void Engine::ExitLoop(Status exit_status, bool shut_down) {
   for (Submission& s : queued)
     for (TensorEntry& e : s.entries) negotiation_.Admit(std::move(e), MonotonicSeconds());
   for (Pending* p : negotiation_.pending_order())
-    execution_.Complete(p, shut_down ? Status::Aborted("nvgroup_tf was shut down with '" + p->entry.request.name +
-                                                       "' in flight")
+    execution_.Complete(p, shut_down ? Status::Aborted("nvgroup_tf was shut down with '" +
+                                                       p->entry.request.name + "' in flight")
                                      : exit_status);
   negotiation_.ClearPending();
   timeline_.Close();

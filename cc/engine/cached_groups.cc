@@ -105,7 +105,8 @@ Status CachedGroups::RunPlans(std::vector<Work>* work, size_t cache_hits, std::v
     if (r.group_id == 0 || (*done)[i]) continue;
     if (std::find(groups.begin(), groups.end(), r.group_id) == groups.end()) groups.push_back(r.group_id);
   }
-  if (slot_to_work_.size() != static_cast<size_t>(cache.capacity())) slot_to_work_.assign(cache.capacity(), 0);
+  if (slot_to_work_.size() != static_cast<size_t>(cache.capacity()))
+    slot_to_work_.assign(cache.capacity(), 0);
   for (size_t i = 0; i < cache_hits; ++i)
     if ((*work)[i].slot >= 0) slot_to_work_[(*work)[i].slot] = i;
   for (uint64_t group : groups) {
@@ -138,7 +139,8 @@ Status CachedGroups::RunPlans(std::vector<Work>* work, size_t cache_hits, std::v
       plan_members_.clear();
       for (size_t k : b.responses) {
         if (run.group != nullptr) {
-          plan_members_.push_back({&cache.Get(plan.slots[k]), &run.group->submission.entries[plan.entry_of[k]]});
+          plan_members_.push_back({&cache.Get(plan.slots[k]),
+                                   &run.group->submission.entries[plan.entry_of[k]]});
         } else {
           const size_t i = slot_to_work_[plan.slots[k]];
           (*done)[i] = true;

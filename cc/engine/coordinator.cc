@@ -54,9 +54,8 @@ ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank) {
   resp.group_size = first.group_size;
 
   const std::string type = CollectiveTypeName(first.type);
-  std::string err = Mismatch(by_rank, "collective types", [](const RequestMessage& q) {
-    return std::string(CollectiveTypeName(q.type));
-  });
+  std::string err = Mismatch(by_rank, "collective types",
+                             [](const RequestMessage& q) { return std::string(CollectiveTypeName(q.type)); });
   if (err.empty())
     err = Mismatch(by_rank, type + " dtypes",
                    [](const RequestMessage& q) { return std::string(DataTypeName(q.dtype)); });
@@ -64,7 +63,8 @@ ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank) {
     err = Mismatch(by_rank, type + " device kinds", [](const RequestMessage& q) {
       return std::string(q.device_kind == DeviceKind::kCpu ? "CPU" : "CUDA");
     });
-  const bool reducing = first.type == CollectiveType::kAllreduce || first.type == CollectiveType::kReducescatter;
+  const bool reducing = first.type == CollectiveType::kAllreduce ||
+                        first.type == CollectiveType::kReducescatter;
   if (err.empty() && reducing) {
     err = Mismatch(by_rank, type + " ops",
                    [](const RequestMessage& q) { return std::string(ReduceOpName(q.op)); });
@@ -82,11 +82,11 @@ ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank) {
     if (first.type == CollectiveType::kAllgather || first.type == CollectiveType::kAlltoall) {
       err = Mismatch(by_rank, type + " tensor shapes (all but the first dimension must agree)",
                      [](const RequestMessage& q) {
-                       std::vector<int64_t> rest = q.shape;
-                       if (!rest.empty()) rest[0] = -1;
-                       std::string s = ShapeToString(rest);
-                       return rest.empty() ? s : "[?" + s.substr(s.find_first_of(",]"));
-                     });
+        std::vector<int64_t> rest = q.shape;
+        if (!rest.empty()) rest[0] = -1;
+        std::string s = ShapeToString(rest);
+        return rest.empty() ? s : "[?" + s.substr(s.find_first_of(",]"));
+      });
     } else {
       err = Mismatch(by_rank, type + " tensor shapes",
                      [](const RequestMessage& q) { return ShapeToString(q.shape); });
@@ -106,8 +106,8 @@ ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank) {
       if (q.splits.size() != by_rank.size()) {
         resp.error_code = StatusCode::kFailedPrecondition;
         resp.error_message = "Mismatched alltoall splits for '" + first.name + "': a rank sent " +
-                             std::to_string(q.splits.size()) + " splits for " + std::to_string(by_rank.size()) +
-                             " ranks";
+                             std::to_string(q.splits.size()) + " splits for " +
+                             std::to_string(by_rank.size()) + " ranks";
         resp.first_dims.clear();
         return resp;
       }
@@ -119,13 +119,14 @@ ResponseMessage BuildResponse(const std::vector<RequestMessage>& by_rank) {
 
 std::string RefusedDuplicateText(const std::string& name, const std::string& in_flight,
                                  const std::vector<int>& ranks) {
-  const std::string where =
-      ranks.size() == 1 ? "rank " + std::to_string(ranks[0]) : "ranks " + RanksText(ranks);
+  const std::string where = ranks.size() == 1 ? "rank " + std::to_string(ranks[0])
+                                              : "ranks " + RanksText(ranks);
   const std::string what = name == in_flight
                                ? "a collective named '" + name + "'"
                                : "'" + name + "', in a group with a collective named '" + in_flight + "',";
   return "duplicate name: " + what + " was submitted on " + where + " while another collective named '" +
-         in_flight + "' was in flight there; it fails on every rank. Names must be unique until the "
+         in_flight +
+         "' was in flight there; it fails on every rank. Names must be unique until the "
          "previous request completes";
 }
 
@@ -169,7 +170,8 @@ void Coordinator::Finish(std::unordered_map<std::string, Pending>::iterator it) 
   }
   bool groups_differ = false;
   for (int r = 0; r < size_; ++r)
-    if (p.reported[r] && (p.by_rank[r].group_id != any->group_id || p.by_rank[r].group_size != any->group_size))
+    if (p.reported[r] &&
+        (p.by_rank[r].group_id != any->group_id || p.by_rank[r].group_size != any->group_size))
       groups_differ = true;
   for (int r : absent) p.by_rank[r] = *any;
   ResponseMessage resp = BuildResponse(p.by_rank);
@@ -185,7 +187,8 @@ void Coordinator::Finish(std::unordered_map<std::string, Pending>::iterator it) 
     return;
   }
   if (resp.ok() && !absent.empty()) {
-    const bool reducing = resp.type == CollectiveType::kAllreduce || resp.type == CollectiveType::kReducescatter;
+    const bool reducing = resp.type == CollectiveType::kAllreduce ||
+                          resp.type == CollectiveType::kReducescatter;
     if (!reducing || resp.device_kind != DeviceKind::kCpu) {
       resp.error_code = StatusCode::kFailedPrecondition;
       resp.error_message = std::string(reducing ? "a CUDA " : "") + CollectiveTypeName(resp.type) + " of '" +
@@ -331,10 +334,8 @@ void Coordinator::Release(ResponseMessage response) {
   const uint32_t group_size = response.group_size;
   HeldGroup& g = groups_[id];
   ++g.completed;
-  if (response.ok())
-    g.held.push_back(std::move(response));
-  else
-    ready_.push_back(std::move(response));
+  if (response.ok()) g.held.push_back(std::move(response));
+  else ready_.push_back(std::move(response));
   if (g.completed < group_size) return;
   for (ResponseMessage& m : g.held) ready_.push_back(std::move(m));
   groups_.erase(id);

@@ -15,8 +15,8 @@ namespace nvgroup {
 struct EngineCounters {
   std::atomic<uint64_t> cycles{0}, negotiation_rounds{0}, cached_responses{0}, negotiated_responses{0},
       plan_launches{0}, buckets{0}, bucket_tensors{0}, ready_event_waits{0}, agreement_allreduces{0},
-      quick_cycles{0}, queue_entries{0}, admitted_entries{0}, cached_group_admissions{0}, cached_group_runs{0},
-      cached_group_demotions{0};
+      quick_cycles{0}, queue_entries{0}, admitted_entries{0}, cached_group_admissions{0},
+      cached_group_runs{0}, cached_group_demotions{0};
   // Time spent per phase, in nanoseconds.
   std::atomic<uint64_t> idle_ns{0}, agree_ns{0}, negotiate_ns{0}, execute_ns{0}, admit_ns{0}, lookup_ns{0},
       complete_ns{0};
@@ -37,7 +37,8 @@ struct EngineCounters {
 // t to the next phase's timer as its start.
 class PhaseTimer {
  public:
-  explicit PhaseTimer(std::atomic<uint64_t>* into, double start = MonotonicSeconds()) : into_(into), start_(start) {}
+  explicit PhaseTimer(std::atomic<uint64_t>* into, double start = MonotonicSeconds())
+      : into_(into), start_(start) {}
   ~PhaseTimer() {
     if (into_ != nullptr) Stop();
   }

@@ -18,11 +18,11 @@ Status Shutdown() { return Runtime::Get().Shutdown(); }
 Status FinalizeMpi() { return Runtime::Get().FinalizeMpi(); }
 bool IsInitialized() { return Runtime::Get().IsInitialized(); }
 
-#define NVG_TOPOLOGY_GETTER(Function, field)                                      \
-  StatusOr<int> Function() {                                                      \
-    StatusOr<std::shared_ptr<Engine>> engine = Runtime::Get().Current();          \
-    if (!engine.ok()) return engine.status();                                     \
-    return engine.value()->topology().field;                                      \
+#define NVG_TOPOLOGY_GETTER(Function, field)                             \
+  StatusOr<int> Function() {                                             \
+    StatusOr<std::shared_ptr<Engine>> engine = Runtime::Get().Current(); \
+    if (!engine.ok()) return engine.status();                            \
+    return engine.value()->topology().field;                             \
   }
 NVG_TOPOLOGY_GETTER(Rank, rank)
 NVG_TOPOLOGY_GETTER(Size, size)
@@ -102,6 +102,8 @@ Status Enqueue(CollectiveRequest request) {
   return Runtime::Get().Submit(std::move(one), false);
 }
 
-Status EnqueueGroup(std::vector<CollectiveRequest> requests) { return Runtime::Get().Submit(std::move(requests), true); }
+Status EnqueueGroup(std::vector<CollectiveRequest> requests) {
+  return Runtime::Get().Submit(std::move(requests), true);
+}
 
 }  // namespace nvgroup

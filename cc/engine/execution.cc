@@ -96,8 +96,8 @@ StatusOr<Communicator*> Execution::GetCommunicator(const Device& device) {
   if (device.kind == DeviceKind::kCpu) return cpu_comm_.get();
   if (cuda_comm_ == nullptr) {
     // Collective: every rank reaches this through the same response.
-    StatusOr<std::unique_ptr<Communicator>> c =
-        CreateCommunicator(MPI_Comm_c2f(comm_), device, knobs_);  // agreed across ranks at Init
+    StatusOr<std::unique_ptr<Communicator>> c = CreateCommunicator(MPI_Comm_c2f(comm_), device,
+                                                                   knobs_);  // agreed across ranks at Init
     if (!c.ok()) return c.status().WithContext("creating the communicator for " + device.ToString());
     cuda_comm_ = c.consume();
     abort_->WatchCuda(cuda_comm_.get());
@@ -113,14 +113,16 @@ StatusOr<Communicator*> Execution::GetCommunicator(const Device& device) {
 Status Execution::RunBucket(const FusionBucket& bucket, std::vector<Work>* work) {
   Work& first = (*work)[bucket.responses[0]];
   if (!first.response->ok()) {  // error responses are buckets of their own
-    if (first.pending) Complete(first.pending.get(), Status(first.response->error_code, first.response->error_message));
+    if (first.pending)
+      Complete(first.pending.get(), Status(first.response->error_code, first.response->error_message));
     return Status::Ok();
   }
   Status s;
   switch (first.response->type) {
     case CollectiveType::kAllreduce: {
       bucket_members_.clear();
-      for (size_t i : bucket.responses) bucket_members_.push_back({(*work)[i].response, &(*work)[i].pending->entry});
+      for (size_t i : bucket.responses)
+        bucket_members_.push_back({(*work)[i].response, &(*work)[i].pending->entry});
       return RunMembers(bucket, bucket_members_.data());
     }
     case CollectiveType::kAllgather: s = RunAllgather(&first); break;
@@ -190,7 +192,8 @@ Status Execution::RunAllreduceBucket(const FusionBucket& bucket, const BucketMem
     b.members.push_back({p->request.input, p->request.output, count, bucket.offsets[k]});
     b.done.push_back(p);
     void* e = p->request.ready_event;
-    if (e != nullptr && std::find(b.events.begin(), b.events.end(), e) == b.events.end()) b.events.push_back(e);
+    if (e != nullptr && std::find(b.events.begin(), b.events.end(), e) == b.events.end())
+      b.events.push_back(e);
   }
   // Orders the copy-in after the framework produced the inputs (GPU-side
   // waits, one per distinct event).
@@ -217,8 +220,8 @@ Status Execution::RunAllreduceBucket(const FusionBucket& bucket, const BucketMem
   // prescale rides on the copy in, the postscale (and an Average's division)
   // on the copy out, and it skips the registered buffer where no peer reads it.
   if (bucket.bytes > 0)
-    NVG_RETURN_IF_ERROR(comm->FusedAllreduce(b.members.data(), b.members.size(), bucket.bytes, first.dtype, op,
-                                             first.prescale_factor, postscale, nullptr, observer));
+    NVG_RETURN_IF_ERROR(comm->FusedAllreduce(b.members.data(), b.members.size(), bucket.bytes, first.dtype,
+                                             op, first.prescale_factor, postscale, nullptr, observer));
   NVG_RETURN_IF_ERROR(DelayBucket(comm));
   completion_.CompleteAfterStream(comm, b.done);
   return Status::Ok();
@@ -317,7 +320,8 @@ Status Execution::RunReducescatter(Work* w) {
   const size_t esize = DataTypeSize(r.dtype);
   const size_t row_elems = static_cast<size_t>(NumElements(Tail(r.shape)));
   std::vector<size_t> counts(size_);
-  for (int k = 0; k < size_; ++k) counts[k] = static_cast<size_t>(ReducescatterRows(r.shape[0], k, size_)) * row_elems;
+  for (int k = 0; k < size_; ++k)
+    counts[k] = static_cast<size_t>(ReducescatterRows(r.shape[0], k, size_)) * row_elems;
   const size_t total = static_cast<size_t>(NumElements(r.shape));
   std::vector<int64_t> out_shape = r.shape;
   out_shape[0] = ReducescatterRows(r.shape[0], rank_, size_);
@@ -349,7 +353,8 @@ Status Execution::RunReducescatter(Work* w) {
       in_scratch.resize(total * esize);
       scaled = in_scratch.data();
     } else {
-      return Status::Unimplemented("reducescatter of '" + q.name + "' with a prescale factor on CUDA needs the "
+      return Status::Unimplemented("reducescatter of '" + q.name +
+                                   "' with a prescale factor on CUDA needs the "
                                    "tensor to fit the registered buffer (" +
                                    std::to_string(comm->registered_capacity()) + " bytes)");
     }
@@ -380,7 +385,8 @@ Status Execution::RunAlltoall(Work* w) {
   const size_t n = static_cast<size_t>(size_);
   if (r.first_dims.size() != n * n)
     return Status::Internal("alltoall '" + q.name + "': the negotiated splits matrix has " +
-                            std::to_string(r.first_dims.size()) + " entries for " + std::to_string(n) + " ranks");
+                            std::to_string(r.first_dims.size()) + " entries for " + std::to_string(n) +
+                            " ranks");
   const size_t row_bytes = static_cast<size_t>(NumElements(Tail(q.shape))) * DataTypeSize(r.dtype);
   std::vector<int64_t> received(n);
   std::vector<size_t> send_bytes(n), recv_bytes(n);

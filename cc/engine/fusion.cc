@@ -23,16 +23,14 @@ size_t ResponseBytes(const ResponseMessage& response) {
   return static_cast<size_t>(NumElements(response.shape)) * DataTypeSize(response.dtype);
 }
 
-std::vector<FusionBucket> PlanFusion(const std::vector<ResponseMessage>& responses,
-                                     size_t threshold) {
+std::vector<FusionBucket> PlanFusion(const std::vector<ResponseMessage>& responses, size_t threshold) {
   std::vector<const ResponseMessage*> pointers;
   pointers.reserve(responses.size());
   for (const ResponseMessage& r : responses) pointers.push_back(&r);
   return PlanFusion(pointers, threshold);
 }
 
-std::vector<FusionBucket> PlanFusion(const std::vector<const ResponseMessage*>& list,
-                                     size_t threshold) {
+std::vector<FusionBucket> PlanFusion(const std::vector<const ResponseMessage*>& list, size_t threshold) {
   auto responses = [&list](size_t i) -> const ResponseMessage& { return *list[i]; };
   std::vector<FusionBucket> buckets;
   std::vector<bool> placed(list.size(), false);

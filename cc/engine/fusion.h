@@ -70,10 +70,8 @@ struct FusionBucket {
 // rank's part is not known here, so 0).
 size_t ResponseBytes(const ResponseMessage& response);
 
-std::vector<FusionBucket> PlanFusion(const std::vector<ResponseMessage>& responses,
-                                     size_t threshold);
+std::vector<FusionBucket> PlanFusion(const std::vector<ResponseMessage>& responses, size_t threshold);
 // The same over pointers (the engine's cycle: no copies of the responses).
-std::vector<FusionBucket> PlanFusion(const std::vector<const ResponseMessage*>& responses,
-                                     size_t threshold);
+std::vector<FusionBucket> PlanFusion(const std::vector<const ResponseMessage*>& responses, size_t threshold);
 
 }  // namespace nvgroup

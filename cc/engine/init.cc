@@ -55,7 +55,8 @@ Status NameSilentRanks(Status waited, MPI_Comm comm) {
   if (!silent.ok() || silent.value().empty()) return waited;
   std::string who;
   for (int r : silent.value()) who += (who.empty() ? "rank " : ", rank ") + std::to_string(r);
-  return Status::Unavailable(waited.message() + "; " + who + " did not answer a liveness probe (stopped, hung or dead)");
+  return Status::Unavailable(waited.message() + "; " + who +
+                             " did not answer a liveness probe (stopped, hung or dead)");
 }
 
 // Parses the knobs on every rank and makes Init fail on every rank if any
@@ -75,7 +76,8 @@ Status AgreeOnKnobs(MPI_Comm comm, int size, StatusOr<Knobs>* knobs, double time
   x->my_length = static_cast<int64_t>(x->mine.size());
   x->all_lengths.resize(size);
   MPI_Request req;
-  NVG_MPI_CHECK(MPI_Iallgather(&x->my_length, 1, MPI_INT64_T, x->all_lengths.data(), 1, MPI_INT64_T, comm, &req));
+  NVG_MPI_CHECK(MPI_Iallgather(&x->my_length, 1, MPI_INT64_T, x->all_lengths.data(), 1, MPI_INT64_T, comm,
+                               &req));
   Status waited = NameSilentRanks(WaitMpi(&req, "Init's environment check", timeout_s, never), comm);
   if (!waited.ok()) {
     (void)x.release();
@@ -102,8 +104,9 @@ Status AgreeOnKnobs(MPI_Comm comm, int size, StatusOr<Knobs>* knobs, double time
   for (int r = 0; r < size; ++r) {
     texts[r] = x->texts.substr(x->displs[r], x->lengths[r]);
     if (texts[r].empty() || texts[r][0] != 'K')
-      return Status::InvalidArgument("nvgroup_tf initialization failed on rank " + std::to_string(r) +
-                                     ": " + (texts[r].empty() ? std::string("(no reason given)") : texts[r].substr(1)));
+      return Status::InvalidArgument("nvgroup_tf initialization failed on rank " + std::to_string(r) + ": " +
+                                     (texts[r].empty() ? std::string("(no reason given)")
+                                                       : texts[r].substr(1)));
   }
   // Same knob list (same build) on every rank: compare line by line.
   const auto mine = AgreedKnobs(knobs->value());
@@ -115,8 +118,10 @@ Status AgreeOnKnobs(MPI_Comm comm, int size, StatusOr<Knobs>* knobs, double time
       const std::string line = texts[r].substr(pos, eol == std::string::npos ? std::string::npos : eol - pos);
       const std::string prefix = mine[i].first + "=";
       if (line.compare(0, prefix.size(), prefix) != 0)
-        return Status::InvalidArgument("rank " + std::to_string(r) + " runs a build of nvgroup_tf that agrees on "
-                                       "different knobs (expected " + mine[i].first + ", got '" + line + "')");
+        return Status::InvalidArgument("rank " + std::to_string(r) +
+                                       " runs a build of nvgroup_tf that agrees on "
+                                       "different knobs (expected " +
+                                       mine[i].first + ", got '" + line + "')");
       values[i][r] = line.substr(prefix.size());
       pos = eol == std::string::npos ? texts[r].size() : eol + 1;
     }
@@ -177,11 +182,15 @@ StatusOr<std::unique_ptr<Communicator>> CreateCudaAtInit(MPI_Comm comm, int size
     (void)x.release();
     return waited;
   }
-  if (!c.ok()) return c.status().WithContext("creating the CUDA communicator (registered GPU memory, see README 'GPU memory')");
+  if (!c.ok())
+    return c.status()
+        .WithContext("creating the CUDA communicator (registered GPU memory, see README 'GPU memory')");
   for (int r = 0; r < size; ++r)
     if (x->all[r] != 0)
-      return Status::Unavailable("rank " + std::to_string(r) + " could not create its CUDA communicator "
-                                 "(its error names the cause, most often GPU memory; see README 'GPU memory')");
+      return Status::Unavailable(
+          "rank " + std::to_string(r) +
+          " could not create its CUDA communicator "
+          "(its error names the cause, most often GPU memory; see README 'GPU memory')");
   return c;
 }
 
@@ -208,7 +217,8 @@ Status Runtime::Init(const EngineOptions& options) {
   int initialized = 0, finalized = 0;
   NVG_MPI_CHECK(MPI_Initialized(&initialized));
   NVG_MPI_CHECK(MPI_Finalized(&finalized));
-  if (finalized) return Status::FailedPrecondition("MPI was already finalized; nvgroup_tf cannot start again");
+  if (finalized)
+    return Status::FailedPrecondition("MPI was already finalized; nvgroup_tf cannot start again");
   if (!initialized) {
     watchdog.Enter("mpi_init", "MPI_Init_thread");
     int provided = 0;
@@ -260,9 +270,11 @@ Status Runtime::Init(const EngineOptions& options) {
   SetLogLevel(static_cast<LogLevel>(agreed_knobs.log_level));
 
   // Parsed and agreed above: the communicators do not read the environment.
-  watchdog.Enter("cpu_communicator",
-                 "the CPU communicator's setup: MPI_Comm_split into nodes and groups, the shared-memory group");
-  StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cpu(), agreed_knobs);
+  watchdog
+      .Enter("cpu_communicator",
+             "the CPU communicator's setup: MPI_Comm_split into nodes and groups, the shared-memory group");
+  StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(comm), Device::Cpu(),
+                                                                   agreed_knobs);
   if (!cpu.ok()) {
     MPI_Comm_free(&comm);
     return cpu.status().WithContext("nvgroup_tf.init: creating the CPU communicator");
@@ -289,7 +301,8 @@ Status Runtime::Init(const EngineOptions& options) {
   int local_sizes[2] = {cpu.value()->topology().local_size, -cpu.value()->topology().local_size};
   NVG_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, local_sizes, 2, MPI_INT, MPI_MAX, comm, &req));
   Status agreed_sizes = NameSilentRanks(WaitMpi(&req, "Init's local-size allreduce", timeout_s, never), comm);
-  if (!agreed_sizes.ok()) return agreed_sizes.WithContext("nvgroup_tf.init");  // comm may still be in use: kept
+  if (!agreed_sizes.ok())
+    return agreed_sizes.WithContext("nvgroup_tf.init");  // comm may still be in use: kept
   homogeneous_ = local_sizes[0] == -local_sizes[1];
   // The process-set registration communicator: duplicated now, while every
   // rank is inside Init (the allreduce above proved every rank got here; a
@@ -303,8 +316,8 @@ Status Runtime::Init(const EngineOptions& options) {
   sets_.Reset(control);
   watchdog.Enter("engine", "set 0's engine: the dead-rank detection's rendezvous");
   engine_ = std::make_shared<Engine>(knobs_, comm, rank, size, cpu.consume(), true, std::move(cuda));
-  NVG_LOG(kInfo) << "initialized: " << size << " ranks, fusion threshold "
-                 << knobs_.fusion_threshold << " B, cache " << knobs_.cache_capacity;
+  NVG_LOG(kInfo) << "initialized: " << size << " ranks, fusion threshold " << knobs_.fusion_threshold
+                 << " B, cache " << knobs_.cache_capacity;
   return Status::Ok();
 }
 

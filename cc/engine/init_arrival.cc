@@ -105,14 +105,16 @@ Status RankZero(MPI_Comm comm, int size, double timeout_s, std::string* ranks_te
   }
   *ranks_text = missing_text + " did not reach init()";
   return Status::Unavailable(missing_text + " of " + std::to_string(size) + " did not reach init() within " +
-                             SecondsText(timeout_s) + " s (NVGROUP_INIT_TIMEOUT): died, stopped, or not started yet");
+                             SecondsText(timeout_s) +
+                             " s (NVGROUP_INIT_TIMEOUT): died, stopped, or not started yet");
 }
 
 Status OtherRank(MPI_Comm comm, double timeout_s, std::string* ranks_text) {
   auto x = std::make_unique<ArrivalExchange>();
   x->requests.assign(2, MPI_REQUEST_NULL);
   NVG_MPI_CHECK(MPI_Isend(&x->token, 1, MPI_INT, 0, kArrivalTag, comm, &x->requests[0]));
-  NVG_MPI_CHECK(MPI_Irecv(x->verdict.data(), kVerdictInts, MPI_INT, 0, kArrivalVerdictTag, comm, &x->requests[1]));
+  NVG_MPI_CHECK(MPI_Irecv(x->verdict.data(), kVerdictInts, MPI_INT, 0, kArrivalVerdictTag, comm,
+                          &x->requests[1]));
   std::vector<bool> done(2, false);
   StatusOr<bool> all = PollAll(&x->requests, &done, MonotonicSeconds() + timeout_s + kArrivalGraceS);
   if (!all.ok()) {
@@ -126,11 +128,11 @@ Status OtherRank(MPI_Comm comm, double timeout_s, std::string* ranks_text) {
     }
     (void)x.release();  // the send to rank 0 may stay pending
     *ranks_text = "rank 0 did not answer the arrival check";
-    return Status::Unavailable("rank 0 did not answer the arrival check within " +
-                               SecondsText(timeout_s + kArrivalGraceS) +
-                               " s (NVGROUP_INIT_TIMEOUT plus " + SecondsText(kArrivalGraceS) +
-                               " s): rank 0 did not reach init() (died, stopped, or not started yet), or it "
-                               "reached it later than this rank and another rank did not (rank 0's error names it)");
+    return Status::Unavailable(
+        "rank 0 did not answer the arrival check within " + SecondsText(timeout_s + kArrivalGraceS) +
+        " s (NVGROUP_INIT_TIMEOUT plus " + SecondsText(kArrivalGraceS) +
+        " s): rank 0 did not reach init() (died, stopped, or not started yet), or it "
+        "reached it later than this rank and another rank did not (rank 0's error names it)");
   }
   if (x->verdict[0] == 0) {
     *ranks_text = "every rank reached init()";

@@ -43,9 +43,9 @@ std::string g_fault_phase, g_fault_kind;
 }  // namespace
 
 bool IsInitPhase(const std::string& phase) {
-  static const char* const kPhases[] = {"mpi_init",          "arrival",     "dup",         "knobs",
-                                        "cpu_communicator",  "device_check", "cuda_communicator",
-                                        "local_sizes",       "control_dup", "engine",      "process_set"};
+  static const char* const kPhases[] = {
+      "mpi_init",          "arrival",     "dup",         "knobs",  "cpu_communicator", "device_check",
+      "cuda_communicator", "local_sizes", "control_dup", "engine", "process_set"};
   for (const char* p : kPhases)
     if (phase == p) return true;
   return false;
@@ -66,8 +66,8 @@ InitWatchdog::InitWatchdog(const char* what, double bound_s) : what_(what), boun
     sa.sa_handler = OnTerm;
     sigemptyset(&sa.sa_mask);
     if (sigaction(SIGTERM, &sa, &g_previous_term) != 0)
-      NVG_LOG(kWarning) << what_ << ": could not install the SIGTERM handler of init (" << std::strerror(errno)
-                        << "); a rank ended by mpirun during init() does not say so";
+      NVG_LOG(kWarning) << what_ << ": could not install the SIGTERM handler of init ("
+                        << std::strerror(errno) << "); a rank ended by mpirun during init() does not say so";
   }
   thread_ = std::thread([this] { Watch(); });
 }
@@ -81,7 +81,8 @@ InitWatchdog::~InitWatchdog() {
   thread_.join();
   if (g_armed.fetch_sub(1) == 1) {
     if (sigaction(SIGTERM, &g_previous_term, nullptr) != 0)
-      NVG_LOG(kWarning) << what_ << ": could not restore the SIGTERM handler (" << std::strerror(errno) << ")";
+      NVG_LOG(kWarning) << what_ << ": could not restore the SIGTERM handler (" << std::strerror(errno)
+                        << ")";
     g_term_current.store(-1, std::memory_order_release);
   }
 }
@@ -118,10 +119,11 @@ void InitWatchdog::SetTermMessage() {
   const int next = g_term_current.load(std::memory_order_relaxed) == 0 ? 1 : 0;
   char rank[16] = "?";
   if (LogRank() >= 0) std::snprintf(rank, sizeof(rank), "%d", LogRank());
-  std::snprintf(g_term_message[next], kTermMessageBytes,
-                "[nvgroup rank %s] ERROR: %s ended by SIGTERM in phase %s (%s): mpirun ends every rank this way "
-                "when a rank dies during init(); mpirun's message names it%s%s\n",
-                rank, what_, phase_, description_, ranks_.empty() ? "" : "; ", ranks_.c_str());
+  std::snprintf(
+      g_term_message[next], kTermMessageBytes,
+      "[nvgroup rank %s] ERROR: %s ended by SIGTERM in phase %s (%s): mpirun ends every rank this way "
+      "when a rank dies during init(); mpirun's message names it%s%s\n",
+      rank, what_, phase_, description_, ranks_.empty() ? "" : "; ", ranks_.c_str());
   g_term_current.store(next, std::memory_order_release);
 }
 
@@ -133,7 +135,8 @@ void InitWatchdog::Watch() {
       changed_.wait_for(lock, std::chrono::duration<double>(std::min(left, 1.0)));
       continue;
     }
-    NVG_LOG(kError) << what_ << " was stuck for " << bound_s_ << " s in phase " << phase_ << " (" << description_
+    NVG_LOG(kError) << what_ << " was stuck for " << bound_s_ << " s in phase " << phase_ << " ("
+                    << description_
                     << "; bound: the larger of NVGROUP_INIT_TIMEOUT and NVGROUP_TIMEOUT, plus "
                     << kInitWatchdogGraceS << " s): a rank stopped, hung or died inside a blocking MPI call, "
                     << "which has no timeout" << (ranks_.empty() ? "" : "; ") << ranks_

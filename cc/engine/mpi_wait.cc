@@ -14,8 +14,8 @@ double MonotonicSeconds() {
 }
 
 // See Note [Busy-poll, then sleep] in mpi_wait.h; the schedule is wait_policy.h's.
-Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
-               const std::atomic<bool>& abort, int64_t cycle, bool sleep_at_once,
+Status WaitMpi(MPI_Request* request, const char* what, double timeout_s, const std::atomic<bool>& abort,
+               int64_t cycle, bool sleep_at_once,
                const std::function<bool(double seconds)>* sleep_unless_woken) {
   int done = 0;
   NVG_MPI_CHECK(MPI_Test(request, &done, MPI_STATUS_IGNORE));
@@ -33,11 +33,10 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
       return Status::Aborted("nvgroup_tf was aborted while waiting in " + where());
     const double now = MonotonicSeconds();
     if (now > deadline)
-      return Status::Unavailable(
-          "no answer from the other ranks for " + std::to_string(static_cast<int>(timeout_s)) +
-          " s in " + where() +
-          " (NVGROUP_TIMEOUT): a rank is hung, has exited, or stopped calling "
-          "nvgroup_tf; the engine has stopped");
+      return Status::Unavailable("no answer from the other ranks for " +
+                                 std::to_string(static_cast<int>(timeout_s)) + " s in " + where() +
+                                 " (NVGROUP_TIMEOUT): a rank is hung, has exited, or stopped calling "
+                                 "nvgroup_tf; the engine has stopped");
     if (!idle && now - start < kBusyPollS) continue;
     if (!idle && !contended && now - start < kInFlightYieldPollS) {
       contended = !YieldUncontended();  // a busy core: sleep from here on

@@ -40,8 +40,8 @@ double MonotonicSeconds();
 // Its sleeps go through `sleep_unless_woken` when given (it returns true when
 // a submission ended the sleep early: the wait then polls as a wait with work
 // does), else std::this_thread::sleep_for.
-Status WaitMpi(MPI_Request* request, const char* what, double timeout_s,
-               const std::atomic<bool>& abort, int64_t cycle = -1, bool sleep_at_once = false,
+Status WaitMpi(MPI_Request* request, const char* what, double timeout_s, const std::atomic<bool>& abort,
+               int64_t cycle = -1, bool sleep_at_once = false,
                const std::function<bool(double seconds)>* sleep_unless_woken = nullptr);
 
 // Note [Liveness probe]

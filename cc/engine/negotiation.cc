@@ -19,8 +19,8 @@ bool StandInPossible(const ResponseMessage& r) {
 
 }  // namespace
 
-Negotiation::Negotiation(const Knobs& knobs, MPI_Comm comm, int rank, int size, const std::atomic<bool>& abort,
-                         EngineCounters* counters, Timeline* timeline)
+Negotiation::Negotiation(const Knobs& knobs, MPI_Comm comm, int rank, int size,
+                         const std::atomic<bool>& abort, EngineCounters* counters, Timeline* timeline)
     : comm_(comm),
       rank_(rank),
       size_(size),
@@ -35,8 +35,10 @@ Negotiation::Negotiation(const Knobs& knobs, MPI_Comm comm, int rank, int size, 
       coordinator_(size, &stall_) {
   // See Note [Reporting stuck cache hits].
   report_cached_after_s_ = 1.0;
-  if (knobs.stall_warning_s > 0) report_cached_after_s_ = std::min(report_cached_after_s_, knobs.stall_warning_s / 2);
-  if (knobs.stall_shutdown_s > 0) report_cached_after_s_ = std::min(report_cached_after_s_, knobs.stall_shutdown_s / 2);
+  if (knobs.stall_warning_s > 0)
+    report_cached_after_s_ = std::min(report_cached_after_s_, knobs.stall_warning_s / 2);
+  if (knobs.stall_shutdown_s > 0)
+    report_cached_after_s_ = std::min(report_cached_after_s_, knobs.stall_shutdown_s / 2);
 }
 
 void TimelineAdmitted(Timeline* timeline, const TensorEntry& entry, double now) {
@@ -105,7 +107,8 @@ void Negotiation::AddPending(TensorEntry entry, double since) {
 }
 
 void Negotiation::DropTaken() {
-  order_.erase(std::remove_if(order_.begin(), order_.end(), [](const Pending* p) { return p->taken; }), order_.end());
+  order_.erase(std::remove_if(order_.begin(), order_.end(), [](const Pending* p) { return p->taken; }),
+               order_.end());
 }
 
 bool Negotiation::FillCacheBits(double now, std::vector<uint64_t>* bits) {
@@ -241,7 +244,8 @@ Status Negotiation::Negotiate(double now, uint64_t cycle, std::vector<Work>* wor
       Status s = DecodeRequestList(b.gathered.data() + b.displs[r], b.lengths[r], &requests);
       if (!s.ok()) {
         list.fatal_code = s.code();
-        list.fatal_message = "rank 0 could not read rank " + std::to_string(r) + "'s requests: " + s.message();
+        list.fatal_message = "rank 0 could not read rank " + std::to_string(r) +
+                             "'s requests: " + s.message();
         break;
       }
       for (RequestMessage& q : requests) coordinator_.AddRequest(r, std::move(q), now);
@@ -255,7 +259,8 @@ Status Negotiation::Negotiate(double now, uint64_t cycle, std::vector<Work>* wor
   NVG_MPI_CHECK(MPI_Ibcast(&b.response_length, 1, MPI_UINT64_T, 0, comm_, &req));
   NVG_RETURN_IF_ERROR(Wait(&req, "the response-length broadcast of the negotiation round", cycle));
   if (rank_ != 0) b.response_bytes.resize(b.response_length);
-  NVG_MPI_CHECK(MPI_Ibcast(b.response_bytes.data(), static_cast<int>(b.response_length), MPI_BYTE, 0, comm_, &req));
+  NVG_MPI_CHECK(MPI_Ibcast(b.response_bytes.data(), static_cast<int>(b.response_length), MPI_BYTE, 0, comm_,
+                           &req));
   NVG_RETURN_IF_ERROR(Wait(&req, "the response broadcast of the negotiation round", cycle));
   if (rank_ != 0)
     NVG_RETURN_IF_ERROR(DecodeResponseList(b.response_bytes.data(), b.response_bytes.size(), &list));
@@ -264,7 +269,8 @@ Status Negotiation::Negotiate(double now, uint64_t cycle, std::vector<Work>* wor
   for (ResponseMessage& r : list.responses) {
     if (!refusals_.empty() && TakeRefusalAnswer(r)) {  // Note [Refused duplicates]
       if (r.ok())
-        return Status::Internal("rank 0 released '" + r.name + "', whose collective this rank refused as a "
+        return Status::Internal("rank 0 released '" + r.name +
+                                "', whose collective this rank refused as a "
                                 "duplicate, as a success");
       continue;
     }

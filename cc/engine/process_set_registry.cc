@@ -69,15 +69,16 @@ Status ProcessSetRegistry::AgreeOnRanks(const std::vector<int>& mine, const char
   for (int r = 1; r < size; ++r) {
     if (list_of(r) != list_of(0)) {
       std::string msg = std::string(what) + " must be called by every rank with the same ranks: ";
-      for (int q = 0; q < size; ++q) msg += (q ? ", " : "") + ("rank " + std::to_string(q) + " passed " + RanksText(list_of(q)));
+      for (int q = 0; q < size; ++q)
+        msg += (q ? ", " : "") + ("rank " + std::to_string(q) + " passed " + RanksText(list_of(q)));
       return Status::InvalidArgument(msg);
     }
   }
   return Status::Ok();
 }
 
-StatusOr<int32_t> ProcessSetRegistry::Add(const std::vector<int>& ranks, int rank, int size, const Knobs& knobs,
-                                          double timeout_s) {
+StatusOr<int32_t> ProcessSetRegistry::Add(const std::vector<int>& ranks, int rank, int size,
+                                          const Knobs& knobs, double timeout_s) {
   NVG_RETURN_IF_ERROR(AgreeOnRanks(ranks, "add_process_set", timeout_s, size));
   // Same lists everywhere, so every rank reaches the same verdict below.
   if (ranks.empty()) return Status::InvalidArgument("add_process_set: a process set needs at least one rank");
@@ -109,10 +110,12 @@ StatusOr<int32_t> ProcessSetRegistry::Add(const std::vector<int>& ranks, int ran
   if (entry.my_rank >= 0) {
     // NV-groups form inside the set (NVGROUP_GROUP_SIZE, when set, must divide
     // the set's ranks per node, else this fails naming it).
-    StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(sub), Device::Cpu(), knobs);  // agreed at Init
+    StatusOr<std::unique_ptr<Communicator>> cpu = CreateCommunicator(MPI_Comm_c2f(sub), Device::Cpu(),
+                                                                     knobs);  // agreed at Init
     if (!cpu.ok()) {
       MPI_Comm_free(&sub);
-      return cpu.status().WithContext("add_process_set " + RanksText(ranks) + ": creating the CPU communicator");
+      return cpu.status().WithContext("add_process_set " + RanksText(ranks) +
+                                      ": creating the CPU communicator");
     }
     Knobs set_knobs = knobs;
     set_knobs.timeline_path.clear();  // rank 0 of set 0 writes the timeline
@@ -149,14 +152,16 @@ Status ProcessSetRegistry::Remove(int32_t id, int size, double timeout_s) {
 }
 
 StatusOr<std::shared_ptr<Engine>> ProcessSetRegistry::EngineFor(int32_t id, int rank,
-                                                                std::vector<CollectiveRequest>* requests) const {
+                                                                std::vector<CollectiveRequest>* requests)
+    const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sets_.find(id);
   if (it == sets_.end()) return Status::InvalidArgument(NoSuchSet(id) + " (add_process_set)");
   const Set& set = it->second;
   if (set.engine == nullptr)
-    return Status::InvalidArgument("rank " + std::to_string(rank) + " is not a member of " + SetText(id, set.ranks) +
-                                   "; '" + (*requests)[0].name + "' can only run on its members");
+    return Status::InvalidArgument("rank " + std::to_string(rank) + " is not a member of " +
+                                   SetText(id, set.ranks) + "; '" + (*requests)[0].name +
+                                   "' can only run on its members");
   for (CollectiveRequest& q : *requests) {
     if (q.type != CollectiveType::kBroadcast) continue;
     auto pos = std::find(set.ranks.begin(), set.ranks.end(), q.root_rank);

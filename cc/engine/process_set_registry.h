@@ -40,13 +40,15 @@ class ProcessSetRegistry {
   // is `rank` of `size`) calls it with the same `ranks`. The new set's
   // engine runs with `knobs` (Init's agreed knobs); `timeout_s` bounds the
   // agreement.
-  StatusOr<int32_t> Add(const std::vector<int>& ranks, int rank, int size, const Knobs& knobs, double timeout_s);
+  StatusOr<int32_t> Add(const std::vector<int>& ranks, int rank, int size, const Knobs& knobs,
+                        double timeout_s);
   // Collective like Add; stops the set's engine on its members.
   Status Remove(int32_t id, int size, double timeout_s);
   // Set `id`'s engine for `requests` (their broadcast roots, ranks of set 0,
   // become ranks of the set). `rank`: this rank in set 0, for the error of a
   // non-member.
-  StatusOr<std::shared_ptr<Engine>> EngineFor(int32_t id, int rank, std::vector<CollectiveRequest>* requests) const;
+  StatusOr<std::shared_ptr<Engine>> EngineFor(int32_t id, int rank,
+                                              std::vector<CollectiveRequest>* requests) const;
   StatusOr<std::vector<int>> Ranks(int32_t id) const;
   std::vector<int32_t> Ids() const;
   // The engines this rank runs (the sets it is a member of).

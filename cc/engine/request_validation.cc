@@ -34,13 +34,15 @@ Status ValidateRequest(const CollectiveRequest& q, int size) {
   if (static_cast<int>(q.dtype) >= kNumDataTypes)
     return Status::InvalidArgument(who + ": unknown dtype " + std::to_string(static_cast<int>(q.dtype)));
   if (static_cast<int>(q.type) >= kNumCollectiveTypes)
-    return Status::InvalidArgument(who + ": unknown collective type " + std::to_string(static_cast<int>(q.type)));
+    return Status::InvalidArgument(who + ": unknown collective type " +
+                                   std::to_string(static_cast<int>(q.type)));
   if (!q.done) return Status::InvalidArgument(who + ": no done callback");
   // Element and byte counts must fit in int64 (they travel as such and size
   // every buffer computation).
   int64_t bytes = static_cast<int64_t>(DataTypeSize(q.dtype));
   for (int64_t d : q.shape) {
-    if (d < 0) return Status::InvalidArgument(who + ": negative dimension in shape " + ShapeToString(q.shape));
+    if (d < 0)
+      return Status::InvalidArgument(who + ": negative dimension in shape " + ShapeToString(q.shape));
     if (__builtin_mul_overflow(bytes, d, &bytes))
       return Status::InvalidArgument(who + ": shape " + ShapeToString(q.shape) + " is too large");
   }
@@ -94,8 +96,9 @@ Status ValidateRequest(const CollectiveRequest& q, int size) {
       if (q.splits.empty()) {
         if (q.shape[0] % size != 0)
           return Status::InvalidArgument(who + ": alltoall without splits needs the first dimension (" +
-                                         std::to_string(q.shape[0]) + ") to be divisible by the number of ranks (" +
-                                         std::to_string(size) + ")");
+                                         std::to_string(q.shape[0]) +
+                                         ") to be divisible by the number of ranks (" + std::to_string(size) +
+                                         ")");
         break;
       }
       if (static_cast<int>(q.splits.size()) != size)
@@ -103,7 +106,9 @@ Status ValidateRequest(const CollectiveRequest& q, int size) {
                                        " entries; it needs one per rank (" + std::to_string(size) + ")");
       int64_t total = 0;
       for (int64_t v : q.splits) {
-        if (v < 0) return Status::InvalidArgument(who + ": alltoall splits must be >= 0, got " + ShapeToString(q.splits));
+        if (v < 0)
+          return Status::InvalidArgument(who + ": alltoall splits must be >= 0, got " +
+                                         ShapeToString(q.splits));
         total += v;
       }
       if (total != q.shape[0])

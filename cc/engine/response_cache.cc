@@ -4,8 +4,7 @@
 
 namespace nvgroup {
 
-bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage& response,
-                            int rank) {
+bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage& response, int rank) {
   return RequestMatchesResponse(request, request.name, request.shape, response, rank);
 }
 
@@ -14,15 +13,15 @@ bool RequestMatchesResponse(const RequestMessage& request, const std::string& na
   if (!response.ok() || name != response.name || request.type != response.type ||
       request.dtype != response.dtype || request.device_kind != response.device_kind ||
       request.op != response.op || request.prescale_factor != response.prescale_factor ||
-      request.postscale_factor != response.postscale_factor ||
-      request.root_rank != response.root_rank || request.group_id != response.group_id ||
-      request.group_size != response.group_size)
+      request.postscale_factor != response.postscale_factor || request.root_rank != response.root_rank ||
+      request.group_id != response.group_id || request.group_size != response.group_size)
     return false;
   if (request.type == CollectiveType::kJoin) return false;  // never cached
   if (request.type == CollectiveType::kAlltoall) {
     // Same trailing dimensions and this rank's row of the splits matrix.
     const size_t n = request.splits.size();
-    if (rank < 0 || n == 0 || response.first_dims.size() != n * n || static_cast<size_t>(rank) >= n) return false;
+    if (rank < 0 || n == 0 || response.first_dims.size() != n * n || static_cast<size_t>(rank) >= n)
+      return false;
     if (!std::equal(request.splits.begin(), request.splits.end(), response.first_dims.begin() + rank * n))
       return false;
     if (shape.size() != response.shape.size() || shape.empty()) return false;

@@ -34,8 +34,7 @@ namespace nvgroup {
 // for: same collective, dtype, device kind, op, scale factors, root and group,
 // and the same shape (allgather: same trailing dimensions and this rank's
 // first dimension as recorded for `rank`).
-bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage& response,
-                            int rank);
+bool RequestMatchesResponse(const RequestMessage& request, const ResponseMessage& response, int rank);
 // The same, with the request's name and shape given apart (a TensorEntry
 // keeps them only in its CollectiveRequest); request.name/shape are ignored.
 bool RequestMatchesResponse(const RequestMessage& request, const std::string& name,

@@ -142,8 +142,9 @@ Status Runtime::Shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (engine_ != nullptr && engine_->OnEngineThread())
-      return Status::FailedPrecondition("nvgroup_tf.shutdown() was called from a collective's done "
-                                        "callback; call it from another thread");
+      return Status::FailedPrecondition(
+          "nvgroup_tf.shutdown() was called from a collective's done "
+          "callback; call it from another thread");
     engine.swap(engine_);
     sets = sets_.TakeAll();
     if (engine != nullptr) stopping_.push_back(engine);
@@ -286,7 +287,8 @@ StatusOr<int32_t> Runtime::AddProcessSet(const std::vector<int>& ranks) {
   // The split and the set's communicator setup block in MPI once the ranks
   // agreed: bounded as Init's phases are (Note [Init watchdog]).
   InitWatchdog watchdog("add_process_set", timeout_s + kInitWatchdogGraceS);
-  watchdog.Enter("process_set", "add_process_set: the rank-list agreement, MPI_Comm_split, the set's CPU communicator");
+  watchdog.Enter("process_set",
+                 "add_process_set: the rank-list agreement, MPI_Comm_split, the set's CPU communicator");
   return sets_.Add(ranks, global->topology().rank, global->size(), knobs_, timeout_s);
 }
 
@@ -294,7 +296,8 @@ Status Runtime::RemoveProcessSet(int32_t process_set_id) {
   std::lock_guard<std::mutex> registration(registration_mu_);
   std::shared_ptr<Engine> global = Global();
   if (global == nullptr) return NotInitialized();
-  if (process_set_id == 0) return Status::InvalidArgument("remove_process_set: the global process set (0) cannot be removed");
+  if (process_set_id == 0)
+    return Status::InvalidArgument("remove_process_set: the global process set (0) cannot be removed");
   const double timeout_s = InitWaitSeconds(knobs_);
   return sets_.Remove(process_set_id, global->size(), timeout_s);
 }

@@ -28,7 +28,9 @@ namespace nvgroup {
 // importing TensorFlow, which takes tens of seconds on a loaded host, so the
 // peer timeout, meant for a running job, would be too eager here) and
 // NVGROUP_TIMEOUT. The init watchdog (init_watchdog.h) adds its grace to it.
-inline double InitWaitSeconds(const Knobs& knobs) { return std::max(knobs.init_timeout_s, knobs.peer_timeout_s); }
+inline double InitWaitSeconds(const Knobs& knobs) {
+  return std::max(knobs.init_timeout_s, knobs.peer_timeout_s);
+}
 
 class Runtime {
  public:

@@ -32,8 +32,8 @@ void StallInspector::Remove(const std::string& name) { entries_.erase(name); }
 std::string StallInspector::Describe(const std::string& name, const Entry& e, double now) const {
   std::vector<int> ready, missing;
   for (int r = 0; r < size_; ++r) (e.reported[r] ? ready : missing).push_back(r);
-  return "Stalled ranks: tensor '" + name + "' is ready on ranks " + RankList(ready) +
-         " but missing on " + RankList(missing) + " for " +
+  return "Stalled ranks: tensor '" + name + "' is ready on ranks " + RankList(ready) + " but missing on " +
+         RankList(missing) + " for " +
          std::to_string(static_cast<long long>(std::floor(now - e.first_report))) + " s";
 }
 

@@ -80,7 +80,9 @@ double TensorQueue::WaitAndPop(double timeout_s, double poll_s, double gap_s, do
   const Clock::time_point start = Clock::now();
   if (poll_s > 0) {  // Note [Waiting for a lock-step caller]: poll, then sleep below
     const Clock::time_point until =
-        start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(poll_s, timeout_s)));
+        start +
+        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(poll_s,
+                                                                                           timeout_s)));
     // Acquire: pairs with Push's release store; the lock below orders the
     // read of queued_ in any case.
     while (!wake_.load(std::memory_order_acquire) && Clock::now() < until)
@@ -109,7 +111,8 @@ double TensorQueue::WaitAndPop(double timeout_s, double poll_s, double gap_s, do
     // gap_s, or max_batch_s after the first entry was seen here.
     const Clock::time_point first = Clock::now();
     const auto gap = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap_s));
-    const auto cap = first + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(max_batch_s));
+    const auto cap = first +
+                     std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(max_batch_s));
     batching_ = true;
     bool gap_polling = true;
     for (;;) {

@@ -168,8 +168,8 @@ class TensorQueue {
   // WaitAndPop's polling phase (set under mu_ with the change it announces;
   // the poller takes mu_ before reading what was queued).
   std::atomic<bool> wake_{false};
-  bool last_was_group_ = false;     // the latest push was a grouped collective of several
-  bool batching_ = false;           // WaitAndPop is in admission batching (a group push wakes it)
+  bool last_was_group_ = false;  // the latest push was a grouped collective of several
+  bool batching_ = false;  // WaitAndPop is in admission batching (a group push wakes it)
   Status closed_;  // non-OK once closed
   std::atomic<uint64_t> groups_not_batched_{0};
   // Note [Lone requests skip the gap]: the latest take (how many

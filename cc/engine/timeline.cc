@@ -71,8 +71,9 @@ void Timeline::Event(const std::string& tensor, const char* phase, char kind, do
 void Timeline::MarkCycle(double at_s) {
   if (file_ == nullptr) return;
   const long long ts = static_cast<long long>((at_s - start_s_) * 1e6);
-  Write(std::string(first_event_ ? "" : ",\n") + "{\"name\": \"CYCLE_START\", \"ph\": \"i\", \"s\": \"g\", \"ts\": " +
-        std::to_string(ts) + ", \"pid\": 0, \"tid\": 0}");
+  Write(std::string(first_event_ ? "" : ",\n") +
+        "{\"name\": \"CYCLE_START\", \"ph\": \"i\", \"s\": \"g\", \"ts\": " + std::to_string(ts) +
+        ", \"pid\": 0, \"tid\": 0}");
   first_event_ = false;
 }
 

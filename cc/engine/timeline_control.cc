@@ -11,7 +11,8 @@ Status TimelineControl::Request(bool start, const std::string& path, bool mark_c
   const char* what = start ? "start_timeline" : "stop_timeline";
   std::lock_guard<std::mutex> one_at_a_time(call_mu_);
   std::unique_lock<std::mutex> lock(mu_);
-  if (loop_gone_) return Status::FailedPrecondition(std::string(what) + ": the engine's background loop has stopped");
+  if (loop_gone_)
+    return Status::FailedPrecondition(std::string(what) + ": the engine's background loop has stopped");
   command_ = Command{start, path, mark_cycles};
   answered_ = false;
   pending_.store(true, std::memory_order_release);

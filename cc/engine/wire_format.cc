@@ -78,8 +78,8 @@ class Reader {
   uint32_t Count(size_t min_bytes, const char* what) {
     uint32_t n = U32(what);
     if (ok() && static_cast<uint64_t>(n) * min_bytes > left_) {
-      Fail(std::string(what) + " count " + std::to_string(n) + " exceeds the " +
-           std::to_string(left_) + " bytes left");
+      Fail(std::string(what) + " count " + std::to_string(n) + " exceeds the " + std::to_string(left_) +
+           " bytes left");
       return 0;
     }
     return ok() ? n : 0;
@@ -140,7 +140,8 @@ void ReadHeader(Reader* r, uint8_t kind) {
 }
 
 Status Finish(const Reader& r, const char* what) {
-  if (!r.ok()) return Status::Internal(std::string("malformed negotiation message: ") + what + ": " + r.error());
+  if (!r.ok())
+    return Status::Internal(std::string("malformed negotiation message: ") + what + ": " + r.error());
   if (r.left() != 0)
     return Status::Internal(std::string("malformed negotiation message: ") + what + ": " +
                             std::to_string(r.left()) + " trailing bytes");
@@ -150,16 +151,15 @@ Status Finish(const Reader& r, const char* what) {
 }  // namespace
 
 bool RequestMessage::operator==(const RequestMessage& o) const {
-  return name == o.name && type == o.type && dtype == o.dtype && device_kind == o.device_kind &&
-         op == o.op && prescale_factor == o.prescale_factor &&
-         postscale_factor == o.postscale_factor && root_rank == o.root_rank && shape == o.shape &&
-         group_id == o.group_id && group_size == o.group_size && splits == o.splits &&
-         refused_duplicate == o.refused_duplicate;
+  return name == o.name && type == o.type && dtype == o.dtype && device_kind == o.device_kind && op == o.op &&
+         prescale_factor == o.prescale_factor && postscale_factor == o.postscale_factor &&
+         root_rank == o.root_rank && shape == o.shape && group_id == o.group_id &&
+         group_size == o.group_size && splits == o.splits && refused_duplicate == o.refused_duplicate;
 }
 
 bool ResponseMessage::operator==(const ResponseMessage& o) const {
-  return name == o.name && error_code == o.error_code && error_message == o.error_message &&
-         type == o.type && dtype == o.dtype && device_kind == o.device_kind && op == o.op &&
+  return name == o.name && error_code == o.error_code && error_message == o.error_message && type == o.type &&
+         dtype == o.dtype && device_kind == o.device_kind && op == o.op &&
          prescale_factor == o.prescale_factor && postscale_factor == o.postscale_factor &&
          root_rank == o.root_rank && shape == o.shape && first_dims == o.first_dims &&
          group_id == o.group_id && group_size == o.group_size;

@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(kCopyThreads)
 }
 
 template <typename T, bool kScale>
-Status LaunchTyped(const DeviceCopySpec* copies, size_t num_copies, size_t total_blocks,
-                   double scale, cudaStream_t stream) {
+Status LaunchTyped(const DeviceCopySpec* copies, size_t num_copies, size_t total_blocks, double scale,
+                   cudaStream_t stream) {
   BatchedScaledCopyKernel<T, kScale>
       <<<static_cast<unsigned>(total_blocks), kCopyThreads, 0, stream>>>(copies, num_copies, scale);
   NVG_CUDA_CHECK_LAUNCH();
@@ -128,9 +128,8 @@ Status LaunchTyped(const DeviceCopySpec* copies, size_t num_copies, size_t total
 
 size_t CopyBlocksFor(size_t count) { return (count + kCopyElemsPerBlock - 1) / kCopyElemsPerBlock; }
 
-Status LaunchBatchedScaledCopy(const DeviceCopySpec* copies, size_t num_copies,
-                               size_t total_blocks, DataType dtype, double scale,
-                               cudaStream_t stream) {
+Status LaunchBatchedScaledCopy(const DeviceCopySpec* copies, size_t num_copies, size_t total_blocks,
+                               DataType dtype, double scale, cudaStream_t stream) {
   if (total_blocks == 0) return Status::Ok();
   if (total_blocks > 0x7fffffffu)
     return Status::InvalidArgument("batched copy: " + std::to_string(total_blocks) +
@@ -144,16 +143,19 @@ Status LaunchBatchedScaledCopy(const DeviceCopySpec* copies, size_t num_copies,
     }
   }
   switch (dtype) {
-    case DataType::kFloat16: return LaunchTyped<__half, true>(copies, num_copies, total_blocks, scale, stream);
+    case DataType::kFloat16:
+      return LaunchTyped<__half, true>(copies, num_copies, total_blocks, scale, stream);
     case DataType::kBFloat16:
       return LaunchTyped<__nv_bfloat16, true>(copies, num_copies, total_blocks, scale, stream);
     case DataType::kFloat32: return LaunchTyped<float, true>(copies, num_copies, total_blocks, scale, stream);
-    case DataType::kFloat64: return LaunchTyped<double, true>(copies, num_copies, total_blocks, scale, stream);
+    case DataType::kFloat64:
+      return LaunchTyped<double, true>(copies, num_copies, total_blocks, scale, stream);
     case DataType::kInt32: return LaunchTyped<int32_t, true>(copies, num_copies, total_blocks, scale, stream);
     case DataType::kInt64: return LaunchTyped<int64_t, true>(copies, num_copies, total_blocks, scale, stream);
     case DataType::kUint8: return LaunchTyped<uint8_t, true>(copies, num_copies, total_blocks, scale, stream);
     case DataType::kInt8: return LaunchTyped<int8_t, true>(copies, num_copies, total_blocks, scale, stream);
-    case DataType::kUint16: return LaunchTyped<uint16_t, true>(copies, num_copies, total_blocks, scale, stream);
+    case DataType::kUint16:
+      return LaunchTyped<uint16_t, true>(copies, num_copies, total_blocks, scale, stream);
     case DataType::kInt16: return LaunchTyped<int16_t, true>(copies, num_copies, total_blocks, scale, stream);
     default:
       return Status::InvalidArgument(std::string("batched copy: scale ") + std::to_string(scale) +

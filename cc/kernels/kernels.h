@@ -117,8 +117,8 @@ StatusOr<int> ResidentP2pBlocks(int device, int group_size);
 
 // dst[i] = fold over g < num_sources of src[g * count + i] (g order), final
 // average division by `divisor`. Local, used for the fold over groups.
-Status LaunchFoldSources(const void* src, int num_sources, void* dst, size_t count,
-                         DataType dtype, ReduceOp op, int divisor, cudaStream_t stream);
+Status LaunchFoldSources(const void* src, int num_sources, void* dst, size_t count, DataType dtype,
+                         ReduceOp op, int divisor, cudaStream_t stream);
 
 // Copy descriptors for LaunchBatchedScaledCopy live in device memory.
 struct DeviceCopySpec {
@@ -131,9 +131,8 @@ struct DeviceCopySpec {
 constexpr size_t kCopyElemsPerBlock = 16384;
 // One launch for all `num_copies` descriptors (already on the device); the
 // total block count is the last first_block + its own blocks.
-Status LaunchBatchedScaledCopy(const DeviceCopySpec* copies, size_t num_copies,
-                               size_t total_blocks, DataType dtype, double scale,
-                               cudaStream_t stream);
+Status LaunchBatchedScaledCopy(const DeviceCopySpec* copies, size_t num_copies, size_t total_blocks,
+                               DataType dtype, double scale, cudaStream_t stream);
 size_t CopyBlocksFor(size_t count);
 
 // Delays later work on `stream` by `microseconds` (stream_delay.cu; the

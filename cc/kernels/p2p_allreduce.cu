@@ -102,9 +102,8 @@ StatusOr<int> ResidentCap(int device, int g) {
 
 Status CheckLaunch(const P2pLaunch& a, const char* what) {
   if (a.group_size < 2 || a.group_size > kMaxGroupSize)
-    return Status::InvalidArgument(std::string(what) + ": group size " +
-                                   std::to_string(a.group_size) + " outside 2.." +
-                                   std::to_string(kMaxGroupSize));
+    return Status::InvalidArgument(std::string(what) + ": group size " + std::to_string(a.group_size) +
+                                   " outside 2.." + std::to_string(kMaxGroupSize));
   int device = 0;
   NVG_CUDA_CHECK(cudaGetDevice(&device));
   auto cap = ResidentCap(device, a.group_size);
@@ -114,16 +113,15 @@ Status CheckLaunch(const P2pLaunch& a, const char* what) {
   if (a.blocks < 1 || a.blocks > cap.value())
     return Status::InvalidArgument(std::string(what) + ": block count " + std::to_string(a.blocks) +
                                    " outside 1.." + std::to_string(cap.value()) +
-                                   " (the blocks that can be resident on cuda:" +
-                                   std::to_string(device) + ")");
+                                   " (the blocks that can be resident on cuda:" + std::to_string(device) +
+                                   ")");
   return Status::Ok();
 }
 
 Status Launch(P2pKernel kernel, const P2pLaunch& a, cudaStream_t stream, const char* what) {
   NVG_RETURN_IF_ERROR(CheckLaunch(a, what));
   if (kernel == nullptr)
-    return Status::Unimplemented(std::string(what) + ": no kernel for dtype " +
-                                 DataTypeName(a.dtype));
+    return Status::Unimplemented(std::string(what) + ": no kernel for dtype " + DataTypeName(a.dtype));
   kernel<<<a.blocks, kThreadsPerBlock, 0, stream>>>(a);
   NVG_CUDA_CHECK_LAUNCH();
   return Status::Ok();
@@ -134,8 +132,10 @@ Status LaunchFoldTyped(const void* src, int n, void* dst, size_t count, ReduceOp
                        cudaStream_t stream) {
   // Enough blocks to cover the slice, capped: a local elementwise pass.
   const size_t blocks = std::min<size_t>(1024, (count + kThreadsPerBlock - 1) / kThreadsPerBlock);
-  kernels::FoldSourcesKernel<T><<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0, stream>>>(
-      static_cast<const T*>(src), n, static_cast<T*>(dst), count, op, divisor);
+  kernels::FoldSourcesKernel<T>
+      <<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0, stream>>>(static_cast<const T*>(src), n,
+                                                                       static_cast<T*>(dst), count, op,
+                                                                       divisor);
   NVG_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -171,13 +171,12 @@ Status LaunchTwoShotAllreduce(const P2pLaunch& a, cudaStream_t stream) {
   return Launch(KernelFor<TwoShotOf>(a.dtype, a.group_size), a, stream, "two-shot allreduce");
 }
 
-Status LaunchFoldSources(const void* src, int n, void* dst, size_t count, DataType dtype,
-                         ReduceOp op, int divisor, cudaStream_t stream) {
+Status LaunchFoldSources(const void* src, int n, void* dst, size_t count, DataType dtype, ReduceOp op,
+                         int divisor, cudaStream_t stream) {
   if (count == 0) return Status::Ok();
   switch (dtype) {
     case DataType::kFloat16: return LaunchFoldTyped<__half>(src, n, dst, count, op, divisor, stream);
-    case DataType::kBFloat16:
-      return LaunchFoldTyped<__nv_bfloat16>(src, n, dst, count, op, divisor, stream);
+    case DataType::kBFloat16: return LaunchFoldTyped<__nv_bfloat16>(src, n, dst, count, op, divisor, stream);
     case DataType::kFloat32: return LaunchFoldTyped<float>(src, n, dst, count, op, divisor, stream);
     case DataType::kFloat64: return LaunchFoldTyped<double>(src, n, dst, count, op, divisor, stream);
     case DataType::kInt32: return LaunchFoldTyped<int32_t>(src, n, dst, count, op, divisor, stream);

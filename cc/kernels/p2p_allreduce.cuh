@@ -208,13 +208,10 @@ __device__ __forceinline__ bool Aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
-__device__ __forceinline__ uint4 LoadUnit(const void* p) {
-  return __ldcg(reinterpret_cast<const uint4*>(p));
-}
+__device__ __forceinline__ uint4 LoadUnit(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
 
 template <typename T>
-__device__ __forceinline__ void StoreUnit(T* p, int n, bool vec,
-                                          const typename AccumulatorOf<T>::type* acc) {
+__device__ __forceinline__ void StoreUnit(T* p, int n, bool vec, const typename AccumulatorOf<T>::type* acc) {
   constexpr int kE = Unit<T>::kElems;
   if (vec && n == kE) {
     uint4 raw;
@@ -379,8 +376,7 @@ constexpr int kTwoShotMinBlocksPerSm = NVGROUP_TWOSHOT_MIN_BLOCKS_PER_SM;
 // staging epoch]. a.peers.data[p] is member p's staging half 0; half 1 starts
 // a.staging_half_bytes later.
 template <typename T, int G>
-__global__ void __launch_bounds__(kThreadsPerBlock, kOneShotMinBlocksPerSm)
-    OneShotKernel(P2pLaunch a) {
+__global__ void __launch_bounds__(kThreadsPerBlock, kOneShotMinBlocksPerSm) OneShotKernel(P2pLaunch a) {
   using A = typename AccumulatorOf<T>::type;
   constexpr int kE = Unit<T>::kElems;
   __shared__ int failed;
@@ -569,8 +565,8 @@ __device__ __forceinline__ void FoldChunk(const P2pLaunch& a, const TwoShotGeome
 // Gather stage: slices p, units [lo, hi): member p's reduced data -> out, for
 // p != r (and p == r when `copy_own`: allgather alone, out not own data).
 template <typename T, int G>
-__device__ __forceinline__ void GatherChunk(const P2pLaunch& a, const TwoShotGeometry& g,
-                                            size_t lo, size_t hi) {
+__device__ __forceinline__ void GatherChunk(const P2pLaunch& a, const TwoShotGeometry& g, size_t lo,
+                                            size_t hi) {
   constexpr int kE = Unit<T>::kElems;
   constexpr int kB = TwoShotBatch<G>();
   const int r = a.group_rank;
@@ -611,8 +607,7 @@ __device__ __forceinline__ void GatherChunk(const P2pLaunch& a, const TwoShotGeo
 // above. Valid phase sets: push + fold + gather (user buffers), fold + gather
 // or fold + push result (pull), fold alone, gather alone (the hierarchy).
 template <typename T, int G>
-__global__ void __launch_bounds__(kThreadsPerBlock, kTwoShotMinBlocksPerSm)
-    TwoShotKernel(P2pLaunch a) {
+__global__ void __launch_bounds__(kThreadsPerBlock, kTwoShotMinBlocksPerSm) TwoShotKernel(P2pLaunch a) {
   __shared__ int failed;
   const BlockState bs = StartBlock<G>(a, &failed);
   const TwoShotGeometry g = MakeTwoShotGeometry<T, G>(a);
@@ -654,8 +649,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kTwoShotMinBlocksPerSm)
 // Fold over groups (hierarchy step 2, after the exchange): local only.
 template <typename T>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    FoldSourcesKernel(const T* src, int num_sources, T* dst, size_t count, ReduceOp op,
-                      int divisor) {
+    FoldSourcesKernel(const T* src, int num_sources, T* dst, size_t count, ReduceOp op, int divisor) {
   using A = typename AccumulatorOf<T>::type;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {

@@ -167,9 +167,9 @@ RowKernel KernelFor(DataType dtype, int g) {
   }
 }
 
-constexpr DataType kRowDtypes[] = {DataType::kUint8,   DataType::kInt8,     DataType::kUint16,
-                                   DataType::kInt16,   DataType::kFloat16,  DataType::kBFloat16,
-                                   DataType::kFloat32, DataType::kFloat64,  DataType::kInt32,
+constexpr DataType kRowDtypes[] = {DataType::kUint8,   DataType::kInt8,    DataType::kUint16,
+                                   DataType::kInt16,   DataType::kFloat16, DataType::kBFloat16,
+                                   DataType::kFloat32, DataType::kFloat64, DataType::kInt32,
                                    DataType::kInt64};
 
 StatusOr<int> ResidentCap(int device, int g) {
@@ -186,8 +186,7 @@ StatusOr<int> ResidentCap(int device, int g) {
   int per_sm = 1 << 20;
   for (DataType d : kRowDtypes) {
     int n = 0;
-    NVG_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KernelFor(d, g), kThreadsPerBlock, 0));
+    NVG_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, KernelFor(d, g), kThreadsPerBlock, 0));
     per_sm = std::min(per_sm, n);
   }
   if (per_sm < 1)
@@ -199,9 +198,7 @@ StatusOr<int> ResidentCap(int device, int g) {
 
 }  // namespace
 
-StatusOr<int> ResidentRowScatterBlocks(int device, int group_size) {
-  return ResidentCap(device, group_size);
-}
+StatusOr<int> ResidentRowScatterBlocks(int device, int group_size) { return ResidentCap(device, group_size); }
 
 Status LaunchRowReduceScatter(const RowScatterLaunch& l, cudaStream_t stream) {
   const P2pLaunch& a = l.base;
@@ -210,14 +207,14 @@ Status LaunchRowReduceScatter(const RowScatterLaunch& l, cudaStream_t stream) {
     return Status::InvalidArgument("row reduce-scatter: group size " + std::to_string(a.group_size) +
                                    " outside 2.." + std::to_string(kMaxGroupSize));
   if (l.num_ranges < 0 || l.num_ranges > kMaxRowRanges)
-    return Status::InvalidArgument("row reduce-scatter: " + std::to_string(l.num_ranges) + " ranges (at most " +
-                                   std::to_string(kMaxRowRanges) + ")");
+    return Status::InvalidArgument("row reduce-scatter: " + std::to_string(l.num_ranges) +
+                                   " ranges (at most " + std::to_string(kMaxRowRanges) + ")");
   for (int r = 0; r < l.num_ranges; ++r) {
     const RowRange& g = l.ranges[r];
     if (g.lo > g.hi || g.hi > a.count || (g.lo < g.hi && g.out == nullptr))
       return Status::InvalidArgument("row reduce-scatter: range [" + std::to_string(g.lo) + ", " +
-                                     std::to_string(g.hi) + ") of a piece of " +
-                                     std::to_string(a.count) + " elements, or no output");
+                                     std::to_string(g.hi) + ") of a piece of " + std::to_string(a.count) +
+                                     " elements, or no output");
   }
   RowKernel kernel = KernelFor(a.dtype, a.group_size);
   if (kernel == nullptr)
@@ -232,8 +229,8 @@ Status LaunchRowReduceScatter(const RowScatterLaunch& l, cudaStream_t stream) {
   if (a.blocks < 1 || a.blocks > cap.value())
     return Status::InvalidArgument("row reduce-scatter: block count " + std::to_string(a.blocks) +
                                    " outside 1.." + std::to_string(cap.value()) +
-                                   " (the blocks that can be resident on cuda:" +
-                                   std::to_string(device) + ")");
+                                   " (the blocks that can be resident on cuda:" + std::to_string(device) +
+                                   ")");
   kernel<<<a.blocks, kThreadsPerBlock, 0, stream>>>(l);
   NVG_CUDA_CHECK_LAUNCH();
   return Status::Ok();

@@ -34,7 +34,8 @@ Status LaunchStreamDelay(double microseconds, cudaStream_t stream) {
   SpinForNanoseconds<<<1, 1, 0, stream>>>(static_cast<unsigned long long>(microseconds * 1000.0));
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess)
-    return Status::Internal(std::string("launching the stream delay kernel failed: ") + cudaGetErrorString(error));
+    return Status::Internal(std::string("launching the stream delay kernel failed: ") +
+                            cudaGetErrorString(error));
   return Status::Ok();
 }
 

@@ -52,8 +52,8 @@ Device ParseDevice(const std::string& name) {
 }
 
 CollectiveRequest AllreduceRequest(std::string name, uintptr_t in, uintptr_t out, std::vector<int64_t> shape,
-                                   DataType dtype, ReduceOp op, double prescale, double postscale, Device device,
-                                   uintptr_t ready_event) {
+                                   DataType dtype, ReduceOp op, double prescale, double postscale,
+                                   Device device, uintptr_t ready_event) {
   CollectiveRequest q;
   q.name = std::move(name);
   q.type = CollectiveType::kAllreduce;
@@ -70,9 +70,9 @@ CollectiveRequest AllreduceRequest(std::string name, uintptr_t in, uintptr_t out
 }
 
 CollectiveRequest MakeAllreduce(const std::string& name, uintptr_t in, uintptr_t out,
-                                std::vector<int64_t> shape, const std::string& dtype,
-                                const std::string& op, double prescale, double postscale,
-                                const std::string& device, uintptr_t ready_event) {
+                                std::vector<int64_t> shape, const std::string& dtype, const std::string& op,
+                                double prescale, double postscale, const std::string& device,
+                                uintptr_t ready_event) {
   return AllreduceRequest(name, in, out, std::move(shape), ParseDataType(dtype), ParseReduceOp(op), prescale,
                           postscale, ParseDevice(device), ready_event);
 }

@@ -40,13 +40,13 @@ Device ParseDevice(const std::string& name);
 
 // An allreduce request from parsed arguments (the one place its fields are set).
 CollectiveRequest AllreduceRequest(std::string name, uintptr_t in, uintptr_t out, std::vector<int64_t> shape,
-                                   DataType dtype, ReduceOp op, double prescale, double postscale, Device device,
-                                   uintptr_t ready_event);
+                                   DataType dtype, ReduceOp op, double prescale, double postscale,
+                                   Device device, uintptr_t ready_event);
 
 // An allreduce request from allreduce_async's arguments (addresses as integers).
 CollectiveRequest MakeAllreduce(const std::string& name, uintptr_t in, uintptr_t out,
-                                std::vector<int64_t> shape, const std::string& dtype,
-                                const std::string& op, double prescale, double postscale,
-                                const std::string& device, uintptr_t ready_event);
+                                std::vector<int64_t> shape, const std::string& dtype, const std::string& op,
+                                double prescale, double postscale, const std::string& device,
+                                uintptr_t ready_event);
 
 }  // namespace nvgroup

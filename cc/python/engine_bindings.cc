@@ -72,10 +72,10 @@ bool ReadCommonAllreduceItem(const py::tuple& t, CollectiveRequest* q) {
     PyErr_Clear();
     return false;
   }
-  *q = AllreduceRequest(std::string(name_chars, static_cast<size_t>(name_len)), static_cast<uintptr_t>(in_ptr),
-                        static_cast<uintptr_t>(out_ptr), std::move(dims_out),
-                        ParseDataType(std::string(dtype_chars, static_cast<size_t>(dtype_len))), ReduceOp::kSum,
-                        1.0, 1.0, Device::Cpu(), 0);
+  *q = AllreduceRequest(std::string(name_chars, static_cast<size_t>(name_len)),
+                        static_cast<uintptr_t>(in_ptr), static_cast<uintptr_t>(out_ptr), std::move(dims_out),
+                        ParseDataType(std::string(dtype_chars, static_cast<size_t>(dtype_len))),
+                        ReduceOp::kSum, 1.0, 1.0, Device::Cpu(), 0);
   return true;
 }
 
@@ -84,7 +84,8 @@ bool ReadCommonAllreduceItem(const py::tuple& t, CollectiveRequest* q) {
 void RegisterEngineBindings(py::module_& m) {
   py::register_exception<EngineError>(m, "EngineError", PyExc_RuntimeError);
 
-  m.def("init", [](int64_t comm_f) {
+  m.def("init",
+        [](int64_t comm_f) {
     EngineOptions options;
     options.mpi_comm_fortran = comm_f;
     Status s;
@@ -93,7 +94,8 @@ void RegisterEngineBindings(py::module_& m) {
       s = Init(options);
     }
     ThrowIfError(s);
-  }, py::arg("comm_f") = -1, "Collective: starts the engine over the MPI communicator (Fortran handle; -1 = COMM_WORLD).");
+  }, py::arg("comm_f") = -1,
+        "Collective: starts the engine over the MPI communicator (Fortran handle; -1 = COMM_WORLD).");
   m.def("shutdown", [] {
     Status s;
     {
@@ -122,12 +124,12 @@ void RegisterEngineBindings(py::module_& m) {
         [](const std::string& name, uintptr_t in_ptr, uintptr_t out_ptr, std::vector<int64_t> shape,
            const std::string& dtype, const std::string& op, double prescale, double postscale,
            const std::string& device, uintptr_t ready_event, py::object keepalive, int32_t process_set) {
-          auto h = std::make_shared<Handle>();
-          CollectiveRequest q = MakeAllreduce(name, in_ptr, out_ptr, std::move(shape), dtype, op, prescale,
-                                              postscale, device, ready_event);
-          q.process_set_id = process_set;
-          return SubmitOne(std::move(q), h, std::move(keepalive));
-        },
+    auto h = std::make_shared<Handle>();
+    CollectiveRequest q = MakeAllreduce(name, in_ptr, out_ptr, std::move(shape), dtype, op, prescale,
+                                        postscale, device, ready_event);
+    q.process_set_id = process_set;
+    return SubmitOne(std::move(q), h, std::move(keepalive));
+  },
         py::arg("name"), py::arg("in_ptr"), py::arg("out_ptr"), py::arg("shape"), py::arg("dtype"),
         py::arg("op") = "sum", py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
         py::arg("device") = "cpu", py::arg("ready_event") = 0, py::arg("keepalive") = py::none(),
@@ -135,77 +137,79 @@ void RegisterEngineBindings(py::module_& m) {
 
   m.def("grouped_allreduce_async",
         [](const std::vector<py::tuple>& items, py::object keepalive, int32_t process_set) {
-          // Each item: (name, in_ptr, out_ptr, shape, dtype[, op, prescale, postscale, device, ready_event]).
-          std::vector<CollectiveRequest> qs;
-          std::vector<std::shared_ptr<Handle>> hs;
-          qs.reserve(items.size());
-          hs.reserve(items.size());
-          for (const py::tuple& t : items) {
-            if (t.size() < 5 || t.size() > 10)
-              throw EngineError("INVALID_ARGUMENT: grouped_allreduce_async items are (name, in_ptr, out_ptr, "
-                                "shape, dtype[, op, prescale, postscale, device, ready_event])");
-            hs.push_back(std::make_shared<Handle>());
-            if (ReadCommonAllreduceItem(t, &qs.emplace_back())) {  // Note [A group item's common form]
-              qs.back().process_set_id = process_set;
-              continue;
-            }
-            qs.pop_back();
-            auto get_s = [&](size_t i, const char* dflt) { return t.size() > i ? t[i].cast<std::string>() : std::string(dflt); };
-            auto get_d = [&](size_t i) { return t.size() > i ? t[i].cast<double>() : 1.0; };
-            qs.push_back(MakeAllreduce(t[0].cast<std::string>(), t[1].cast<uintptr_t>(), t[2].cast<uintptr_t>(),
-                                       t[3].cast<std::vector<int64_t>>(), t[4].cast<std::string>(),
-                                       get_s(5, "sum"), get_d(6), get_d(7), get_s(8, "cpu"),
-                                       t.size() > 9 ? t[9].cast<uintptr_t>() : 0));
-            qs.back().process_set_id = process_set;
-          }
-          return SubmitGroup(std::move(qs), std::move(hs), std::move(keepalive));
-        },
-        py::arg("items"), py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
+    // Each item: (name, in_ptr, out_ptr, shape, dtype[, op, prescale, postscale, device, ready_event]).
+    std::vector<CollectiveRequest> qs;
+    std::vector<std::shared_ptr<Handle>> hs;
+    qs.reserve(items.size());
+    hs.reserve(items.size());
+    for (const py::tuple& t : items) {
+      if (t.size() < 5 || t.size() > 10)
+        throw EngineError(
+            "INVALID_ARGUMENT: grouped_allreduce_async items are (name, in_ptr, out_ptr, "
+            "shape, dtype[, op, prescale, postscale, device, ready_event])");
+      hs.push_back(std::make_shared<Handle>());
+      if (ReadCommonAllreduceItem(t, &qs.emplace_back())) {  // Note [A group item's common form]
+        qs.back().process_set_id = process_set;
+        continue;
+      }
+      qs.pop_back();
+      auto get_s = [&](size_t i, const char* dflt) {
+        return t.size() > i ? t[i].cast<std::string>() : std::string(dflt);
+      };
+      auto get_d = [&](size_t i) { return t.size() > i ? t[i].cast<double>() : 1.0; };
+      qs.push_back(MakeAllreduce(t[0].cast<std::string>(), t[1].cast<uintptr_t>(), t[2].cast<uintptr_t>(),
+                                 t[3].cast<std::vector<int64_t>>(), t[4].cast<std::string>(), get_s(5, "sum"),
+                                 get_d(6), get_d(7), get_s(8, "cpu"),
+                                 t.size() > 9 ? t[9].cast<uintptr_t>() : 0));
+      qs.back().process_set_id = process_set;
+    }
+    return SubmitGroup(std::move(qs), std::move(hs), std::move(keepalive));
+  }, py::arg("items"), py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
 
   m.def("allgather_async",
         [](const std::string& name, uintptr_t in_ptr, std::vector<int64_t> shape, const std::string& dtype,
            const std::string& device, uintptr_t ready_event, py::object keepalive, int32_t process_set) {
-          auto h = std::make_shared<Handle>();
-          CollectiveRequest q = MakeAllocated(CollectiveType::kAllgather, name, in_ptr, std::move(shape), dtype,
-                                              device, ready_event, process_set, h);
-          return SubmitOne(std::move(q), h, std::move(keepalive));
-        },
+    auto h = std::make_shared<Handle>();
+    CollectiveRequest q = MakeAllocated(CollectiveType::kAllgather, name, in_ptr, std::move(shape), dtype,
+                                        device, ready_event, process_set, h);
+    return SubmitOne(std::move(q), h, std::move(keepalive));
+  },
         py::arg("name"), py::arg("in_ptr"), py::arg("shape"), py::arg("dtype"), py::arg("device") = "cpu",
         py::arg("ready_event") = 0, py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
 
   m.def("grouped_allgather_async",
         [](const std::vector<py::tuple>& items, py::object keepalive, int32_t process_set) {
-          // Each item: (name, in_ptr, shape, dtype[, device, ready_event]).
-          std::vector<CollectiveRequest> qs;
-          std::vector<std::shared_ptr<Handle>> hs;
-          qs.reserve(items.size());
-          hs.reserve(items.size());
-          for (const py::tuple& t : items) {
-            if (t.size() < 4 || t.size() > 6)
-              throw EngineError("INVALID_ARGUMENT: grouped_allgather_async items are (name, in_ptr, shape, dtype"
-                                "[, device, ready_event])");
-            hs.push_back(std::make_shared<Handle>());
-            qs.push_back(MakeAllocated(CollectiveType::kAllgather, t[0].cast<std::string>(), t[1].cast<uintptr_t>(),
-                                       t[2].cast<std::vector<int64_t>>(), t[3].cast<std::string>(),
-                                       t.size() > 4 ? t[4].cast<std::string>() : std::string("cpu"),
-                                       t.size() > 5 ? t[5].cast<uintptr_t>() : 0, process_set, hs.back()));
-          }
-          return SubmitGroup(std::move(qs), std::move(hs), std::move(keepalive));
-        },
-        py::arg("items"), py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
+    // Each item: (name, in_ptr, shape, dtype[, device, ready_event]).
+    std::vector<CollectiveRequest> qs;
+    std::vector<std::shared_ptr<Handle>> hs;
+    qs.reserve(items.size());
+    hs.reserve(items.size());
+    for (const py::tuple& t : items) {
+      if (t.size() < 4 || t.size() > 6)
+        throw EngineError(
+            "INVALID_ARGUMENT: grouped_allgather_async items are (name, in_ptr, shape, dtype"
+            "[, device, ready_event])");
+      hs.push_back(std::make_shared<Handle>());
+      qs.push_back(MakeAllocated(CollectiveType::kAllgather, t[0].cast<std::string>(), t[1].cast<uintptr_t>(),
+                                 t[2].cast<std::vector<int64_t>>(), t[3].cast<std::string>(),
+                                 t.size() > 4 ? t[4].cast<std::string>() : std::string("cpu"),
+                                 t.size() > 5 ? t[5].cast<uintptr_t>() : 0, process_set, hs.back()));
+    }
+    return SubmitGroup(std::move(qs), std::move(hs), std::move(keepalive));
+  }, py::arg("items"), py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
 
   m.def("reducescatter_async",
         [](const std::string& name, uintptr_t in_ptr, std::vector<int64_t> shape, const std::string& dtype,
            const std::string& op, double prescale, double postscale, const std::string& device,
            uintptr_t ready_event, py::object keepalive, int32_t process_set) {
-          auto h = std::make_shared<Handle>();
-          CollectiveRequest q = MakeAllocated(CollectiveType::kReducescatter, name, in_ptr, std::move(shape), dtype,
-                                              device, ready_event, process_set, h);
-          q.op = ParseReduceOp(op);
-          q.prescale_factor = prescale;
-          q.postscale_factor = postscale;
-          return SubmitOne(std::move(q), h, std::move(keepalive));
-        },
+    auto h = std::make_shared<Handle>();
+    CollectiveRequest q = MakeAllocated(CollectiveType::kReducescatter, name, in_ptr, std::move(shape), dtype,
+                                        device, ready_event, process_set, h);
+    q.op = ParseReduceOp(op);
+    q.prescale_factor = prescale;
+    q.postscale_factor = postscale;
+    return SubmitOne(std::move(q), h, std::move(keepalive));
+  },
         py::arg("name"), py::arg("in_ptr"), py::arg("shape"), py::arg("dtype"), py::arg("op") = "sum",
         py::arg("prescale") = 1.0, py::arg("postscale") = 1.0, py::arg("device") = "cpu",
         py::arg("ready_event") = 0, py::arg("keepalive") = py::none(), py::arg("process_set") = 0,
@@ -214,58 +218,57 @@ void RegisterEngineBindings(py::module_& m) {
   m.def("grouped_reducescatter_async",
         [](const std::vector<py::tuple>& items, const std::string& op, double prescale, double postscale,
            py::object keepalive, int32_t process_set) {
-          // Each item: (name, in_ptr, shape, dtype[, device, ready_event]).
-          std::vector<CollectiveRequest> qs;
-          std::vector<std::shared_ptr<Handle>> hs;
-          qs.reserve(items.size());
-          hs.reserve(items.size());
-          for (const py::tuple& t : items) {
-            if (t.size() < 4 || t.size() > 6)
-              throw EngineError("INVALID_ARGUMENT: grouped_reducescatter_async items are (name, in_ptr, shape, "
-                                "dtype[, device, ready_event])");
-            hs.push_back(std::make_shared<Handle>());
-            qs.push_back(MakeAllocated(CollectiveType::kReducescatter, t[0].cast<std::string>(),
-                                       t[1].cast<uintptr_t>(), t[2].cast<std::vector<int64_t>>(),
-                                       t[3].cast<std::string>(),
-                                       t.size() > 4 ? t[4].cast<std::string>() : std::string("cpu"),
-                                       t.size() > 5 ? t[5].cast<uintptr_t>() : 0, process_set, hs.back()));
-            qs.back().op = ParseReduceOp(op);
-            qs.back().prescale_factor = prescale;
-            qs.back().postscale_factor = postscale;
-          }
-          return SubmitGroup(std::move(qs), std::move(hs), std::move(keepalive));
-        },
+    // Each item: (name, in_ptr, shape, dtype[, device, ready_event]).
+    std::vector<CollectiveRequest> qs;
+    std::vector<std::shared_ptr<Handle>> hs;
+    qs.reserve(items.size());
+    hs.reserve(items.size());
+    for (const py::tuple& t : items) {
+      if (t.size() < 4 || t.size() > 6)
+        throw EngineError(
+            "INVALID_ARGUMENT: grouped_reducescatter_async items are (name, in_ptr, shape, "
+            "dtype[, device, ready_event])");
+      hs.push_back(std::make_shared<Handle>());
+      qs.push_back(MakeAllocated(CollectiveType::kReducescatter, t[0].cast<std::string>(),
+                                 t[1].cast<uintptr_t>(), t[2].cast<std::vector<int64_t>>(),
+                                 t[3].cast<std::string>(),
+                                 t.size() > 4 ? t[4].cast<std::string>() : std::string("cpu"),
+                                 t.size() > 5 ? t[5].cast<uintptr_t>() : 0, process_set, hs.back()));
+      qs.back().op = ParseReduceOp(op);
+      qs.back().prescale_factor = prescale;
+      qs.back().postscale_factor = postscale;
+    }
+    return SubmitGroup(std::move(qs), std::move(hs), std::move(keepalive));
+  },
         py::arg("items"), py::arg("op") = "sum", py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
         py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
 
   m.def("alltoall_async",
         [](const std::string& name, uintptr_t in_ptr, std::vector<int64_t> shape, const std::string& dtype,
-           std::vector<int64_t> splits, const std::string& device, uintptr_t ready_event, py::object keepalive,
-           int32_t process_set) {
-          auto h = std::make_shared<Handle>();
-          CollectiveRequest q = MakeAllocated(CollectiveType::kAlltoall, name, in_ptr, std::move(shape), dtype,
-                                              device, ready_event, process_set, h);
-          h->is_alltoall = true;
-          q.splits = std::move(splits);
-          q.received_splits = &h->received_splits;  // h outlives the request (held by its done callback)
-          return SubmitOne(std::move(q), h, std::move(keepalive));
-        },
+           std::vector<int64_t> splits, const std::string& device, uintptr_t ready_event,
+           py::object keepalive, int32_t process_set) {
+    auto h = std::make_shared<Handle>();
+    CollectiveRequest q = MakeAllocated(CollectiveType::kAlltoall, name, in_ptr, std::move(shape), dtype,
+                                        device, ready_event, process_set, h);
+    h->is_alltoall = true;
+    q.splits = std::move(splits);
+    q.received_splits = &h->received_splits;  // h outlives the request (held by its done callback)
+    return SubmitOne(std::move(q), h, std::move(keepalive));
+  },
         py::arg("name"), py::arg("in_ptr"), py::arg("shape"), py::arg("dtype"),
         py::arg("splits") = std::vector<int64_t>(), py::arg("device") = "cpu", py::arg("ready_event") = 0,
         py::arg("keepalive") = py::none(), py::arg("process_set") = 0,
         "wait() returns (output, received_splits).");
 
-  m.def("join_async",
-        [](int32_t process_set) {
-          auto h = std::make_shared<Handle>();
-          h->is_join = true;
-          CollectiveRequest q;
-          q.type = CollectiveType::kJoin;
-          q.output = &h->join_result;  // h outlives the request (held by its done callback)
-          q.process_set_id = process_set;
-          return SubmitOne(std::move(q), h, py::none());
-        },
-        py::arg("process_set") = 0, "wait() returns the last rank to join.");
+  m.def("join_async", [](int32_t process_set) {
+    auto h = std::make_shared<Handle>();
+    h->is_join = true;
+    CollectiveRequest q;
+    q.type = CollectiveType::kJoin;
+    q.output = &h->join_result;  // h outlives the request (held by its done callback)
+    q.process_set_id = process_set;
+    return SubmitOne(std::move(q), h, py::none());
+  }, py::arg("process_set") = 0, "wait() returns the last rank to join.");
 
   m.def("add_process_set", [](const std::vector<int>& ranks) {
     StatusOr<int32_t> id = Status::Ok();
@@ -292,19 +295,19 @@ void RegisterEngineBindings(py::module_& m) {
         [](const std::string& name, uintptr_t in_ptr, uintptr_t out_ptr, std::vector<int64_t> shape,
            const std::string& dtype, int root, const std::string& device, uintptr_t ready_event,
            py::object keepalive, int32_t process_set) {
-          CollectiveRequest q;
-          q.process_set_id = process_set;
-          q.name = name;
-          q.type = CollectiveType::kBroadcast;
-          q.input = reinterpret_cast<const void*>(in_ptr);
-          q.output = reinterpret_cast<void*>(out_ptr);
-          q.shape = std::move(shape);
-          q.dtype = ParseDataType(dtype);
-          q.root_rank = root;
-          q.device = ParseDevice(device);
-          q.ready_event = reinterpret_cast<void*>(ready_event);
-          return SubmitOne(std::move(q), std::make_shared<Handle>(), std::move(keepalive));
-        },
+    CollectiveRequest q;
+    q.process_set_id = process_set;
+    q.name = name;
+    q.type = CollectiveType::kBroadcast;
+    q.input = reinterpret_cast<const void*>(in_ptr);
+    q.output = reinterpret_cast<void*>(out_ptr);
+    q.shape = std::move(shape);
+    q.dtype = ParseDataType(dtype);
+    q.root_rank = root;
+    q.device = ParseDevice(device);
+    q.ready_event = reinterpret_cast<void*>(ready_event);
+    return SubmitOne(std::move(q), std::make_shared<Handle>(), std::move(keepalive));
+  },
         py::arg("name"), py::arg("in_ptr"), py::arg("out_ptr"), py::arg("shape"), py::arg("dtype"),
         py::arg("root"), py::arg("device") = "cpu", py::arg("ready_event") = 0,
         py::arg("keepalive") = py::none(), py::arg("process_set") = 0);
@@ -349,7 +352,8 @@ void RegisterEngineBindings(py::module_& m) {
   m.def("free_cuda", [](uintptr_t ptr) {
 #ifdef NVGROUP_WITH_CUDA
     cudaError_t e = cudaFree(reinterpret_cast<void*>(ptr));
-    if (e != cudaSuccess) throw EngineError(std::string("INTERNAL: cudaFree failed: ") + cudaGetErrorString(e));
+    if (e != cudaSuccess)
+      throw EngineError(std::string("INTERNAL: cudaFree failed: ") + cudaGetErrorString(e));
 #else
     (void)ptr;
     throw EngineError("UNIMPLEMENTED: free_cuda needs a CUDA build");

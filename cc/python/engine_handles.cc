@@ -42,7 +42,8 @@ int64_t Register(std::shared_ptr<Handle> h) {
 std::shared_ptr<Handle> Lookup(int64_t id) {
   std::lock_guard<std::mutex> lock(g_handles_mu);
   auto it = g_handles.find(id);
-  if (it == g_handles.end()) throw EngineError("INVALID_ARGUMENT: unknown or already waited handle " + std::to_string(id));
+  if (it == g_handles.end())
+    throw EngineError("INVALID_ARGUMENT: unknown or already waited handle " + std::to_string(id));
   return it->second;
 }
 
@@ -88,7 +89,8 @@ AllocateOutputFn AllocatorFor(const std::shared_ptr<Handle>& h) {
     if (e == cudaSuccess) e = cudaMalloc(&h->cuda_out, std::max<size_t>(bytes, 1));
     cudaSetDevice(previous);
     if (e != cudaSuccess)
-      return Status::Internal(std::string("cudaMalloc of the allgather output failed: ") + cudaGetErrorString(e));
+      return Status::Internal(std::string("cudaMalloc of the allgather output failed: ") +
+                              cudaGetErrorString(e));
     *out = h->cuda_out;
     return Status::Ok();
 #else
@@ -112,7 +114,8 @@ py::object AllgatherResult(Handle& h) {
   if (h.device.kind != DeviceKind::kCpu)
     return py::make_tuple(reinterpret_cast<uintptr_t>(h.cuda_out), h.out_shape);
   auto* owner = new std::shared_ptr<std::vector<char>>(h.host_out);
-  py::capsule free_when_done(owner, [](void* p) { delete static_cast<std::shared_ptr<std::vector<char>>*>(p); });
+  py::capsule free_when_done(owner,
+                             [](void* p) { delete static_cast<std::shared_ptr<std::vector<char>>*>(p); });
   py::dtype dt = py::dtype::from_args(NumpyDtype(h.dtype));
   std::vector<py::ssize_t> shape(h.out_shape.begin(), h.out_shape.end());
   return py::array(dt, shape, h.host_out->data(), free_when_done);
@@ -136,7 +139,8 @@ py::object Wait(int64_t id, py::object timeout) {
     }
   }
   if (!finished) {
-    PyErr_SetString(PyExc_TimeoutError, ("collective handle " + std::to_string(id) + " is still in flight").c_str());
+    PyErr_SetString(PyExc_TimeoutError,
+                    ("collective handle " + std::to_string(id) + " is still in flight").c_str());
     throw py::error_already_set();
   }
   Forget(id);
@@ -223,8 +227,8 @@ bool Poll(int64_t id) {
 }
 CollectiveRequest MakeAllocated(CollectiveType type, const std::string& name, uintptr_t in,
                                 std::vector<int64_t> shape, const std::string& dtype,
-                                const std::string& device, uintptr_t ready_event,
-                                int32_t process_set, const std::shared_ptr<Handle>& h) {
+                                const std::string& device, uintptr_t ready_event, int32_t process_set,
+                                const std::shared_ptr<Handle>& h) {
   h->is_allgather = true;
   h->dtype = ParseDataType(dtype);
   h->device = ParseDevice(device);

@@ -59,8 +59,8 @@ struct Handle {
 // reducescatter, alltoall), into `h`.
 CollectiveRequest MakeAllocated(CollectiveType type, const std::string& name, uintptr_t in,
                                 std::vector<int64_t> shape, const std::string& dtype,
-                                const std::string& device, uintptr_t ready_event,
-                                int32_t process_set, const std::shared_ptr<Handle>& h);
+                                const std::string& device, uintptr_t ready_event, int32_t process_set,
+                                const std::shared_ptr<Handle>& h);
 
 // Enqueues `q` (or the group `qs`, request i resolving handle i) and returns
 // its handle id(s); `keepalive` (may be None) lives until the handle is waited for.

@@ -123,8 +123,8 @@ void RegisterEngineTestingBindings(py::module_& t) {
     for (const RequestMessage& q : qs) out.append(RequestToDict(q));
     return out;
   });
-  t.def("encode_response_list", [](const std::vector<py::dict>& responses, int fatal_code,
-                                   const std::string& fatal_message) {
+  t.def("encode_response_list",
+        [](const std::vector<py::dict>& responses, int fatal_code, const std::string& fatal_message) {
     ResponseList list;
     list.fatal_code = static_cast<StatusCode>(fatal_code);
     list.fatal_message = fatal_message;
@@ -154,8 +154,8 @@ void RegisterEngineTestingBindings(py::module_& t) {
     }
     return out;
   });
-  t.def("run_coordinator", [](int size, double stall_warning_s, double stall_shutdown_s,
-                              const std::vector<py::tuple>& script) {
+  t.def("run_coordinator",
+        [](int size, double stall_warning_s, double stall_shutdown_s, const std::vector<py::tuple>& script) {
     // Drives rank 0's Coordinator with a script of steps:
     //   ("add", rank, request_dict, now) | ("forget", name) | ("take",) | ("stalls", now)
     // and returns, for each "take"/"stalls", the released responses as dicts.
@@ -166,7 +166,8 @@ void RegisterEngineTestingBindings(py::module_& t) {
       const std::string what = step[0].cast<std::string>();
       std::vector<ResponseMessage> released;
       if (what == "add") {
-        coordinator.AddRequest(step[1].cast<int>(), RequestFromDict(step[2].cast<py::dict>()), step[3].cast<double>());
+        coordinator.AddRequest(step[1].cast<int>(), RequestFromDict(step[2].cast<py::dict>()),
+                               step[3].cast<double>());
         continue;
       } else if (what == "forget") {
         coordinator.Forget(step[1].cast<std::string>());
@@ -195,8 +196,10 @@ void RegisterEngineTestingBindings(py::module_& t) {
         py::arg("seconds"),
         "In the next init(), ranks other than 0 wait `seconds` before connecting to rank 0's "
         "dead-rank detection port.");
-  t.def("fault_in_init", [](const std::string& phase, const std::string& kind) {
-    if (kind != "stop" && kind != "kill") throw EngineError("INVALID_ARGUMENT: fault_in_init kind must be stop or kill");
+  t.def("fault_in_init",
+        [](const std::string& phase, const std::string& kind) {
+    if (kind != "stop" && kind != "kill")
+      throw EngineError("INVALID_ARGUMENT: fault_in_init kind must be stop or kill");
     if (!IsInitPhase(phase))
       throw EngineError("INVALID_ARGUMENT: fault_in_init: unknown phase '" + phase +
                         "' (engine/init_watchdog.h lists them)");

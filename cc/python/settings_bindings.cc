@@ -34,11 +34,13 @@ void RegisterSettingsBindings(py::module_& m) {
     }
     return rows;
   }, "Every NVGROUP_* variable, one dict per row of cc/common/env.h, in table order.");
-  m.def("setting_value", [](const std::string& name) {
+  m.def("setting_value",
+        [](const std::string& name) {
     StatusOr<std::string> v = SettingValueFromEnvironment(name);
     if (!v.ok()) throw py::value_error(v.status().message());
     return v.value();
-  }, py::arg("name"), "The variable's value parsed from the environment now (its default when unset), normalized.");
+  }, py::arg("name"),
+        "The variable's value parsed from the environment now (its default when unset), normalized.");
   m.def("agreed_knobs", [] {
     StatusOr<Knobs> k = ParseKnobsFromEnvironment();
     if (!k.ok()) throw py::value_error(k.status().message());

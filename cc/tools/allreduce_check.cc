@@ -117,8 +117,7 @@ void Poison(void* dst, size_t bytes) {
 }
 
 void Report(const Suite& s, const char* what, long long wrong_here) {
-  if (wrong_here > 0)
-    std::fprintf(stderr, "[rank %d] %s: %lld wrong\n", s.rank, what, wrong_here);
+  if (wrong_here > 0) std::fprintf(stderr, "[rank %d] %s: %lld wrong\n", s.rank, what, wrong_here);
 }
 
 // Compares `got` with `expected` element by element; prints the first few.
@@ -127,11 +126,11 @@ long long Compare(const Suite& s, const std::string& label, DataType dtype, cons
   const size_t es = DataTypeSize(dtype);
   long long bad = 0;
   for (size_t i = 0; i < count; ++i) {
-    if (std::memcmp(static_cast<const char*>(got) + i * es,
-                    static_cast<const char*>(expected) + i * es, es) != 0) {
+    if (std::memcmp(static_cast<const char*>(got) + i * es, static_cast<const char*>(expected) + i * es,
+                    es) != 0) {
       if (bad < 3)
-        std::fprintf(stderr, "[rank %d] %s: element %zu is %.9g, expected %.9g\n", s.rank,
-                     label.c_str(), i, ToDouble(dtype, got, i), ToDouble(dtype, expected, i));
+        std::fprintf(stderr, "[rank %d] %s: element %zu is %.9g, expected %.9g\n", s.rank, label.c_str(), i,
+                     ToDouble(dtype, got, i), ToDouble(dtype, expected, i));
       ++bad;
     }
   }
@@ -139,9 +138,9 @@ long long Compare(const Suite& s, const std::string& label, DataType dtype, cons
 }
 
 // The host fold against float64: |fold - exact| within a rounding bound.
-long long CheckAgainstFloat64(const Suite& s, const std::string& label, DataType dtype,
-                              ReduceOp op, const std::vector<std::vector<char>>& inputs,
-                              const std::vector<char>& expected, size_t count) {
+long long CheckAgainstFloat64(const Suite& s, const std::string& label, DataType dtype, ReduceOp op,
+                              const std::vector<std::vector<char>>& inputs, const std::vector<char>& expected,
+                              size_t count) {
   if (!IsFloatingPoint(dtype)) return 0;  // integers: the fold is exact modular arithmetic
   const double u = UnitRoundoff(dtype);
   const int n = s.layout.size;
@@ -160,13 +159,16 @@ long long CheckAgainstFloat64(const Suite& s, const std::string& label, DataType
     }
     double bound = 0;
     if (op == ReduceOp::kSum) bound = (n + 1) * u * mag;
-    if (op == ReduceOp::kAverage) { acc /= n; bound = (n + 2) * u * mag / n; }
+    if (op == ReduceOp::kAverage) {
+      acc /= n;
+      bound = (n + 2) * u * mag / n;
+    }
     if (op == ReduceOp::kProduct) bound = (2 * n + 1) * u * std::fabs(acc);
     const double got = ToDouble(dtype, expected.data(), i);
     if (!(std::fabs(got - acc) <= bound)) {
       if (bad < 3)
-        std::fprintf(stderr, "[rank %d] %s: fold %.12g vs float64 %.12g (bound %.3g) at %zu\n",
-                     s.rank, label.c_str(), got, acc, bound, i);
+        std::fprintf(stderr, "[rank %d] %s: fold %.12g vs float64 %.12g (bound %.3g) at %zu\n", s.rank,
+                     label.c_str(), got, acc, bound, i);
       ++bad;
     }
   }
@@ -185,8 +187,8 @@ long long CheckRanksEqual(const Suite& s, const void* data, size_t bytes) {
 
 void RunCase(Suite& s, DataType dtype, ReduceOp op, size_t count, uint64_t seed, bool misalign) {
   const size_t es = DataTypeSize(dtype), bytes = count * es;
-  const std::string label = std::string(ShortName(dtype)) + " " + ReduceOpName(op) + " n=" +
-                            std::to_string(count) + (misalign ? " misaligned" : "");
+  const std::string label = std::string(ShortName(dtype)) + " " + ReduceOpName(op) +
+                            " n=" + std::to_string(count) + (misalign ? " misaligned" : "");
   std::vector<std::vector<char>> inputs(s.layout.size, std::vector<char>(bytes));
   for (int r = 0; r < s.layout.size; ++r) FillInput(seed, r, dtype, op, count, inputs[r].data());
   std::vector<char> expected, got(bytes);
@@ -396,8 +398,8 @@ void RunTimeout(Suite& s, const Topology& host) {
     Status st = comm->Allreduce(d, d, count, DataType::kFloat32, ReduceOp::kSum, nullptr);
     if (st.ok()) st = comm->Synchronize(nullptr);
     const double waited = MPI_Wtime() - t0;
-    std::printf("#   dead peer -> after %.1f s (4 kernels, timeout %.0f s for the call): %s\n",
-                waited, knobs.peer_timeout_s, st.ToString().c_str());
+    std::printf("#   dead peer -> after %.1f s (4 kernels, timeout %.0f s for the call): %s\n", waited,
+                knobs.peer_timeout_s, st.ToString().c_str());
     verdict = st.code() == StatusCode::kUnavailable && waited < 1.5 * knobs.peer_timeout_s ? 1 : 0;
     if (!verdict) ++bad;
     Status again = comm->Allreduce(d, d, 1024, DataType::kFloat32, ReduceOp::kSum, nullptr);
@@ -411,7 +413,6 @@ void RunTimeout(Suite& s, const Topology& host) {
   s.cases += 1;
   s.wrong += bad;
 }
-
 
 
 // --time: mean time of float32 sum allreduces of `bytes` (CUDA events on a
@@ -447,8 +448,10 @@ void RunTiming(Suite& s, size_t bytes) {
   const double user_us = time_it(in, out);
   const double reg_us = bytes <= s.comm->registered_capacity() ? time_it(reg, reg) : 0;
   if (s.rank == 0)
-    std::printf("# time %zu bytes: out of place %.1f us (%.1f GB/s algbw), registered in place "
-                "%.1f us\n", bytes, user_us, bytes / user_us / 1e3, reg_us);
+    std::printf(
+        "# time %zu bytes: out of place %.1f us (%.1f GB/s algbw), registered in place "
+        "%.1f us\n",
+        bytes, user_us, bytes / user_us / 1e3, reg_us);
   CheckCuda(cudaFree(in), "cudaFree");
   CheckCuda(cudaFree(out), "cudaFree");
   CheckCuda(cudaStreamDestroy(st), "stream");
@@ -463,8 +466,8 @@ bool Soft(Suite& s, const Status& st, const std::string& what, long long* bad) {
   return false;
 }
 
-std::unique_ptr<Communicator> SideCommunicator(const Suite& s, const Topology& host,
-                                               double timeout_s, size_t registered) {
+std::unique_ptr<Communicator> SideCommunicator(const Suite& s, const Topology& host, double timeout_s,
+                                               size_t registered) {
   Knobs knobs = EnvironmentKnobs();
   knobs.peer_timeout_s = timeout_s;
   knobs.one_gpu_group = knobs.one_gpu_group || s.one_gpu_group;
@@ -499,8 +502,7 @@ void RunGraphReplay(Suite& s, const Topology& host, bool oneshot, uint64_t seed)
   std::vector<char> bank_host(rounds * bytes);
   for (size_t k = 0; k < rounds; ++k) {
     std::vector<std::vector<char>> inputs(s.layout.size, std::vector<char>(bytes));
-    for (int r = 0; r < s.layout.size; ++r)
-      FillInput(seed * 1000 + k, r, dtype, op, count, inputs[r].data());
+    for (int r = 0; r < s.layout.size; ++r) FillInput(seed * 1000 + k, r, dtype, op, count, inputs[r].data());
     ExpectedResult(s.layout, s.hierarchical, dtype, op, inputs, count, &expected[k]);
     std::memcpy(bank_host.data() + k * bytes, inputs[s.rank].data(), bytes);
   }
@@ -548,16 +550,15 @@ void RunGraphReplay(Suite& s, const Topology& host, bool oneshot, uint64_t seed)
   uint32_t done = 0;
   CheckCuda(cudaMemcpy(&done, round, sizeof(done), cudaMemcpyDeviceToHost), "D2H");
   if (done != rounds) {
-    std::fprintf(stderr, "[rank %d] %s: %u rounds ran, %zu expected\n", s.rank, label.c_str(),
-                 done, rounds);
+    std::fprintf(stderr, "[rank %d] %s: %u rounds ran, %zu expected\n", s.rank, label.c_str(), done, rounds);
     ++bad;
   }
   std::vector<char> got(rounds * bytes);
   CheckCuda(cudaMemcpy(got.data(), history, rounds * bytes, cudaMemcpyDeviceToHost), "D2H");
   long long wrong_rounds = 0;
   for (size_t k = 0; k < rounds; ++k) {
-    const long long b = Compare(s, label + " round " + std::to_string(k), dtype,
-                                got.data() + k * bytes, expected[k].data(), count);
+    const long long b = Compare(s, label + " round " + std::to_string(k), dtype, got.data() + k * bytes,
+                                expected[k].data(), count);
     wrong_rounds += b > 0;
     bad += b;
   }
@@ -588,8 +589,7 @@ void RunTwoStreams(Suite& s, const Topology& host, uint64_t seed) {
   const int kCalls = 4;  // per stream
   std::unique_ptr<Communicator> comm = SideCommunicator(s, host, 2.0, 16u << 20);
   cudaStream_t streams[2];
-  for (cudaStream_t& st : streams)
-    CheckCuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+  for (cudaStream_t& st : streams) CheckCuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
   struct Call {
     size_t count;
     char *in, *out;
@@ -621,8 +621,8 @@ void RunTwoStreams(Suite& s, const Topology& host, uint64_t seed) {
     Call& c = calls[i];
     std::vector<char> got(c.count * 4);
     CheckCuda(cudaMemcpy(got.data(), c.out, got.size(), cudaMemcpyDeviceToHost), "D2H");
-    bad += Compare(s, "two streams, call " + std::to_string(i), dtype, got.data(),
-                   c.expected.data(), c.count);
+    bad += Compare(s, "two streams, call " + std::to_string(i), dtype, got.data(), c.expected.data(),
+                   c.count);
   }
   for (Call& c : calls) {
     CheckCuda(cudaFree(c.in), "cudaFree");
@@ -635,8 +635,7 @@ void RunTwoStreams(Suite& s, const Topology& host, uint64_t seed) {
   NVG_TOOL_MPI(MPI_Allreduce(&bad, &any, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
   if (any > 0) comm->Abort();
   comm.reset();
-  if (s.rank == 0)
-    std::printf("#   two caller streams: %d calls each, %s\n", kCalls, any ? "FAILED" : "ok");
+  if (s.rank == 0) std::printf("#   two caller streams: %d calls each, %s\n", kCalls, any ? "FAILED" : "ok");
   Report(s, "two streams", bad);
   s.cases += 1;
   s.wrong += bad;
@@ -677,8 +676,8 @@ void RunTwoStreams(Suite& s, const Topology& host, uint64_t seed) {
   const std::string text = st.ToString();
   const bool named = text.find("rank " + std::to_string(victim)) != std::string::npos;
   const bool pass = st.code() == StatusCode::kUnavailable && named && waited < 10;
-  std::printf("# peer exit: rank %d after %d calls, %.3f s: %s -> %s\n", s.rank, calls, waited,
-              text.c_str(), pass ? "PASSED" : "FAILED");
+  std::printf("# peer exit: rank %d after %d calls, %.3f s: %s -> %s\n", s.rank, calls, waited, text.c_str(),
+              pass ? "PASSED" : "FAILED");
   std::fflush(stdout);
   _exit(pass ? 0 : 1);
 }
@@ -718,8 +717,8 @@ int main(int argc, char** argv) {
   int dev = comm->device().ordinal;
   char bus[32] = {};
   cudaDeviceGetPCIBusId(bus, sizeof(bus), dev);
-  std::printf("# rank %d: cuda:%d bus %s group %d/%d rank-in-group %d/%d\n", t.rank, dev, bus,
-              t.group_index, t.group_count, t.group_rank, t.group_size);
+  std::printf("# rank %d: cuda:%d bus %s group %d/%d rank-in-group %d/%d\n", t.rank, dev, bus, t.group_index,
+              t.group_count, t.group_rank, t.group_size);
   std::fflush(stdout);
   NVG_TOOL_MPI(MPI_Barrier(MPI_COMM_WORLD));
   if (host.rank == 0)
@@ -728,11 +727,11 @@ int main(int argc, char** argv) {
                 s.hierarchical ? "hierarchical" : "flat NV-group");
 
   const DataType dtypes[] = {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16,
-                             DataType::kFloat64, DataType::kInt32, DataType::kInt64};
+                             DataType::kFloat64, DataType::kInt32,   DataType::kInt64};
   const ReduceOp ops[] = {ReduceOp::kSum, ReduceOp::kAverage, ReduceOp::kMin, ReduceOp::kMax,
                           ReduceOp::kProduct};
-  std::vector<size_t> sizes = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 100, 255, 1000, 4097,
-                               65539, 262149, 1048583, 3145729};
+  std::vector<size_t> sizes = {1,  2,   3,   7,    8,    9,     15,     16,      17,     31,
+                               33, 100, 255, 1000, 4097, 65539, 262149, 1048583, 3145729};
   if (args.quick) sizes = {1, 3, 8, 17, 1000, 65539};
   uint64_t seed = 1;
   if (args.peer_exit_test) {
@@ -793,8 +792,8 @@ int main(int argc, char** argv) {
   long long totals[2] = {s.cases, s.wrong}, sum[2];
   NVG_TOOL_MPI(MPI_Allreduce(totals, sum, 2, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
   if (host.rank == 0)
-    std::printf("# allreduce_check: %lld case-runs over all ranks, %lld wrong -> %s\n", sum[0],
-                sum[1], sum[1] == 0 ? "PASSED" : "FAILED");
+    std::printf("# allreduce_check: %lld case-runs over all ranks, %lld wrong -> %s\n", sum[0], sum[1],
+                sum[1] == 0 ? "PASSED" : "FAILED");
   NVG_TOOL_MPI(MPI_Finalize());
   return sum[1] == 0 ? 0 : 1;
 }

@@ -165,16 +165,26 @@ struct Bench {
 
 // Iterations by size: enough to average out launch jitter, few for huge sizes.
 void Iterations(size_t bytes, int* warmup, int* iters) {
-  if (bytes <= (1u << 20)) { *warmup = 20; *iters = 200; }
-  else if (bytes <= (64u << 20)) { *warmup = 5; *iters = 40; }
-  else { *warmup = 2; *iters = 10; }
+  if (bytes <= (1u << 20)) {
+    *warmup = 20;
+    *iters = 200;
+  } else if (bytes <= (64u << 20)) {
+    *warmup = 5;
+    *iters = 40;
+  } else {
+    *warmup = 2;
+    *iters = 10;
+  }
 }
 
 // Mean microseconds per call after warmup, averaged over ranks.
 double Time(Bench& b, size_t bytes, const std::function<void()>& op, int iters_override = 0) {
   int warmup, iters;
   Iterations(bytes, &warmup, &iters);
-  if (iters_override > 0) { iters = iters_override; warmup = std::min(warmup, 2); }
+  if (iters_override > 0) {
+    iters = iters_override;
+    warmup = std::min(warmup, 2);
+  }
   for (int i = 0; i < warmup; ++i) op();
   CheckCuda(cudaStreamSynchronize(b.stream), "sync");
   NVG_TOOL_MPI(MPI_Barrier(MPI_COMM_WORLD));
@@ -268,9 +278,12 @@ long long CountWrong(Bench& b, Data& d, const float* dev, size_t count, std::vec
 
 void PrintHeader(const std::string& impl) {
   std::printf("#\n# %s\n", impl.c_str());
-  std::printf("#                                                      out-of-place                       in-place          \n");
-  std::printf("#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong\n");
-  std::printf("#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       \n");
+  std::printf(
+      "#                                                      out-of-place                       in-place          \n");
+  std::printf(
+      "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong\n");
+  std::printf(
+      "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       \n");
 }
 
 void PrintRow(const Bench& b, const Row& r) {
@@ -364,7 +377,8 @@ std::vector<Row> RunTables(Bench& b, Data& d, const Args& a) {
         auto op = [&] {
           CheckCuda(cudaMemcpyAsync(d.pinned, d.d_in, bytes, cudaMemcpyDeviceToHost, b.stream), "D2H");
           CheckCuda(cudaStreamSynchronize(b.stream), "sync");
-          NVG_TOOL_MPI(MPI_Allreduce(MPI_IN_PLACE, d.pinned, static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD));
+          NVG_TOOL_MPI(MPI_Allreduce(MPI_IN_PLACE, d.pinned, static_cast<int>(n), MPI_FLOAT, MPI_SUM,
+                                     MPI_COMM_WORLD));
           CheckCuda(cudaMemcpyAsync(d.d_out, d.pinned, bytes, cudaMemcpyHostToDevice, b.stream), "H2D");
         };
         r.oop_us = Time(b, bytes, op, bytes > (1u << 20) ? 5 : 0);
@@ -392,13 +406,13 @@ std::vector<SweepPoint> RunSweep(Bench& b, Data& d) {
   std::vector<SweepPoint> pts;
   const int blocks[] = {8, 16, 32, 48, 64, 96, 128, 192, 256};
   if (b.rank == 0) std::printf("# sweep: nvgroup out-of-place, us per call\n#%11s %8s", "bytes", "kernel");
-  if (b.rank == 0) for (int bl : blocks) std::printf(" %7d", bl);
+  if (b.rank == 0)
+    for (int bl : blocks) std::printf(" %7d", bl);
   if (b.rank == 0) std::printf("\n");
   for (size_t bytes : Sizes(8, 256u << 20)) {
     if ((bytes & (bytes - 1)) != 0) continue;
     const bool dense = bytes >= (256u << 10) && bytes <= (64u << 20);  // elsewhere every 16x
-    if (!dense && bytes != 8 && bytes != 128 && bytes != 2048 && bytes != 32768 &&
-        bytes != (256u << 20))
+    if (!dense && bytes != 8 && bytes != 128 && bytes != 2048 && bytes != 32768 && bytes != (256u << 20))
       continue;
     for (int one = 1; one >= 0; --one) {
       if (one && bytes > (16u << 20)) continue;
@@ -507,16 +521,19 @@ ResnetResult RunResnet(Bench& b, Data& d, const std::string& file) {
   }
   const size_t bytes = total * 4;
   auto step = [&] {
-    Check(b.comm->BatchedScaledCopy(in_specs.data(), in_specs.size(), DataType::kFloat32, 1.0, b.stream), "copy in");
+    Check(b.comm->BatchedScaledCopy(in_specs.data(), in_specs.size(), DataType::kFloat32, 1.0, b.stream),
+          "copy in");
     Check(b.comm->Allreduce(reg, reg, total, DataType::kFloat32, ReduceOp::kAverage, b.stream), "allreduce");
-    Check(b.comm->BatchedScaledCopy(out_specs.data(), out_specs.size(), DataType::kFloat32, 1.0, b.stream), "copy out");
+    Check(b.comm->BatchedScaledCopy(out_specs.data(), out_specs.size(), DataType::kFloat32, 1.0, b.stream),
+          "copy out");
   };
   res.fused_us = Time(b, bytes, step, 50);
   res.allreduce_only_us = Time(b, bytes, [&] {
     Check(b.comm->Allreduce(reg, reg, total, DataType::kFloat32, ReduceOp::kAverage, b.stream), "allreduce");
   }, 50);
   res.nccl_us = Time(b, bytes, [&] {
-    b.nccl.Check(b.nccl.AllReduce(d.d_in, d.d_ref, total, kNcclFloat32, kNcclAvg, b.nccl.comm, b.stream), "nccl");
+    b.nccl.Check(b.nccl.AllReduce(d.d_in, d.d_ref, total, kNcclFloat32, kNcclAvg, b.nccl.comm, b.stream),
+                 "nccl");
   }, 50);
   // Verify one step: every tensor's elements against the float64 reference / n.
   CheckCuda(cudaMemset(d.d_out, 0xff, bytes), "poison");
@@ -562,8 +579,8 @@ void WriteJson(const Bench& b, const Args& a, const std::string& gpu, const std:
   o << "  ]";
   if (resnet != nullptr)
     o << ",\n  \"resnet50\": {\"tensors\": " << resnet->tensors << ", \"elements\": " << resnet->elements
-      << ", \"fused_step_us\": " << resnet->fused_us << ", \"allreduce_only_us\": "
-      << resnet->allreduce_only_us << ", \"nccl_us\": " << resnet->nccl_us
+      << ", \"fused_step_us\": " << resnet->fused_us
+      << ", \"allreduce_only_us\": " << resnet->allreduce_only_us << ", \"nccl_us\": " << resnet->nccl_us
       << ", \"wrong\": " << resnet->wrong << "}";
   o << "\n}\n";
 }
@@ -604,8 +621,8 @@ int main(int argc, char** argv) {
   gethostname(host_name, sizeof(host_name) - 1);
   const Topology& t = comm->topology();
   if (b.rank == 0)
-    std::printf("# nvgroup allreduce_perf: nranks %d, %d NV-group(s) of %d, NCCL %d, float32 sum\n",
-                b.size, t.group_count, t.group_size, b.nccl.version);
+    std::printf("# nvgroup allreduce_perf: nranks %d, %d NV-group(s) of %d, NCCL %d, float32 sum\n", b.size,
+                t.group_count, t.group_size, b.nccl.version);
   NVG_TOOL_MPI(MPI_Barrier(MPI_COMM_WORLD));
   for (int r = 0; r < b.size; ++r) {
     if (r == b.rank)
@@ -622,13 +639,13 @@ int main(int argc, char** argv) {
   ResnetResult resnet;
   const bool have_resnet = !a.resnet.empty();
   long long wrong = 0;
-  if (a.twoshot_chunk >= 0)
-    Check(SetCudaTwoShotChunk(b.comm, static_cast<size_t>(a.twoshot_chunk)), "chunk");
+  if (a.twoshot_chunk >= 0) Check(SetCudaTwoShotChunk(b.comm, static_cast<size_t>(a.twoshot_chunk)), "chunk");
   if (a.sweep) {
     sweep = RunSweep(b, d);
   } else if (a.pipeline_sweep) {
     sweep = RunPipelineSweep(b, d, a, &wrong);
-    if (b.rank == 0) std::printf("# pipeline sweep: %lld wrong elements %s\n", wrong, wrong == 0 ? "OK" : "FAILED");
+    if (b.rank == 0)
+      std::printf("# pipeline sweep: %lld wrong elements %s\n", wrong, wrong == 0 ? "OK" : "FAILED");
   } else {
     rows = RunTables(b, d, a);
     if (have_resnet) resnet = RunResnet(b, d, a.resnet);
@@ -637,7 +654,8 @@ int main(int argc, char** argv) {
     if (b.rank == 0) {
       std::printf("# Out of bounds values : %lld %s\n", wrong, wrong == 0 ? "OK" : "FAILED");
       // Summary: NV-group against NCCL, same run.
-      std::printf("#\n# summary (out-of-place, float32 sum): time us, busbw GB/s, ratio = NCCL/nvgroup time\n");
+      std::printf(
+          "#\n# summary (out-of-place, float32 sum): time us, busbw GB/s, ratio = NCCL/nvgroup time\n");
       std::printf("#%11s %9s %9s %6s %8s %8s %8s %8s %8s %10s\n", "bytes", "nccl_us", "nvg_us", "ratio",
                   "ncclG_us", "nvgG_us", "nccl_bw", "nvg_bw", "nvgreg_bw", "diff_nccl");
       for (const Row& r : rows) {
@@ -655,14 +673,15 @@ int main(int argc, char** argv) {
         if (n == nullptr) continue;
         std::printf("%12zu %9.2f %9.2f %6.2f %8.2f %8.2f %8.1f %8.1f %8.1f %10lld\n", r.bytes, n->oop_us,
                     r.oop_us, n->oop_us / r.oop_us, ng, vg, BusBw(b.size, r.bytes, n->oop_us),
-                    BusBw(b.size, r.bytes, r.oop_us),
-                    g != nullptr ? BusBw(b.size, r.bytes, g->ip_us) : 0.0, r.diff_vs_nccl);
+                    BusBw(b.size, r.bytes, r.oop_us), g != nullptr ? BusBw(b.size, r.bytes, g->ip_us) : 0.0,
+                    r.diff_vs_nccl);
       }
       if (have_resnet)
-        std::printf("# resnet50 gradients (%d tensors, %zu floats): fused step %.1f us (allreduce %.1f us) "
-                    "vs NCCL %.1f us, wrong %lld\n",
-                    resnet.tensors, resnet.elements, resnet.fused_us, resnet.allreduce_only_us,
-                    resnet.nccl_us, resnet.wrong);
+        std::printf(
+            "# resnet50 gradients (%d tensors, %zu floats): fused step %.1f us (allreduce %.1f us) "
+            "vs NCCL %.1f us, wrong %lld\n",
+            resnet.tensors, resnet.elements, resnet.fused_us, resnet.allreduce_only_us, resnet.nccl_us,
+            resnet.wrong);
     }
   }
   if (b.rank == 0 && !a.json.empty())

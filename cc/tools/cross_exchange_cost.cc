@@ -113,7 +113,8 @@ int main(int argc, char** argv) {
   const CrossExchange::Fold fold = ContiguousHostFold(DataType::kFloat32, ReduceOp::kSum, 1);
   const size_t max_count = max_bytes / sizeof(float);
   std::vector<float> send(max_count), result(max_count), want(max_count);
-  std::vector<char> recv(std::max(x_ag.value()->MaxRecvBytes(max_bytes), x_rs.value()->MaxRecvBytes(max_bytes)));
+  std::vector<char> recv(std::max(x_ag.value()->MaxRecvBytes(max_bytes),
+                                  x_rs.value()->MaxRecvBytes(max_bytes)));
   for (size_t i = 0; i < max_count; ++i) {
     send[i] = static_cast<float>(static_cast<int>((i * 7 + rank) % 13) - 6);
     double s = 0;
@@ -126,27 +127,25 @@ int main(int argc, char** argv) {
   };
   std::vector<Variant> variants;
   variants.push_back({"allgather", [&](size_t n) {
-                        Check(ExchangeOnce(*x_ag.value(), send.data(), recv.data(), result.data(), n, fold), "ag");
-                      }, {}});
+    Check(ExchangeOnce(*x_ag.value(), send.data(), recv.data(), result.data(), n, fold), "ag");
+  }, {}});
   variants.push_back({"rs+ag", [&](size_t n) {
-                        Check(ExchangeOnce(*x_rs.value(), send.data(), recv.data(), result.data(), n, fold), "rs");
-                      }, {}});
+    Check(ExchangeOnce(*x_rs.value(), send.data(), recv.data(), result.data(), n, fold), "rs");
+  }, {}});
   variants.push_back({"no-thread", [&](size_t n) {
-                        Check(ExchangeOnce(*x_caller.value(), send.data(), recv.data(), result.data(), n, fold),
-                              "no-thread");
-                      }, {}});
+    Check(ExchangeOnce(*x_caller.value(), send.data(), recv.data(), result.data(), n, fold), "no-thread");
+  }, {}});
 #if NVG_WITH_BASE_CROSS_EXCHANGE
   variants.push_back({"base", [&](size_t n) {
-                        Check(ExchangeOnce(*x_base.value(), send.data(), recv.data(), result.data(), n, fold),
-                              "base");
-                      }, {}});
+    Check(ExchangeOnce(*x_base.value(), send.data(), recv.data(), result.data(), n, fold), "base");
+  }, {}});
 #endif
   variants.push_back({"mpi", [&](size_t n) {
-                        std::memcpy(result.data(), send.data(), n * sizeof(float));
-                        if (MPI_Allreduce(MPI_IN_PLACE, result.data(), static_cast<int>(n), MPI_FLOAT, MPI_SUM,
-                                          MPI_COMM_WORLD) != MPI_SUCCESS)
-                          Die("MPI_Allreduce");
-                      }, {}});
+    std::memcpy(result.data(), send.data(), n * sizeof(float));
+    if (MPI_Allreduce(MPI_IN_PLACE, result.data(), static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD) !=
+        MPI_SUCCESS)
+      Die("MPI_Allreduce");
+  }, {}});
   double load[3] = {0, 0, 0};
   if (getloadavg(load, 3) < 0) load[0] = -1;
   struct utsname host{};
@@ -155,9 +154,10 @@ int main(int argc, char** argv) {
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   if (rank == 0) {
-    std::printf("# cross_exchange_cost: %d ranks, MPI_THREAD_MULTIPLE=%d, host %s, %s, load %.2f, commit %s%s%s\n",
-                size, provided == MPI_THREAD_MULTIPLE, host.nodename, date, load[0], commit.c_str(),
-                base_commit.empty() ? "" : ", base ", base_commit.c_str());
+    std::printf(
+        "# cross_exchange_cost: %d ranks, MPI_THREAD_MULTIPLE=%d, host %s, %s, load %.2f, commit %s%s%s\n",
+        size, provided == MPI_THREAD_MULTIPLE, host.nodename, date, load[0], commit.c_str(),
+        base_commit.empty() ? "" : ", base ", base_commit.c_str());
     std::printf("# median us per call (max over ranks); allgather = NVGROUP_CROSS_ALLGATHER_MAX_BYTES %zu\n",
                 with_allgather.allgather_max_bytes);
     std::printf("%10s", "bytes");
@@ -203,12 +203,13 @@ int main(int argc, char** argv) {
     if (!json.empty()) {
       FILE* f = std::fopen(json.c_str(), "w");
       if (f == nullptr) Die("cannot write " + json);
-      std::fprintf(f,
-                   "{\"tool\": \"cross_exchange_cost\", \"machine\": \"%s\", \"date\": \"%s\", \"commit\": \"%s\", "
-                   "\"base_commit\": \"%s\", \"ranks\": %d, \"load_before\": %.2f, \"load_after\": %.2f, "
-                   "\"allgather_max_bytes\": %zu, \"wrong\": %lld, \"rows\": [\n%s\n]}\n",
-                   host.nodename, date, commit.c_str(), base_commit.c_str(), size, load[0], load_after[0],
-                   with_allgather.allgather_max_bytes, all_wrong, rows.c_str());
+      std::fprintf(
+          f,
+          "{\"tool\": \"cross_exchange_cost\", \"machine\": \"%s\", \"date\": \"%s\", \"commit\": \"%s\", "
+          "\"base_commit\": \"%s\", \"ranks\": %d, \"load_before\": %.2f, \"load_after\": %.2f, "
+          "\"allgather_max_bytes\": %zu, \"wrong\": %lld, \"rows\": [\n%s\n]}\n",
+          host.nodename, date, commit.c_str(), base_commit.c_str(), size, load[0], load_after[0],
+          with_allgather.allgather_max_bytes, all_wrong, rows.c_str());
       std::fclose(f);
     }
   }

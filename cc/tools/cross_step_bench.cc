@@ -101,10 +101,10 @@ double IdealCrossBytes(const Topology& t, const Knobs& k, size_t capacity, size_
       ch.element_size = es;
       const double slice = static_cast<double>(ch.SliceCount(t.group_rank) * es);
       ++*chunks;
-      if (k.cross_allgather_max_bytes > 0 && (p - 1) * slice <= static_cast<double>(k.cross_allgather_max_bytes))
+      if (k.cross_allgather_max_bytes > 0 &&
+          (p - 1) * slice <= static_cast<double>(k.cross_allgather_max_bytes))
         ideal += (p - 1) * slice;
-      else
-        ideal += 2 * (p - 1) / p * slice;
+      else ideal += 2 * (p - 1) / p * slice;
     }
   }
   return ideal;
@@ -179,8 +179,8 @@ int main(int argc, char** argv) {
     std::printf("# cross_step_bench: %d ranks, %d groups of %d, MPI_THREAD_MULTIPLE=%d, cross step %s\n",
                 t.size, t.group_count, t.group_size, provided == MPI_THREAD_MULTIPLE,
                 cuda_aware ? "on device buffers (CUDA-aware MPI)" : "host-staged (pinned, double-buffered)");
-    std::printf("# %s, %s, commit %s; chunk %zu B, min chunk %zu B, allgather up to %zu B per peer\n", machine,
-                date, commit.c_str(), knobs.pipeline_chunk, knobs.pipeline_min_chunk,
+    std::printf("# %s, %s, commit %s; chunk %zu B, min chunk %zu B, allgather up to %zu B per peer\n",
+                machine, date, commit.c_str(), knobs.pipeline_chunk, knobs.pipeline_min_chunk,
                 knobs.cross_allgather_max_bytes);
     std::printf("# mean us per call, max over ranks, median of %d rounds%12s", kRounds, "");
     for (const Config& c : configs) std::printf(" %12s", c.name);
@@ -261,8 +261,8 @@ int main(int argc, char** argv) {
       NVG_TOOL_MPI(MPI_Allreduce(&differs, &m.ranks_differ, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
       NVG_TOOL_MPI(MPI_Allreduce(&wrong, &m.wrong, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
       NVG_TOOL_MPI(MPI_Allreduce(&nb, &m.not_bitwise, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
-      m.bytes_ok = !hierarchical ||
-                   std::fabs(m.cross_bytes - m.ideal_cross_bytes) <= 0.01 * m.ideal_cross_bytes + 64.0 * chunks;
+      m.bytes_ok = !hierarchical || std::fabs(m.cross_bytes - m.ideal_cross_bytes) <=
+                                        0.01 * m.ideal_cross_bytes + 64.0 * chunks;
       ok = ok && m.wrong == 0 && m.not_bitwise == 0 && m.ranks_differ == 0 && m.bytes_ok;
       r.configs.push_back(m);
     }
@@ -291,7 +291,8 @@ int main(int argc, char** argv) {
         const Measured& m = r.configs[k];
         if (m.wrong || m.not_bitwise || m.ranks_differ || !m.bytes_ok)
           std::printf("  %s: wrong %lld not-bitwise %lld ranks-differ %lld cross-bytes %.0f (ideal %.0f)",
-                      configs[k].name, m.wrong, m.not_bitwise, m.ranks_differ, m.cross_bytes, m.ideal_cross_bytes);
+                      configs[k].name, m.wrong, m.not_bitwise, m.ranks_differ, m.cross_bytes,
+                      m.ideal_cross_bytes);
       }
       std::printf("\n");
     }
@@ -302,22 +303,25 @@ int main(int argc, char** argv) {
     if (f == nullptr) Die("cannot write " + json);
     cudaDeviceProp prop{};
     CheckCuda(cudaGetDeviceProperties(&prop, 0), "props");
-    std::fprintf(f,
-                 "{\"tool\": \"cross_step_bench\", \"machine\": \"%s\", \"date\": \"%s\", \"commit\": \"%s\", "
-                 "\"gpu\": \"%s\", \"ranks\": %d, \"group_count\": %d, \"group_size\": %d, \"cuda_aware_mpi\": %d, "
-                 "\"dtype\": \"float32\", \"op\": \"sum\", \"pipeline_chunk\": %zu, \"pipeline_min_chunk\": %zu, "
-                 "\"cross_allgather_max_bytes\": %zu, \"iters\": %d, \"warmup\": %d, \"rows\": [\n",
-                 machine, date, commit.c_str(), prop.name, t.size, t.group_count, t.group_size, cuda_aware,
-                 knobs.pipeline_chunk, knobs.pipeline_min_chunk, knobs.cross_allgather_max_bytes, iters, warmup);
+    std::fprintf(
+        f,
+        "{\"tool\": \"cross_step_bench\", \"machine\": \"%s\", \"date\": \"%s\", \"commit\": \"%s\", "
+        "\"gpu\": \"%s\", \"ranks\": %d, \"group_count\": %d, \"group_size\": %d, \"cuda_aware_mpi\": %d, "
+        "\"dtype\": \"float32\", \"op\": \"sum\", \"pipeline_chunk\": %zu, \"pipeline_min_chunk\": %zu, "
+        "\"cross_allgather_max_bytes\": %zu, \"iters\": %d, \"warmup\": %d, \"rows\": [\n",
+        machine, date, commit.c_str(), prop.name, t.size, t.group_count, t.group_size, cuda_aware,
+        knobs.pipeline_chunk, knobs.pipeline_min_chunk, knobs.cross_allgather_max_bytes, iters, warmup);
     for (size_t k = 0; k < rows.size(); ++k) {
       const Row& r = rows[k];
       std::fprintf(f, "  {\"bytes\": %zu, \"staged_mpi_us\": %.2f", r.bytes, r.staged_us);
       for (size_t c = 0; c < r.configs.size(); ++c) {
         const Measured& m = r.configs[c];
-        std::fprintf(f, ", \"%s\": {\"us\": %.2f, \"wrong\": %lld, \"not_bitwise\": %lld, \"ranks_differ\": %lld, "
-                     "\"cross_bytes\": %.0f, \"ideal_cross_bytes\": %.0f}",
-                     configs[c].name, m.us, m.wrong, m.not_bitwise, m.ranks_differ, m.cross_bytes,
-                     m.ideal_cross_bytes);
+        std::fprintf(
+            f,
+            ", \"%s\": {\"us\": %.2f, \"wrong\": %lld, \"not_bitwise\": %lld, \"ranks_differ\": %lld, "
+            "\"cross_bytes\": %.0f, \"ideal_cross_bytes\": %.0f}",
+            configs[c].name, m.us, m.wrong, m.not_bitwise, m.ranks_differ, m.cross_bytes,
+            m.ideal_cross_bytes);
       }
       std::fprintf(f, "}%s\n", k + 1 < rows.size() ? "," : "");
     }

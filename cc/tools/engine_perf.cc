@@ -192,32 +192,36 @@ int main(int argc, char** argv) {
   const EngineStats& b = after.value();
   auto per_step = [&](double v) { return v / steps; };
   if (rank == 0)
-    std::printf("# engine_perf phases (rank 0, per step, %s%s): enqueue %.1f us (building the requests %.1f us, "
-                "Enqueue calls %.1f us), enqueue->last done %.1f us | "
-                "engine thread: idle %.1f us, agreement %.1f us, negotiation %.1f us, execution %.1f us | "
-                "%.2f cycles, %.2f agreement allreduces, %.2f buckets, %.2f ready-event waits, %.2f plan launches, "
-                "%.2f negotiation rounds\n",
-                grouped ? "one EnqueueGroup" : "one Enqueue per tensor", inplace ? ", in place" : "",
-                per_step(enqueue_s) * 1e6, per_step(build_s) * 1e6, per_step(enqueue_s - build_s) * 1e6,
-                per_step(drain_s) * 1e6, per_step(b.idle_s - a.idle_s) * 1e6, per_step(b.agree_s - a.agree_s) * 1e6,
-                per_step(b.negotiate_s - a.negotiate_s) * 1e6, per_step(b.execute_s - a.execute_s) * 1e6,
-                per_step(static_cast<double>(b.cycles - a.cycles)),
-                per_step(static_cast<double>(b.agreement_allreduces - a.agreement_allreduces)),
-                per_step(static_cast<double>(b.buckets - a.buckets)),
-                per_step(static_cast<double>(b.ready_event_waits - a.ready_event_waits)),
-                per_step(static_cast<double>(b.plan_launches - a.plan_launches)),
-                per_step(static_cast<double>(b.negotiation_rounds - a.negotiation_rounds)));
-  auto count = [&](uint64_t before_v, uint64_t after_v) { return per_step(static_cast<double>(after_v - before_v)); };
+    std::printf(
+        "# engine_perf phases (rank 0, per step, %s%s): enqueue %.1f us (building the requests %.1f us, "
+        "Enqueue calls %.1f us), enqueue->last done %.1f us | "
+        "engine thread: idle %.1f us, agreement %.1f us, negotiation %.1f us, execution %.1f us | "
+        "%.2f cycles, %.2f agreement allreduces, %.2f buckets, %.2f ready-event waits, %.2f plan launches, "
+        "%.2f negotiation rounds\n",
+        grouped ? "one EnqueueGroup" : "one Enqueue per tensor", inplace ? ", in place" : "",
+        per_step(enqueue_s) * 1e6, per_step(build_s) * 1e6, per_step(enqueue_s - build_s) * 1e6,
+        per_step(drain_s) * 1e6, per_step(b.idle_s - a.idle_s) * 1e6, per_step(b.agree_s - a.agree_s) * 1e6,
+        per_step(b.negotiate_s - a.negotiate_s) * 1e6, per_step(b.execute_s - a.execute_s) * 1e6,
+        per_step(static_cast<double>(b.cycles - a.cycles)),
+        per_step(static_cast<double>(b.agreement_allreduces - a.agreement_allreduces)),
+        per_step(static_cast<double>(b.buckets - a.buckets)),
+        per_step(static_cast<double>(b.ready_event_waits - a.ready_event_waits)),
+        per_step(static_cast<double>(b.plan_launches - a.plan_launches)),
+        per_step(static_cast<double>(b.negotiation_rounds - a.negotiation_rounds)));
+  auto count = [&](uint64_t before_v, uint64_t after_v) {
+    return per_step(static_cast<double>(after_v - before_v));
+  };
   if (rank == 0)
-    std::printf("# engine_perf parts (rank 0, per step): admission %.1f us, cache lookups %.1f us, completions "
-                "%.1f us (CPU only) | %.2f queue entries, %.2f entries admitted one by one, %.2f groups admitted "
-                "whole, %.2f run whole, %.2f turned back into entries\n",
-                per_step(b.admit_s - a.admit_s) * 1e6, per_step(b.lookup_s - a.lookup_s) * 1e6,
-                per_step(b.complete_s - a.complete_s) * 1e6, count(a.queue_entries, b.queue_entries),
-                count(a.admitted_entries, b.admitted_entries),
-                count(a.cached_group_admissions, b.cached_group_admissions),
-                count(a.cached_group_runs, b.cached_group_runs),
-                count(a.cached_group_demotions, b.cached_group_demotions));
+    std::printf(
+        "# engine_perf parts (rank 0, per step): admission %.1f us, cache lookups %.1f us, completions "
+        "%.1f us (CPU only) | %.2f queue entries, %.2f entries admitted one by one, %.2f groups admitted "
+        "whole, %.2f run whole, %.2f turned back into entries\n",
+        per_step(b.admit_s - a.admit_s) * 1e6, per_step(b.lookup_s - a.lookup_s) * 1e6,
+        per_step(b.complete_s - a.complete_s) * 1e6, count(a.queue_entries, b.queue_entries),
+        count(a.admitted_entries, b.admitted_entries),
+        count(a.cached_group_admissions, b.cached_group_admissions),
+        count(a.cached_group_runs, b.cached_group_runs),
+        count(a.cached_group_demotions, b.cached_group_demotions));
 
   // In place, the timed steps averaged the inputs over and over: put them back
   // and run the step once more, so the check below sees one step's result.
@@ -294,27 +298,30 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < counts[t]; ++i) {
         double ref = 0, magnitude = 0;
         for (int r = 0; r < size; ++r) {
-          const double x = static_cast<double>(static_cast<float>(2.0 * Uniform(t + 1, r, i) - 1.0)) * v.prescale;
+          const double x = static_cast<double>(static_cast<float>(2.0 * Uniform(t + 1, r, i) - 1.0)) *
+                           v.prescale;
           ref += x;
           magnitude += std::fabs(x);
         }
         ref *= v.postscale;
-        if (!(std::fabs(got[i] - ref) <= (size + 3.0) * std::ldexp(1.0, -24) * magnitude * std::fabs(v.postscale)))
+        if (!(std::fabs(got[i] - ref) <=
+              (size + 3.0) * std::ldexp(1.0, -24) * magnitude * std::fabs(v.postscale)))
           ++bad;
       }
     }
-    if (rank == 0) std::printf("# engine_perf check %s (pre %g, post %g): %lld wrong of %zu\n", v.name, v.prescale,
-                               v.postscale, bad, total);
+    if (rank == 0)
+      std::printf("# engine_perf check %s (pre %g, post %g): %lld wrong of %zu\n", v.name, v.prescale,
+                  v.postscale, bad, total);
     variant_wrong += bad;
   }
   wrong += variant_wrong;
   long long all_wrong = 0;
   NVG_TOOL_MPI(MPI_Allreduce(&wrong, &all_wrong, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
   if (rank == 0)
-    std::printf("# engine_perf: %d ranks, %d tensors, %zu floats (%.1f MB, %s): %.1f us per step "
-                "(mean of %d, enqueue -> last callback), wrong %lld\n",
-                size, n, total, total * 4 / 1e6, cpu ? "host memory" : "device memory", sum / size, steps,
-                all_wrong);
+    std::printf(
+        "# engine_perf: %d ranks, %d tensors, %zu floats (%.1f MB, %s): %.1f us per step "
+        "(mean of %d, enqueue -> last callback), wrong %lld\n",
+        size, n, total, total * 4 / 1e6, cpu ? "host memory" : "device memory", sum / size, steps, all_wrong);
   for (int t = 0; t < n; ++t) {
     if (cpu) {
       std::free(d_in[t]);

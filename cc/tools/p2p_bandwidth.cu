@@ -74,8 +74,8 @@ int main(int argc, char** argv) {
     sync();
     Check(cudaGetLastError(), "launch");
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("%-6s %-9s blocks %4d: %7.1f GB/s per direction\n", name,
-                ways == 1 ? "one-way" : "both-ways", blocks, bytes * iters / sec / 1e9);
+    std::printf("%-6s %-9s blocks %4d: %7.1f GB/s per direction\n", name, ways == 1 ? "one-way" : "both-ways",
+                blocks, bytes * iters / sec / 1e9);
   };
   std::printf("# p2p_bandwidth: %zu MiB per direction, GPU 0 <-> GPU 1\n", bytes >> 20);
   for (int ways = 1; ways <= 2; ++ways) {

@@ -67,30 +67,31 @@ inline double Uniform(uint64_t seed, int rank, size_t i) {  // [0, 1)
 
 // Element i of `rank`'s input for (seed, dtype, op): values that keep every
 // op finite (products near 1, integer sums small), exactly representable.
-inline void FillInput(uint64_t seed, int rank, DataType dtype, ReduceOp op, size_t count,
-                      void* dst) {
+inline void FillInput(uint64_t seed, int rank, DataType dtype, ReduceOp op, size_t count, void* dst) {
   const bool prod = op == ReduceOp::kProduct;
   for (size_t i = 0; i < count; ++i) {
     const double u = Uniform(seed, rank, i);
     const double f = prod ? 0.5 + 1.5 * u : 2.0 * u - 1.0;
     switch (dtype) {
       case DataType::kFloat16: static_cast<uint16_t*>(dst)[i] = FloatToHalf(static_cast<float>(f)); break;
-      case DataType::kBFloat16: static_cast<uint16_t*>(dst)[i] = FloatToBFloat16(static_cast<float>(f)); break;
+      case DataType::kBFloat16:
+        static_cast<uint16_t*>(dst)[i] = FloatToBFloat16(static_cast<float>(f));
+        break;
       case DataType::kFloat32: static_cast<float*>(dst)[i] = static_cast<float>(f); break;
       case DataType::kFloat64: static_cast<double*>(dst)[i] = f; break;
       case DataType::kInt32:
         static_cast<int32_t*>(dst)[i] =
             prod ? static_cast<int32_t>(u * 7) - 3
-                 : (op == ReduceOp::kSum || op == ReduceOp::kAverage)
-                       ? static_cast<int32_t>(u * 2001) - 1000
-                       : static_cast<int32_t>(Mix(i ^ (static_cast<uint64_t>(rank) << 40) ^ seed));
+            : (op == ReduceOp::kSum || op == ReduceOp::kAverage)
+                ? static_cast<int32_t>(u * 2001) - 1000
+                : static_cast<int32_t>(Mix(i ^ (static_cast<uint64_t>(rank) << 40) ^ seed));
         break;
       case DataType::kInt64:
         static_cast<int64_t*>(dst)[i] =
             prod ? static_cast<int64_t>(u * 7) - 3
-                 : (op == ReduceOp::kSum || op == ReduceOp::kAverage)
-                       ? static_cast<int64_t>(u * 2000001) - 1000000
-                       : static_cast<int64_t>(Mix(i ^ (static_cast<uint64_t>(rank) << 40) ^ seed));
+            : (op == ReduceOp::kSum || op == ReduceOp::kAverage)
+                ? static_cast<int64_t>(u * 2000001) - 1000000
+                : static_cast<int64_t>(Mix(i ^ (static_cast<uint64_t>(rank) << 40) ^ seed));
         break;
       default: Die("FillInput: unsupported dtype");
     }

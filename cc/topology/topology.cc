@@ -48,8 +48,7 @@ TopologyComms::~TopologyComms() {
 Status SplitNodes(MPI_Comm comm, Topology* topo, TopologyComms* comms) {
   NVG_MPI_CHECK(MPI_Comm_rank(comm, &topo->rank));
   NVG_MPI_CHECK(MPI_Comm_size(comm, &topo->size));
-  NVG_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, topo->rank, MPI_INFO_NULL,
-                                    &comms->local));
+  NVG_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, topo->rank, MPI_INFO_NULL, &comms->local));
   NVG_MPI_CHECK(MPI_Comm_rank(comms->local, &topo->local_rank));
   NVG_MPI_CHECK(MPI_Comm_size(comms->local, &topo->local_size));
   NVG_RETURN_IF_ERROR(NumberLeaders(comm, comms->local, topo->local_rank == 0, &topo->node_index,
@@ -72,17 +71,16 @@ Status SplitGroups(MPI_Comm comm, int requested_group_size, const char* source, 
   const int g_min = agreed[0], g_max = -agreed[1];
   const int node_min = agreed[2], node_max = -agreed[3];
   const bool divides = agreed[4] == 1;
-  const std::string nodes = node_min == node_max
-                                ? std::to_string(node_min) + " ranks per node"
-                                : std::to_string(node_min) + " to " + std::to_string(node_max) +
-                                      " ranks per node";
+  const std::string nodes = node_min == node_max ? std::to_string(node_min) + " ranks per node"
+                                                 : std::to_string(node_min) + " to " +
+                                                       std::to_string(node_max) + " ranks per node";
   if (g_min != g_max)
     return Status::InvalidArgument(std::string(source) + " differs across ranks (values from " +
                                    std::to_string(g_min) + " to " + std::to_string(g_max) +
                                    "); set the same group size on every rank");
   if (requested_group_size <= 0 && node_min != node_max)
-    return Status::InvalidArgument("nodes have different rank counts (" + nodes +
-                                   "): set " + source + " to a common divisor");
+    return Status::InvalidArgument("nodes have different rank counts (" + nodes + "): set " + source +
+                                   " to a common divisor");
   if (!divides)
     return Status::InvalidArgument(std::string(source) + "=" + std::to_string(g) +
                                    " does not divide the ranks of every node (" + nodes +

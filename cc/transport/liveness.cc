@@ -22,8 +22,12 @@ using namespace liveness_wire;  // NOLINT: the channel's records and helpers
 
 LivenessMonitor::LivenessMonitor(int rank, int size, std::vector<std::string> hosts,
                                  std::vector<int64_t> pids, LostCallback on_lost)
-    : rank_(rank), size_(size), hosts_(std::move(hosts)), pids_(std::move(pids)),
-      on_lost_(std::move(on_lost)), peers_(size) {}
+    : rank_(rank),
+      size_(size),
+      hosts_(std::move(hosts)),
+      pids_(std::move(pids)),
+      on_lost_(std::move(on_lost)),
+      peers_(size) {}
 
 LivenessMonitor::~LivenessMonitor() {
   Close();
@@ -45,7 +49,8 @@ void LivenessMonitor::Close() {
 
 std::string LivenessMonitor::DescribeRank(int rank) const {
   if (rank < 0 || rank >= size_) return "rank " + std::to_string(rank);
-  return "rank " + std::to_string(rank) + " (host " + hosts_[rank] + ", pid " + std::to_string(pids_[rank]) + ")";
+  return "rank " + std::to_string(rank) + " (host " + hosts_[rank] + ", pid " + std::to_string(pids_[rank]) +
+         ")";
 }
 
 void LivenessMonitor::Run() {
@@ -141,7 +146,8 @@ void LivenessMonitor::HandleFrame(int from, const Frame& f) {
   // Rank 0's suspicion rides on its heartbeat.
   forwarded_text_.clear();
   forwarded_suspect_ = f.aux == kNoSuspect ? -1 : f.rank;
-  if (forwarded_suspect_ >= 0) forwarded_text_ = SuspectText(f.rank, f.aux, static_cast<double>(f.b) / 1000.0);
+  if (forwarded_suspect_ >= 0)
+    forwarded_text_ = SuspectText(f.rank, f.aux, static_cast<double>(f.b) / 1000.0);
 }
 
 std::string LivenessMonitor::SuspectText(int rank, uint32_t reason, double seconds) const {

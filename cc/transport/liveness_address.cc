@@ -85,14 +85,15 @@ StatusOr<std::vector<uint32_t>> ChooseLivenessAddresses(const std::vector<NetInt
     if (out.empty())
       return Result(Status::InvalidArgument("NVGROUP_LIVENESS_IFACE=" + settings.interface +
                                             ": no IPv4 address on that interface (interfaces with "
-                                            "one: " + have.str() + ")"));
+                                            "one: " +
+                                            have.str() + ")"));
     return Result(out);
   }
   auto rank_of = [&](const NetInterface& i) {
     for (const std::string& m : settings.mpi_interfaces)
       if (m == i.name || InSubnet(m, i.address)) return 0;
-    if (std::find(settings.hostname_addresses.begin(), settings.hostname_addresses.end(),
-                  i.address) != settings.hostname_addresses.end())
+    if (std::find(settings.hostname_addresses.begin(), settings.hostname_addresses.end(), i.address) !=
+        settings.hostname_addresses.end())
       return 1;
     if (IsBridge(i.name) || (ntohl(i.address) >> 16) == ((169u << 8) | 254u)) return 3;
     return 2;
@@ -100,9 +101,8 @@ StatusOr<std::vector<uint32_t>> ChooseLivenessAddresses(const std::vector<NetInt
   std::vector<NetInterface> usable;
   for (const NetInterface& i : interfaces)
     if ((ntohl(i.address) >> 24) != 127) usable.push_back(i);
-  std::stable_sort(usable.begin(), usable.end(), [&](const NetInterface& a, const NetInterface& b) {
-    return rank_of(a) < rank_of(b);
-  });
+  std::stable_sort(usable.begin(), usable.end(),
+                   [&](const NetInterface& a, const NetInterface& b) { return rank_of(a) < rank_of(b); });
   std::vector<uint32_t> out;
   for (const NetInterface& i : usable)
     if (std::find(out.begin(), out.end(), i.address) == out.end()) out.push_back(i.address);

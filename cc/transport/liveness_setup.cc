@@ -43,7 +43,8 @@ Status WaitRequest(MPI_Request* req, double deadline, const char* what) {
     NVG_MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
     if (done) return Status::Ok();
     if (Now() > deadline)
-      return Status::Unavailable(std::string("timed out in ") + what + " while setting up dead-rank detection");
+      return Status::Unavailable(std::string("timed out in ") + what +
+                                 " while setting up dead-rank detection");
     usleep(200);
   }
 }
@@ -167,10 +168,12 @@ Status AcceptRound(SetupSockets* s, const uint8_t* secret, int size, double wait
   for (size_t i = 0; i < s->pending.size(); ++i) {
     if (p[listeners + i].revents == 0) continue;
     Unauthenticated& u = s->pending[i];
-    ssize_t got = recv(u.fd, reinterpret_cast<char*>(&u.hello) + u.got, sizeof(u.hello) - u.got, MSG_DONTWAIT);
+    ssize_t got = recv(u.fd, reinterpret_cast<char*>(&u.hello) + u.got, sizeof(u.hello) - u.got,
+                       MSG_DONTWAIT);
     if (got < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     if (got <= 0) {
-      s->Refuse(&u, got == 0 ? "closed before a complete HELLO" : "failed: " + std::string(std::strerror(errno)));
+      s->Refuse(&u,
+                got == 0 ? "closed before a complete HELLO" : "failed: " + std::string(std::strerror(errno)));
       continue;
     }
     u.got += static_cast<size_t>(got);
@@ -186,7 +189,8 @@ Status AcceptRound(SetupSockets* s, const uint8_t* secret, int size, double wait
     for (;;) {  // everything queued
       sockaddr_in peer{};
       socklen_t len = sizeof(peer);
-      int fd = accept4(s->listen_fds[i], reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      int fd = accept4(s->listen_fds[i], reinterpret_cast<sockaddr*>(&peer), &len,
+                       SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd < 0 && errno == EINTR) continue;
       if (fd < 0) break;  // EAGAIN: none left; anything else: next round
       if (s->pending.size() >= kMaxUnauthenticated) {
@@ -224,7 +228,8 @@ Status AcceptRound(SetupSockets* s, const uint8_t* secret, int size, double wait
 // setup. The listening sockets (only on the published addresses) are closed
 // when Create returns; a frame on rank k's socket is rank k's whatever its
 // rank field says, and only placed sockets get or give heartbeats.
-StatusOr<std::unique_ptr<LivenessMonitor>> LivenessMonitor::Create(MPI_Comm comm, const LivenessSettings& settings,
+StatusOr<std::unique_ptr<LivenessMonitor>> LivenessMonitor::Create(MPI_Comm comm,
+                                                                   const LivenessSettings& settings,
                                                                    LostCallback on_lost) {
   const double deadline = Now() + settings.timeout_s;
   int rank = 0, size = 1;
@@ -260,7 +265,8 @@ StatusOr<std::unique_ptr<LivenessMonitor>> LivenessMonitor::Create(MPI_Comm comm
     explicit TestingAddresses(const RootAddress& root) {
       std::lock_guard<std::mutex> lock(g_testing_mu);
       g_listening.clear();
-      for (int i = 0; i < root.count; ++i) g_listening.emplace_back(AddressText(root.addresses[i]), root.ports[i]);
+      for (int i = 0; i < root.count; ++i)
+        g_listening.emplace_back(AddressText(root.addresses[i]), root.ports[i]);
     }
     ~TestingAddresses() {
       std::lock_guard<std::mutex> lock(g_testing_mu);
@@ -350,8 +356,8 @@ StatusOr<std::unique_ptr<LivenessMonitor>> LivenessMonitor::Create(MPI_Comm comm
                                (why.empty() ? std::string("a rank could not connect") : why) + ")");
   }
 
-  std::unique_ptr<LivenessMonitor> m(
-      new LivenessMonitor(rank, size, std::move(hosts), std::move(pids), std::move(on_lost)));
+  std::unique_ptr<LivenessMonitor> m(new LivenessMonitor(rank, size, std::move(hosts), std::move(pids),
+                                                         std::move(on_lost)));
   // The sockets are handed over before the thread starts.
   const double now = Now();
   for (int r = 0; r < size; ++r) {

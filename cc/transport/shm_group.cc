@@ -25,8 +25,7 @@ struct ShmGroup::Control {
   alignas(64) std::atomic<uint64_t> arrived;  // last barrier generation entered
   alignas(64) std::atomic<uint32_t> failed;   // nonzero once the owner gave up
 };
-static_assert(std::atomic<uint64_t>::is_always_lock_free &&
-                  std::atomic<uint32_t>::is_always_lock_free,
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
               "process-shared atomics must be lock free (address free)");
 
 namespace {
@@ -110,8 +109,7 @@ Status AgreeOnSetup(MPI_Comm group_comm, const Status& local, const std::vector<
   for (size_t m = 0; m < all.size(); ++m)
     if (all[m] != 0)
       return Status::Unavailable(std::string(step) + " failed on group rank " + std::to_string(m) +
-                                 " (rank " + std::to_string(global_ranks[m]) +
-                                 "); see that rank's error");
+                                 " (rank " + std::to_string(global_ranks[m]) + "); see that rank's error");
   return Status::Ok();
 }
 
@@ -182,8 +180,8 @@ ShmGroup::Control* ShmGroup::control(int m) const {
 }
 
 StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Create(MPI_Comm group_comm,
-                                                     const std::vector<int>& global_ranks,
-                                                     size_t capacity, double timeout_seconds,
+                                                     const std::vector<int>& global_ranks, size_t capacity,
+                                                     double timeout_seconds,
                                                      const std::atomic<bool>* abort_flag) {
   std::unique_ptr<ShmGroup> g(new ShmGroup());
   NVG_MPI_CHECK(MPI_Comm_rank(group_comm, &g->member_));
@@ -206,8 +204,7 @@ StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Create(MPI_Comm group_comm,
   // by a crashed job from colliding with a later job whose leader got the
   // same pid (containers).
   uint64_t stem[3] = {static_cast<uint64_t>(getpid()), g_segment_counter.fetch_add(1),
-                      static_cast<uint64_t>(
-                          std::chrono::steady_clock::now().time_since_epoch().count())};
+                      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count())};
   NVG_MPI_CHECK(MPI_Bcast(stem, 3, MPI_UINT64_T, 0, group_comm));
   const uint64_t mine[2] = {static_cast<uint64_t>(getpid()), PidNamespace()};
   std::vector<uint64_t> creators(2 * n);
@@ -249,9 +246,7 @@ ShmGroup::~ShmGroup() {
     if (seg != nullptr) munmap(seg, kControlBytes + capacity_);
 }
 
-void ShmGroup::MarkFailed() {
-  control(member_)->failed.store(1, std::memory_order_release);
-}
+void ShmGroup::MarkFailed() { control(member_)->failed.store(1, std::memory_order_release); }
 
 Status ShmGroup::Barrier(const char* what) {
   if (control(member_)->failed.load(std::memory_order_acquire) != 0)

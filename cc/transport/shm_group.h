@@ -73,8 +73,7 @@ class ShmGroup {
   // `group_comm`: the group, ordered by group_rank. `global_ranks[m]`: rank of
   // member m in the communicator's MPI communicator (for error messages).
   // `abort_flag` must outlive the group.
-  static StatusOr<std::unique_ptr<ShmGroup>> Create(MPI_Comm group_comm,
-                                                    const std::vector<int>& global_ranks,
+  static StatusOr<std::unique_ptr<ShmGroup>> Create(MPI_Comm group_comm, const std::vector<int>& global_ranks,
                                                     size_t capacity, double timeout_seconds,
                                                     const std::atomic<bool>* abort_flag);
   ~ShmGroup();

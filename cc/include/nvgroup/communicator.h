@@ -89,12 +89,12 @@ class Collectives {
   // `stream` reaches this point. Calls on different streams are serialized by
   // the communicator; a call may be captured in a CUDA graph (one NV-group),
   // whose replays the caller orders with the communicator's other calls.
-  virtual Status Allreduce(const void* in, void* out, size_t count, DataType dtype,
-                           ReduceOp op, void* stream) = 0;
+  virtual Status Allreduce(const void* in, void* out, size_t count, DataType dtype, ReduceOp op,
+                           void* stream) = 0;
 
   // out = concatenation over ranks of each rank's `bytes_per_rank[r]` bytes.
-  virtual Status Allgatherv(const void* in, void* out,
-                            const std::vector<size_t>& bytes_per_rank, void* stream) = 0;
+  virtual Status Allgatherv(const void* in, void* out, const std::vector<size_t>& bytes_per_rank,
+                            void* stream) = 0;
 
   // buf on every rank = buf on `root`.
   virtual Status Broadcast(void* buf, size_t bytes, int root, void* stream) = 0;
@@ -113,8 +113,8 @@ class Collectives {
   // NVGROUP_ALLREDUCE_ALGORITHM=mpi the flat allreduce, then the rank's rows.
   // `out` must not overlap the registered buffer; `in` may be the registered
   // buffer from its start (it is left unchanged).
-  virtual Status ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts,
-                               DataType dtype, ReduceOp op, void* stream) = 0;
+  virtual Status ReduceScatter(const void* in, void* out, const std::vector<size_t>& counts, DataType dtype,
+                               ReduceOp op, void* stream) = 0;
 
   // All-to-all on bytes: send_bytes[r] bytes (consecutive in `in`, rank order)
   // go to rank r; recv_bytes[r] bytes from rank r land consecutively in `out`.
@@ -149,8 +149,8 @@ class StreamHelpers {
     void* dst;
     size_t count;  // elements
   };
-  virtual Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype,
-                                   double scale, void* stream) = 0;
+  virtual Status BatchedScaledCopy(const CopySpec* copies, size_t num_copies, DataType dtype, double scale,
+                                   void* stream) = 0;
 
   // Blocks the calling host thread until all work on `stream` is done; reports
   // a failure of the collectives queued on it (a dead or hung peer) as their
@@ -211,11 +211,11 @@ class Communicator : public Collectives, public StreamHelpers {
       if (mark != nullptr) mark(context, phase, begin);
     }
   };
-  virtual Status FusedAllreduce(const FusedMember* members, size_t num_members, size_t bytes,
-                                DataType dtype, ReduceOp op, double prescale, double postscale,
-                                void* stream, const PhaseObserver& observer) {
-    return FusedAllreduceThroughBuffer(members, num_members, bytes, dtype, op, prescale, postscale,
-                                       stream, observer);
+  virtual Status FusedAllreduce(const FusedMember* members, size_t num_members, size_t bytes, DataType dtype,
+                                ReduceOp op, double prescale, double postscale, void* stream,
+                                const PhaseObserver& observer) {
+    return FusedAllreduceThroughBuffer(members, num_members, bytes, dtype, op, prescale, postscale, stream,
+                                       observer);
   }
 
  protected:
@@ -270,8 +270,10 @@ class Communicator : public Collectives, public StreamHelpers {
     observer(FusedPhase::kReduce, false);
     observer(FusedPhase::kCopyOut, true);
     Status s;
-    if (!first.empty()) s = BatchedScaledCopy(first.data(), first.size(), dtype, pre ? prescale : postscale, stream);
-    if (s.ok() && !second.empty()) s = BatchedScaledCopy(second.data(), second.size(), dtype, postscale, stream);
+    if (!first.empty())
+      s = BatchedScaledCopy(first.data(), first.size(), dtype, pre ? prescale : postscale, stream);
+    if (s.ok() && !second.empty())
+      s = BatchedScaledCopy(second.data(), second.size(), dtype, postscale, stream);
     observer(FusedPhase::kCopyOut, false);
     return s;
   }
@@ -287,8 +289,9 @@ class Communicator : public Collectives, public StreamHelpers {
 // (MPI_Comm_c2f; -1 = MPI_COMM_WORLD) for `device`, with the settings `knobs`
 // (see Settings above; read during the call only). Collective over that
 // communicator: every rank must call it. MPI must already be initialized.
-StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(
-    int64_t mpi_comm_fortran, Device device, const Knobs& knobs,
-    const CommunicatorOptions& options = CommunicatorOptions());
+StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(int64_t mpi_comm_fortran, Device device,
+                                                           const Knobs& knobs,
+                                                           const CommunicatorOptions& options =
+                                                               CommunicatorOptions());
 
 }  // namespace nvgroup

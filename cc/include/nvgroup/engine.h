@@ -35,8 +35,7 @@ using DoneCallback = std::function<void(const Status&)>;
 // Allgather's output size is known only after negotiation (first dimensions may
 // differ across ranks): the engine asks the adapter to allocate it.
 // Returns the output pointer (on the request's device) through `out`.
-using AllocateOutputFn =
-    std::function<Status(const std::vector<int64_t>& output_shape, void** out)>;
+using AllocateOutputFn = std::function<Status(const std::vector<int64_t>& output_shape, void** out)>;
 
 struct CollectiveRequest {
   std::string name;                 // unique among in-flight requests; same on every rank
@@ -201,8 +200,10 @@ struct EngineStats {
   uint64_t cached_group_admissions = 0;  // groups admitted whole (one plan lookup, no per-member state)
   uint64_t cached_group_runs = 0;        // of those, groups run whole from their plan
   uint64_t cached_group_demotions = 0;   // groups turned back into entries (a round, a stall, a join)
-  uint64_t groups_not_batched = 0;       // admission batching ended at once by a grouped collective (tensor_queue.h)
-  uint64_t lone_requests_not_batched = 0;  // lone requests taken without waiting out the admission gap (tensor_queue.h)
+  uint64_t groups_not_batched =
+      0;       // admission batching ended at once by a grouped collective (tensor_queue.h)
+  uint64_t lone_requests_not_batched =
+      0;  // lone requests taken without waiting out the admission gap (tensor_queue.h)
   // Seconds the background thread spent, per phase.
   double idle_s = 0;       // waiting for requests (the cycle wait and admission batching)
   double agree_s = 0;      // the cycle's agreement allreduce (cache bits, plan ids, flags)
@@ -210,7 +211,8 @@ struct EngineStats {
   double execute_s = 0;    // communicator calls, fusion copies and done callbacks
   // Parts of the phases above (background thread):
   double admit_s = 0;      // admitting the cycle's submissions (in agree_s)
-  double lookup_s = 0;     // cache lookups: this rank's cache bits (in agree_s) and taking the hits (in negotiate_s)
+  double lookup_s =
+      0;     // cache lookups: this rank's cache bits (in agree_s) and taking the hits (in negotiate_s)
   double complete_s = 0;   // completions: in-flight names released, done callbacks run (in execute_s; CPU)
 };
 
