@@ -15,8 +15,12 @@ of it:
      leave, and the job is relaunched on 3 ranks from that commit;
   3. the committed batch counter never goes back by more than one commit (the
      program commits every batch).
-The Keras MNIST program and the synthetic benchmark each get case 1 (a kill,
-then the job goes on with 2 and finishes with one model on every rank). The
+The Keras MNIST program and the synthetic benchmark each go through the same
+story in one run of their own (example_story, parametrized by program), with
+the same three checks: the kill, the growth back to 3 ranks (read from the
+driver's log and from the program's own output of hvd.size()), and their
+committed counters (epoch and batch; iter, img_secs and warm; and the commit
+counter of every relaunch) never going back by more than one commit. The
 stand-in MNIST is 8x8 random images (the programs' models build on the first
 batch's shape), so a step costs milliseconds; the benchmark runs
 MobileNetV3Small on batches of 2 for a few iterations (its flags). After every
@@ -28,6 +32,7 @@ These whole jobs take minutes on the 2-core CI machine: they are marked slow
 --min-np for --elastic-timeout, a broken discovery script, the reset limit,
 the blacklist, malformed settings) run a tiny program without TensorFlow.
 """
+import ast
 import os
 import re
 import signal
@@ -335,53 +340,276 @@ def test_committed_batches_never_go_back_more_than_one_commit(story):
 
 # ------------------------------------------- the other two TF2 elastic examples
 
-# (program, its flags, the output line after which a worker is killed, the
-# progress lines before it: (pattern with one group, the state attribute the
-# group counts, how far the committed value may be behind the last one seen)).
-# The Keras program commits every batch (CommitStateCallback) and prints
-# "Epoch k/24" as epoch k-1 starts: the resumed epoch is the one in progress or
-# the next. The benchmark prints "Iter #x" and then commits iter=x: the resumed
-# iter is x, or x-1 when the kill cut that commit off.
-OTHER_EXAMPLES = [
-    ("tensorflow2_keras_mnist_elastic.py", [], r"^Epoch 3/24", (r"^Epoch (\d+)/24", "epoch", 1)),
-    ("tensorflow2_synthetic_benchmark_elastic.py",
-     ["--model", "MobileNetV3Small", "--batch-size", "2", "--num-warmup-batches", "2",
-      "--num-batches-per-iter", "2", "--num-iters", "5", "--no-cuda"], r"^Iter #1:", (r"^Iter #(\d+):", "iter", 1)),
-]
+# The Keras MNIST program and the synthetic benchmark each go through the same
+# story as MNIST, in one run per program (example_story): at a progress line of
+# launch 0 one worker is SIGKILLed while S says 2 slots; launch 1 goes on with 2
+# ranks from the last commit; at its first progress line S says 3 slots again
+# and the job grows back to 3 ranks (launch 2), which finishes.
+#
+# What they commit and print:
+#  * Keras MNIST commits after every batch (state.batch = the batch's index in
+#    its epoch) and at every epoch end (state.epoch + 1, batch 0)
+#    (CommitStateCallback, batches_per_commit=1). Every rank prints "Epoch k/N"
+#    as the k-th epoch of its fit starts, N = 24 - state.epoch at the launch's
+#    start (fit(epochs=24 - state.epoch)): the epoch in progress is 24 - N + k - 1,
+#    and the epoch end's commit before it is written (a commit ends with a
+#    broadcast from rank 0, which writes the commit first). Its progress lines
+#    "b/S" show the launch's steps per epoch S = 500 // hvd.size(). After a
+#    resume fit runs the resumed epoch from its batch 0 again (Keras 3's fit
+#    keeps its own step count, nvgroup_tf/keras/elastic.py), so state.batch
+#    restarts there; state.epoch and the commit counter only go forward.
+#  * The synthetic benchmark commits after every batch (batch=0), once after the
+#    warm-up (warm=True) and after each iteration (iter=x, img_secs + [its
+#    img/sec]); rank 0 prints "Iter #x: v img/sec per CPU" just before committing
+#    iter=x, "Number of CPUs: n" at every start and "Total img/sec on n CPU(s)"
+#    at the end. A resumed iter=x runs iteration x again (its loop starts at
+#    state.iter).
+# The commit counter (one more at every commit()) is in the workers' messages:
+# "launch L resumes from commit M", "state written at commit M" (ranks leaving
+# for new hosts: one more commit, of the state of the commit before it), and
+# "leaving for the driver to relaunch from commit M" (a survivor of the kill).
+
+KERAS_EPOCHS = 24          # tensorflow2_keras_mnist_elastic.py: 24 epochs
+KERAS_STEPS = 500          # of 500 // hvd.size() steps
+BENCH_WARMUP = 2           # --num-warmup-batches
+BENCH_BATCHES = 2          # --num-batches-per-iter
+BENCH_ITERS = 8            # --num-iters: iterations left for the grow after its first one on 2 ranks
+
+OTHER_EXAMPLES = {
+    "tensorflow2_keras_mnist_elastic": dict(
+        program="tensorflow2_keras_mnist_elastic.py", args=[],
+        start=dict(epoch=0, batch=0),  # KerasState(model, batch=0, epoch=0)
+        kill_after=r"Epoch 3/24\s*$",
+        # launch 1 finished a whole epoch on 2 ranks: "Epoch 2/N" of its fit
+        grow_after=lambda attrs: r"Epoch 2/%d\s*$" % (KERAS_EPOCHS - attrs["epoch"])),
+    "tensorflow2_synthetic_benchmark_elastic": dict(
+        program="tensorflow2_synthetic_benchmark_elastic.py",
+        args=["--model", "MobileNetV3Small", "--batch-size", "2", "--num-warmup-batches", str(BENCH_WARMUP),
+              "--num-batches-per-iter", str(BENCH_BATCHES), "--num-iters", str(BENCH_ITERS), "--no-cuda"],
+        start=dict(img_secs=[], iter=0, batch=0, warm=False),
+        kill_after=r"^Iter #1:",
+        grow_after=lambda attrs: r"^Iter #\d+:"),
+}
+
+
+def _plain(line):
+    """The line without its terminal colours (Keras's progress bar has them)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", line)
+
+
+def _keras_epochs(lines):
+    """(line index, epoch in progress) of every "Epoch k/N" line. (A fit of one
+    epoch, as the program's warm-up and reset fits, prints none.)"""
+    out = []
+    for i, line in enumerate(lines):
+        m = re.search(r"Epoch (\d+)/(\d+)\s*$", _plain(line))
+        if m:
+            out.append((i, KERAS_EPOCHS - int(m.group(2)) + int(m.group(1)) - 1))
+    return out
+
+
+def _keras_steps_seen(lines, steps):
+    """Whether a progress line "b/steps" is among lines."""
+    return any(re.match(r"^\s*\d+/%d\s" % steps, _plain(line)) for line in lines)
+
+
+def _bench_iters(lines):
+    """(line index, x, the printed img/sec) of every "Iter #x: v img/sec" line."""
+    out = []
+    for i, line in enumerate(lines):
+        m = re.search(r"Iter #(\d+): ([\d.]+) img/sec", line)
+        if m:
+            out.append((i, int(m.group(1)), float(m.group(2))))
+    return out
+
+
+def _committed(name, start, size, n):
+    """The program's committed attributes n commits after a launch of `size`
+    ranks started from the attributes `start` (see above)."""
+    if "img_secs" in start:
+        start = dict(start, img_secs=len(start["img_secs"]))  # compared by their count
+    if n == 0:
+        return dict(start)
+    if name.startswith("tensorflow2_keras"):
+        epochs, r = divmod(n, KERAS_STEPS // size + 1)  # its batches' commits, then the epoch end's
+        return dict(epoch=start["epoch"] + epochs, batch=r - 1 if r else 0)
+    warm, it, imgs = start["warm"], start["iter"], start["img_secs"]
+    if not warm:
+        if n <= BENCH_WARMUP:
+            return dict(start)
+        n -= BENCH_WARMUP + 1
+        warm = True
+    done = n // (BENCH_BATCHES + 1)
+    return dict(warm=warm, iter=it + done - 1 if done else it, batch=0, img_secs=imgs + done)
+
+
+def _attrs(line):
+    """The committed attributes a resume line prints, "(name=repr, ...)": name -> value."""
+    call = ast.parse("f(%s)" % line.split(" (", 1)[1].rsplit(")", 1)[0], mode="eval").body
+    return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+
+
+def _resume_lines(lines, launch):
+    """{rank: (line index, commit counter, attributes)} of launch's resume lines."""
+    out = {}
+    for i, line in enumerate(lines):
+        m = re.search(r"rank (\d+): launch %d resumes from commit (\d+) " % launch, line)
+        if m:
+            out[int(m.group(1))] = (i, int(m.group(2)), _attrs(line[m.start():]))
+    return out
+
+
+def _line_of(lines, text, start=0):
+    return next((i for i in range(start, len(lines)) if text in lines[i]), None)
+
+
+@pytest.fixture(scope="module", params=sorted(OTHER_EXAMPLES))
+def example_story(request, tmp_path_factory):
+    spec = OTHER_EXAMPLES[request.param]
+    tmp = tmp_path_factory.mktemp(request.param)
+    _standin_mnist(tmp)
+    run, slots_file = _start(tmp, spec["program"], spec["args"])
+    events, steered = {}, False
+    try:
+        run.wait_for(spec["kill_after"])
+        events["killed"] = _kill_one_worker(run, slots_file)
+        i = run.wait_for(r"elastic: launch 1: 2 rank\(s\)", events["killed"])
+        j = run.wait_for(r"launch 1 resumes from commit", i)
+        run.wait_for(spec["grow_after"](_attrs(run.lines[j])), j + 1)
+        _set_slots(slots_file, 3)
+        events["grown"] = len(run.lines)
+        steered = True
+    finally:
+        result = _finish(run, tmp, wait=steered)
+    return dict(result, events=events, name=request.param, spec=spec)
+
+
+def _one_commit_on_all(resumed):
+    return len({(c, repr(sorted(a.items()))) for _, c, a in resumed.values()}) == 1
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("program,args,kill_after,progress", OTHER_EXAMPLES,
-                         ids=[p.split(".")[0] for p, _, _, _ in OTHER_EXAMPLES])
-def test_horovod_example_a_killed_worker_goes_on_with_two_and_finishes(tmp_path, program, args, kill_after,
-                                                                        progress):
-    _standin_mnist(tmp_path)
-    run, slots_file = _start(tmp_path, program, args)
-    steered = False
-    try:
-        run.wait_for(kill_after)
-        killed = _kill_one_worker(run, slots_file)
-        steered = True
-    finally:
-        result = _finish(run, tmp_path, wait=steered)
-    lines, text = result["lines"], result["text"]
-    assert result["rc"] == 0, text[-20000:]
-    assert any(re.search(r"launch 0 failed with exit status", l) for l in lines[killed:]), text[-8000:]
-    assert any("launch 1: 2 rank(s) on localhost:2" in l for l in lines[killed:]), text[-8000:]
-    assert not any("launch 2:" in l for l in lines), text[-8000:]
-    resumed = [l for l in lines if "launch 1 resumes from commit" in l]
-    assert sorted(int(re.search(r"rank (\d+):", l).group(1)) for l in resumed) == [0, 1], text[-8000:]
-    assert len({l.split(": ", 2)[2] for l in resumed}) == 1, resumed  # one commit on both ranks
-    pattern, attr, behind = progress
-    at = min(i for i, l in enumerate(lines) if "launch 1 resumes from commit" in l)
-    seen = [int(m.group(1)) for m in (re.match(pattern, l) for l in lines[:at]) if m]
-    value = int(re.search(r"\b%s=(\d+)" % attr, resumed[0]).group(1))
-    last = seen[-1] - 1 if attr == "epoch" else seen[-1]  # "Epoch k/24" is epoch k-1
-    assert value >= last - behind, (attr, value, seen[-3:])
-    digests = _digests(lines, 1)
-    assert sorted(digests) == [0, 1] and len(set(digests.values())) == 1, (digests, text[-4000:])
-    assert any("launch 1 finished" in l for l in lines), text[-4000:]
-    _assert_nothing_left_behind(result)
+def test_horovod_example_a_killed_worker_goes_on_with_two_from_the_last_commit(example_story):
+    story = example_story
+    lines, text = story["lines"], story["text"]
+    assert story["rc"] == 0, text[-20000:]
+    killed, grown = story["events"]["killed"], story["events"]["grown"]
+    assert _line_of(lines, "launch 0 failed with exit status", killed) is not None, text[-8000:]
+    launched = _line_of(lines, "elastic: launch 1: 2 rank(s) on localhost:2", killed)
+    assert launched is not None, text[-8000:]
+    resumed = _resume_lines(lines, 1)
+    assert sorted(resumed) == [0, 1] and _one_commit_on_all(resumed), (resumed, text[-8000:])
+    start = min(i for i, _, _ in resumed.values())
+    # the program trained on the 2 ranks (hvd.size() == 2) before the grow
+    if story["name"].startswith("tensorflow2_keras"):
+        assert any(start < i < grown and e > resumed[0][2]["epoch"] for i, e in _keras_epochs(lines)), text[-8000:]
+        assert _keras_steps_seen(lines[start:grown], KERAS_STEPS // 2), text[-8000:]
+    else:
+        assert "Number of CPUs: 2" in lines[launched:start], text[-8000:]
+        assert any(start < i < grown for i, _, _ in _bench_iters(lines)), text[-8000:]
+    digests = _digests(lines, 2)  # the job's end, after the grow
+    assert sorted(digests) == [0, 1, 2] and len(set(digests.values())) == 1, (digests, text[-4000:])
+    _assert_nothing_left_behind(story)
+
+
+@pytest.mark.slow
+def test_horovod_example_three_slots_again_the_job_grows_back(example_story):
+    story = example_story
+    lines, text = story["lines"], story["text"]
+    grown = story["events"]["grown"]
+    assert _line_of(lines, "hosts changed to localhost:3", grown) is not None, text[-8000:]
+    ended = _line_of(lines, "launch 1 ended for the new hosts", grown)
+    assert ended is not None, text[-8000:]
+    assert _line_of(lines, "elastic: launch 2: 3 rank(s) on localhost:3", ended) is not None, text[-8000:]
+    resumed = _resume_lines(lines, 2)
+    assert sorted(resumed) == [0, 1, 2] and _one_commit_on_all(resumed), (resumed, text[-8000:])
+    # the program itself runs on 3 ranks again (hvd.size() == 3)
+    after = lines[min(i for i, _, _ in resumed.values()):]
+    if story["name"].startswith("tensorflow2_keras"):
+        assert _keras_steps_seen(after, KERAS_STEPS // 3), text[-8000:]
+    else:
+        assert "Number of CPUs: 3" in lines[ended:], text[-8000:]
+        assert any(line.startswith("Total img/sec on 3 CPU(s)") for line in after), text[-8000:]
+    digests = _digests(lines, 2)
+    assert sorted(digests) == [0, 1, 2] and len(set(digests.values())) == 1, digests
+    assert _line_of(lines, "launch 2 finished") is not None, text[-4000:]
+    assert _line_of(lines, "elastic: launch 3:") is None, text[-4000:]
+
+
+@pytest.mark.slow
+def test_horovod_example_committed_counters_never_go_back_more_than_one_commit(example_story):
+    """At each relaunch: the commit counter resumed is at most one behind the
+    last commit known to be written (a survivor of the kill can be inside a
+    commit the victim never wrote; leaving for new hosts loses none); the
+    program's counters resumed are those of that commit, and not behind its
+    progress lines by more than one commit; the program goes on from them; at
+    the end its counters are complete."""
+    story = example_story
+    name, lines, text = story["name"], story["lines"], story["text"]
+    keras = name.startswith("tensorflow2_keras")
+    resumed = {launch: _resume_lines(lines, launch) for launch in (1, 2)}
+    assert resumed[1] and resumed[2], text[-8000:]
+    at = {launch: min(i for i, _, _ in r.values()) for launch, r in resumed.items()}
+    counter = {launch: r[0][1] for launch, r in resumed.items()}
+    attrs = {launch: r[0][2] for launch, r in resumed.items()}
+
+    # the commit counter
+    survivors = [int(m.group(1)) for m in (re.search(r"leaving for the driver to relaunch from commit (\d+)", l)
+                                           for l in lines[:at[1]]) if m]
+    if survivors:  # when mpirun has not ended them first
+        assert max(survivors) - 1 <= counter[1] <= max(survivors) + 1, (counter[1], survivors)
+    written = [int(m.group(1)) for m in (re.search(r"hosts changed; state written at commit (\d+)", l)
+                                         for l in lines[at[1]:at[2]]) if m]
+    assert len(written) == 2 and len(set(written)) == 1, (written, text[-8000:])
+    assert counter[2] == written[0] > counter[1], (counter, written)
+
+    # the program's counters are those of the resumed commit: launch 0 started
+    # at commit 0 from the program's initial state on 3 ranks, launch 1 from
+    # its resumed commit on 2 (its last commit repeated by the leaving ranks)
+    expect1 = _committed(name, story["spec"]["start"], 3, counter[1])
+    expect2 = _committed(name, attrs[1], 2, counter[2] - 1 - counter[1])
+    for launch, expect in ((1, expect1), (2, expect2)):
+        got = dict(attrs[launch])
+        if "img_secs" in got:
+            got["img_secs"] = len(got["img_secs"])
+        assert got == expect, (launch, counter, got, expect)
+
+    # ... not behind the progress printed before the relaunch by more than one
+    # commit, and the program goes on from them
+    if keras:
+        epochs = _keras_epochs(lines)
+        for launch, size_before in ((1, 3), (2, 2)):
+            seen = [e for i, e in epochs if i < at[launch]]
+            # seen[-1] is committed as (seen[-1], 0); one commit before: (seen[-1] - 1, its last batch)
+            assert (attrs[launch]["epoch"], attrs[launch]["batch"]) >= (seen[-1] - 1, KERAS_STEPS // size_before - 1), (
+                launch, attrs[launch], seen[-3:])
+            nxt = [e for i, e in epochs if i > at[launch]]
+            assert nxt and nxt[0] == attrs[launch]["epoch"], (launch, attrs[launch], nxt[:3])
+        for a, b in _pairs_inside_launches(lines, epochs):
+            assert b in (a, a + 1), (a, b)  # every rank prints every epoch
+        assert epochs[-1][1] == KERAS_EPOCHS - 1, epochs[-5:]
+    else:
+        iters = _bench_iters(lines)
+        for launch in (1, 2):
+            seen = [(x, v) for i, x, v in iters if i < at[launch]]
+            # "Iter #x: v" is printed before the commit of iter=x, img_secs + [v]
+            assert attrs[launch]["iter"] >= seen[-1][0] - 1, (launch, attrs[launch], seen[-3:])
+            printed, kept = [v for _, v in seen], [round(v, 1) for v in attrs[launch]["img_secs"]]
+            assert len(kept) >= len(printed) - 1 and kept == printed[:len(kept)], (launch, kept, printed)
+            nxt = [x for i, x, _ in iters if i > at[launch]]
+            assert nxt and nxt[0] == attrs[launch]["iter"], (launch, attrs[launch], nxt[:3])
+        for a, b in _pairs_inside_launches(lines, [(i, x) for i, x, _ in iters]):
+            assert b == a + 1, (a, b)
+        assert iters[-1][1] == BENCH_ITERS - 1, iters[-3:]
+
+
+def _pairs_inside_launches(lines, progress):
+    """Consecutive (value, next value) of progress [(line index, value)] within one launch."""
+    starts = [i for i, line in enumerate(lines) if re.search(r"elastic: launch \d+: ", line)]
+
+    def launch_of(i):
+        return sum(1 for s in starts if s < i)
+    return [(a, b) for (i, a), (j, b) in zip(progress, progress[1:]) if launch_of(i) == launch_of(j)]
 
 
 # ------------------------------------------------------------ driver errors
