@@ -10,7 +10,8 @@ Rounds alternate the order (before, after; then after, before; ...) so a load
 drift hits both trees alike. Each launch is `mpirun -np N --bind-to none` with
 PYTHONPATH set to its tree, under `timeout`. Per tree, rank count and
 measurement (cpu_communicator_bench: path, size and in/out of place, its mean
-time per call; cpu_engine_step_bench: the call style, its median step) the
+time per call, every element checked: a wrong one ends the run;
+cpu_engine_step_bench: the call style, its median step) the
 JSON holds every round's value and their median, and after/before of the
 medians. It records the machine, the date, both trees' commits and the load
 average before every launch.
@@ -32,13 +33,17 @@ from bench_common import commit, mpirun_env, pyplot, save_png, write_json  # noq
 
 
 def measurements(bench, result):
-    """{name: value in us} of one launch's JSON."""
+    """{name: value in us} of one launch's JSON; a result the benchmark
+    counted wrong elements in ends the run, naming it."""
     out = {}
     if bench.startswith("cpu_communicator"):
         for path, rows in result["results"].items():
             for row in rows:
                 for mode in ("out_of_place", "in_place"):
-                    out["%s/%d/%s" % (path, row["bytes"], mode)] = row[mode]["time_us"]
+                    name = "%s/%d/%s" % (path, row["bytes"], mode)
+                    if row[mode].get("wrong"):
+                        raise SystemExit("%s: %d wrong elements" % (name, row[mode]["wrong"]))
+                    out[name] = row[mode]["time_us"]
     else:
         for style, r in result["styles"].items():
             out[style] = r["median_us"]
