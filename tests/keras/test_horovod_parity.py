@@ -32,6 +32,6 @@ def test_keras3_horovod_parity(np_):
 
 
 def test_process_sets_four_ranks():
-    checks = ["tape_process_set_non_members", "process_set_ids_reused"]
+    checks = ["tape_process_set_non_members", "optimizer_process_set_non_members", "process_set_ids_reused"]
     res = run_mpi(WORKER, 4, checks, timeout=400)
     _check_all_ok(res, checks, 4)

@@ -60,6 +60,15 @@ def test_legacy_tf_keras_two_ranks():
     _check_all_ok(res, checks, 2)
 
 
+def test_legacy_tf_keras_process_set_non_members():
+    """tf_keras DistributedOptimizer(process_set=[0, 2]) on 4 ranks: ranks 1 and
+    3 step with their own gradients (legacy_worker.py)."""
+    pytest.importorskip("tf_keras", reason="tf-keras not installed (scripts/setup.sh installs it)")
+    checks = ["optimizer_process_set_non_members"]
+    res = run_mpi(LEGACY_WORKER, 4, checks, env={"TF_USE_LEGACY_KERAS": "1"}, timeout=300)
+    _check_all_ok(res, checks, 4)
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_legacy_tf_keras_horovod_api(np_):
     pytest.importorskip("tf_keras", reason="tf-keras not installed (scripts/setup.sh installs it)")
