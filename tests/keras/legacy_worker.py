@@ -12,6 +12,7 @@ import tensorflow as tf  # noqa: E402 (after the TF_USE_LEGACY_KERAS check)
 import tf_keras  # noqa: E402 (after the TF_USE_LEGACY_KERAS check)
 
 import nvgroup_tf.keras as hvd  # noqa: E402 (after the TF_USE_LEGACY_KERAS check)
+import shared_checks  # noqa: E402  (tests/keras: the checks the Keras 3 worker runs too)
 
 assert tf.keras is tf_keras or tf.keras.__name__.startswith("tf_keras"), tf.keras.__name__
 hvd.init()
@@ -331,27 +332,8 @@ def check_get_local_and_global_gradients():
 
 
 def check_optimizer_process_set_non_members():
-    """DistributedOptimizer(process_set=ps), one fit step of SGD on a bias-free
-    linear layer: members step with the average gradient over the set, the
-    other ranks with their own gradient (Horovod reduces only where
-    process_set.included()); float64 reference on every rank."""
-    ps = hvd.add_process_set([0, 2])
-    try:
-        rng = np.random.default_rng(67)
-        xs = [rng.standard_normal((4, 3)) for _ in range(SIZE)]
-        ys = [rng.standard_normal((4, 2)) for _ in range(SIZE)]
-        w0, lr = rng.standard_normal((3, 2)), 0.1
-        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2, use_bias=False)])
-        model.layers[0].set_weights([w0.astype(np.float32)])
-        model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(lr), process_set=ps), loss="mse")
-        model.fit(xs[RANK].astype(np.float32), ys[RANK].astype(np.float32), batch_size=4, epochs=1,
-                  shuffle=False, verbose=0)
-        grads = [2.0 / (4 * 2) * x.T @ (x @ w0 - y) for x, y in zip(xs, ys)]  # d mse / d w, float64
-        want = w0 - lr * ((grads[0] + grads[2]) / 2 if RANK in (0, 2) else grads[RANK])
-        np.testing.assert_allclose(np.float64(model.get_weights()[0]), want, rtol=1e-5, atol=1e-6,
-                                   err_msg="member's step" if RANK in (0, 2) else "non-member's own step")
-    finally:
-        hvd.remove_process_set(ps)
+    """DistributedOptimizer(process_set=ps) on ranks outside the set (shared_checks.py)."""
+    shared_checks.optimizer_process_set_non_members(hvd, tf.keras, RANK, SIZE)
 
 
 def main(names):
