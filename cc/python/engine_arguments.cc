@@ -73,8 +73,15 @@ CollectiveRequest MakeAllreduce(const std::string& name, uintptr_t in, uintptr_t
                                 std::vector<int64_t> shape, const std::string& dtype, const std::string& op,
                                 double prescale, double postscale, const std::string& device,
                                 uintptr_t ready_event) {
-  return AllreduceRequest(name, in, out, std::move(shape), ParseDataType(dtype), ParseReduceOp(op), prescale,
-                          postscale, ParseDevice(device), ready_event);
+  // Parsed one after the other (the order of a call's arguments is
+  // unspecified): a request with several bad names is refused for the first
+  // of dtype, op, device, the order the property tests expect
+  // (tests/reliability/workers/engine_validation_props.py).
+  const DataType parsed_dtype = ParseDataType(dtype);
+  const ReduceOp parsed_op = ParseReduceOp(op);
+  const Device parsed_device = ParseDevice(device);
+  return AllreduceRequest(name, in, out, std::move(shape), parsed_dtype, parsed_op, prescale, postscale,
+                          parsed_device, ready_event);
 }
 
 }  // namespace nvgroup
