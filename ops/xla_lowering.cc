@@ -30,7 +30,7 @@ namespace xla_adapter {
 
 namespace tf = ::tensorflow;
 
-StatusOr<bool> LowerToStartDone(bool gpu) {
+StatusOr<bool> LowerToStartDone() {
   static const StatusOr<int> setting = []() -> StatusOr<int> {
     Knobs knobs;
     Status parsed = ParseSettingFromEnvironment("NVGROUP_XLA_START_DONE", &knobs);
@@ -38,7 +38,7 @@ StatusOr<bool> LowerToStartDone(bool gpu) {
     return knobs.xla_start_done;
   }();
   if (!setting.ok()) return setting.status();
-  return setting.value() < 0 ? gpu : setting.value() == 1;
+  return setting.value() == 1;
 }
 
 // ---------------------------------------------------------------------------
@@ -200,8 +200,8 @@ std::vector<::xla::XlaOp> EmitStartDone(XlaOpKernelContext* ctx, const CallAttri
 // they would hold its start back.
 std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes& attributes,
                                    std::vector<::xla::Shape> in_shapes,
-                                   const std::vector<::xla::Shape>& out_shapes, bool tuple, bool gpu) {
-  StatusOr<bool> pair = LowerToStartDone(gpu);
+                                   const std::vector<::xla::Shape>& out_shapes, bool tuple) {
+  StatusOr<bool> pair = LowerToStartDone();
   if (!pair.ok()) {
     ctx->SetStatus(tf_adapter::ToTfStatus(pair.status()));
     return {};
@@ -362,7 +362,6 @@ class CollectiveXlaOp : public XlaOpKernel {
       OP_REQUIRES_OK(context, context->GetAttr("root_rank", &attributes_.root_rank));
     attributes_.process_set_id = process_set_id;
     attributes_.name = tf_adapter::CollectiveName(*this, tensor_name);
-    gpu_ = context->device_type().type_string() == "XLA_GPU_JIT";
     if (context->HasAttr("Tafter")) {
       tf::DataTypeVector after;
       OP_REQUIRES_OK(context, context->GetAttr("Tafter", &after));
@@ -380,7 +379,7 @@ class CollectiveXlaOp : public XlaOpKernel {
     std::vector<::xla::Shape> out = in;
     if (alltoall) OP_REQUIRES_OK(ctx, ctx->ConstantInputAsIntVector(1, &attributes.splits));
     OP_REQUIRES_OK(ctx, tf_adapter::ToTfStatus(ResultShapes(&attributes, &out)));
-    std::vector<::xla::XlaOp> outputs = EmitCall(ctx, attributes, in, out, attributes.grouped, gpu_);
+    std::vector<::xla::XlaOp> outputs = EmitCall(ctx, attributes, in, out, attributes.grouped);
     for (size_t i = 0; i < outputs.size(); ++i) ctx->SetOutput(static_cast<int>(i), outputs[i]);
     if (alltoall && !outputs.empty()) {
       std::vector<int32_t> received(attributes.received_splits.begin(), attributes.received_splits.end());
@@ -418,7 +417,6 @@ class CollectiveXlaOp : public XlaOpKernel {
   }
 
   CallAttributes attributes_;
-  bool gpu_ = false;  // compiled for XLA_GPU_JIT (LowerToStartDone)
   int done_after_ = 0;  // trailing inputs that only order the done (NvgroupXlaGroupedAllreduce)
 };
 

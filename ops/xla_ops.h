@@ -18,7 +18,7 @@
 //
 // Note [Start and done]
 // A collective lowers to one custom call (kXlaTarget), or, with
-// NVGROUP_XLA_START_DONE (default: for GPU programs), to a pair:
+// NVGROUP_XLA_START_DONE=1 (not the default: Note [The pair on one H200]), to a pair:
 //   start = custom-call(inputs..., order) -> (results..., token u8[0])
 //           target kXlaStartTarget, SCHEDULE_EARLIEST, side effect
 //   done  = custom-call(start.results..., inputs...) -> results
@@ -54,6 +54,27 @@
 //  * Errors. An error known before the done returns (a mismatch, a dead peer,
 //    a failed enqueue) fails the done on every rank, as the single call
 //    does. A start the engine refuses fails at once.
+//
+// Note [The pair on one H200]
+// The pair is not the default (NVGROUP_XLA_START_DONE=0): on one H200 on
+// 2026-12-04 (op library of 5073c64; logs in
+// benchmarks/results/device_checks_h200x1_28ebcca/) two programs failed
+// with it at 2 ranks, where the single call had passed:
+//  * tests/tf/workers/xla.py, 2 ranks sharing the GPU as groups of one: the
+//    "gradients through the lowered collectives" step stalled until the
+//    run's time limit: of its three collectives rank 0 had submitted only
+//    'g.ag.xla/grad_sizes' and rank 1 only 'g.ar.xla' and 'g.ag.xla' (the
+//    stall inspector's warnings), although the starts are chained (the
+//    "Order" below). The single call passed this worker at 2dae886 and the
+//    pair passes it on the CPU (tests/tf/test_xla.py).
+//  * benchmarks/xla_overlap_bench.py, Keras ResNet-50 224x224 batch 128
+//    (fp32) and 256 (mixed), 2 ranks under MPS as one NV-group: the first
+//    steps failed on both ranks with "NV-group barrier timed out", each rank
+//    naming the other (the deadline is NVGROUP_TIMEOUT, 30 s, from the
+//    call's first kernel). At 128x128 batch 32 the same benchmark ran (21749a6).
+// Neither cause is found yet; the argument of "Order" above assumes every
+// rank runs the starts of one computation in chain order, and the first
+// failure says that did not hold there.
 //
 // Done after. SCHEDULE_LATEST puts a done just before its first user, and
 // XLA's memory scheduler puts the optimizer update of a bucket's variables
@@ -216,10 +237,9 @@ class PairCalls {
   static std::shared_ptr<PairCall> Take(const std::string& name);
 };
 
-// How the lowering emits the collectives of a program for `gpu` (XLA_GPU_JIT)
-// or the CPU: the pair (Note [Start and done]) or one call
-// (NVGROUP_XLA_START_DONE, parsed once per process).
-StatusOr<bool> LowerToStartDone(bool gpu);
+// How the lowering emits the collectives of a program: the pair (Note [Start
+// and done]) or one call (NVGROUP_XLA_START_DONE, parsed once per process).
+StatusOr<bool> LowerToStartDone();
 
 // Engine status -> the XLA FFI error with the same code (the handlers' one
 // conversion point).

@@ -91,9 +91,9 @@ struct Knobs {
   // (ops/xla_ops_gpu.cc).
   bool xla_cuda_wait_on_stream = true;
   // XLA: lower each collective to a start/done pair of custom calls
-  // (ops/xla_ops.h, Note [Start and done]) rather than one call. Auto (-1):
-  // on for programs compiled for a GPU, off for the CPU; 1 / 0 force it.
-  int xla_start_done = -1;
+  // (ops/xla_ops.h, Note [Start and done]) rather than one call: 1 on, 0 off
+  // (the default, also what "auto" means).
+  int xla_start_done = 0;
   // Tests and benchmarks only: a delay of this many microseconds added to
   // every allreduce bucket on the engine's stream (CUDA: a device-side spin
   // before the bucket's completion; CPU: the loop's thread sleeps), the
