@@ -276,4 +276,13 @@ int64_t SubmitOne(CollectiveRequest q, std::shared_ptr<Handle> h, py::object kee
   return id;
 }
 
+int64_t SubmitRegistered(uint64_t group, GroupLaunch launch, py::object keepalive) {
+  auto h = std::make_shared<Handle>();
+  launch.done = DoneFor(h);
+  ThrowIfError(EnqueueRegisteredGroup(group, std::move(launch)));  // GIL held: see SubmitOne
+  const int64_t id = Register(std::move(h));
+  if (!keepalive.is_none()) KeepAlive()[py::int_(id)] = keepalive;
+  return id;
+}
+
 }  // namespace nvgroup
