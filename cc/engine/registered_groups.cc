@@ -66,7 +66,8 @@ Status RegisteredGroups::Launch(uint64_t handle, GroupLaunch launch) {
                                                       ? 0
                                                       : launch.count) +
                                    " input and output pointers");
-  if (!launch.done) return Status::InvalidArgument("EnqueueRegisteredGroup: " + GroupText(handle) + ": no done callback");
+  if (!launch.done)
+    return Status::InvalidArgument("EnqueueRegisteredGroup: " + GroupText(handle) + ": no done callback");
   for (size_t i = 0; i < n; ++i)
     if (g.has_data[i] && (launch.inputs[i] == nullptr || launch.outputs[i] == nullptr))
       return Status::InvalidArgument("EnqueueRegisteredGroup: " + GroupText(handle) + ": member " +

@@ -25,7 +25,9 @@ namespace nvgroup {
 class RegisteredLaunch {
  public:
   RegisteredLaunch(uint32_t members, DoneCallback done, std::function<void(void*)> completion_event_ready)
-      : remaining_(members), done_(std::move(done)), completion_event_ready_(std::move(completion_event_ready)) {}
+      : remaining_(members),
+        done_(std::move(done)),
+        completion_event_ready_(std::move(completion_event_ready)) {}
 
   // A member's done callback: one pointer, which std::function holds without
   // allocating (no per-member allocation on a launch).

@@ -40,7 +40,7 @@
 //
 // Usage: mpirun -np 2 engine_perf benchmarks/resnet50_gradients.txt [steps] [grouped|registered] [inplace] [cpu]
 //        [scale=N]
-// (`registered` needs an engine with registered groups: NVGROUP_HAS_REGISTERED_GROUPS.)
+// (`registered` needs an engine with registered groups: NVG_HAS_REGISTERED_GROUPS.)
 #include <cuda_runtime.h>
 #include <mpi.h>
 
@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
   std::vector<const void*> launch_in(n);
   std::vector<void*> launch_out(n);
   if (registered) {
-#ifdef NVGROUP_HAS_REGISTERED_GROUPS
+#ifdef NVG_HAS_REGISTERED_GROUPS
     std::vector<CollectiveRequest> members;
     for (int t = n - 1; t >= 0; --t) {
       CollectiveRequest q;
@@ -168,7 +168,7 @@ int main(int argc, char** argv) {
     }
     const double t0 = MPI_Wtime();
     double submit = 0;  // seconds inside Enqueue
-#ifdef NVGROUP_HAS_REGISTERED_GROUPS
+#ifdef NVG_HAS_REGISTERED_GROUPS
     if (registered) {
       for (int k = 0; k < n; ++k) {
         launch_in[k] = d_in[n - 1 - k];

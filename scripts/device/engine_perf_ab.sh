@@ -45,9 +45,9 @@ sleep 1
 
 printf 'tree\trep\tranks\tstyle\tus_per_step\twrong\n' > "$TSV"
 # An older baseline has no registered groups (engine_perf's `registered`
-# needs NVGROUP_HAS_REGISTERED_GROUPS, nvgroup/engine.h).
+# needs NVG_HAS_REGISTERED_GROUPS, nvgroup/engine.h).
 BASE_REGISTERED=0
-grep -q NVGROUP_HAS_REGISTERED_GROUPS "$BASE/cc/include/nvgroup/engine.h" && BASE_REGISTERED=1
+grep -q NVG_HAS_REGISTERED_GROUPS "$BASE/cc/include/nvgroup/engine.h" && BASE_REGISTERED=1
 one() {  # tree-label tools-dir ranks style(grouped|registered|per_tensor, optionally _inplace)
   local label=$1 tools=$2 np=$3 style=$4 extra=() line us wrong
   [[ $style == grouped* ]] && extra+=(grouped)

@@ -194,7 +194,7 @@ struct GroupLaunch {
 
 // Defined where this header declares registered groups: tools built against
 // older engines too (cc/tools/engine_perf.cc) test for it.
-#define NVGROUP_HAS_REGISTERED_GROUPS 1
+#define NVG_HAS_REGISTERED_GROUPS 1
 
 // Registers `members` (allreduces, see above) and returns the group's handle
 // (never 0, unique in the process). kFailedPrecondition before Init;
