@@ -152,7 +152,7 @@ void Completion::CompleteAfterStream(Communicator* comm, const std::vector<Tenso
     queue_->Finish(nullptr, 0, run.group, run.members);
     run.finished_early = any_early = true;
     try {
-      run.launch->AnnounceEvent(event);
+      run.launch->AnnounceEvent(event, run.members);
     } catch (...) {
       NVG_LOG(kError) << "the completion_event_ready callback of registered group " << run.group
                       << " threw; ignored";

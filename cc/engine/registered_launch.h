@@ -3,7 +3,8 @@
 // in whichever buckets and on whichever engine thread they run; the launch
 // counts them down and runs the group's one `done` after the last, with OK or
 // the first member's error. Completion (completion.h) tells it of each
-// bucket's completion event once, not once per member.
+// bucket's completion event once, not once per member, and the caller hears
+// of the last one only.
 //
 // Lifetime: EnqueueRegisteredGroup creates it and gives each member the
 // done callback MemberDone{this}; the last member's completion runs the
@@ -25,7 +26,8 @@ namespace nvgroup {
 class RegisteredLaunch {
  public:
   RegisteredLaunch(uint32_t members, DoneCallback done, std::function<void(void*)> completion_event_ready)
-      : remaining_(members),
+      : members_(members),
+        remaining_(members),
         done_(std::move(done)),
         completion_event_ready_(std::move(completion_event_ready)) {}
 
@@ -36,11 +38,17 @@ class RegisteredLaunch {
     void operator()(const Status& status) const { launch->CompleteMember(status); }
   };
 
-  // Whether the caller asked for completion events (GroupLaunch::completion_event_ready).
+  // Whether the caller asked for a completion event (GroupLaunch::completion_event_ready).
   bool announces_events() const { return static_cast<bool>(completion_event_ready_); }
-  // A bucket of the launch's members is enqueued on the engine's stream,
-  // `event` recorded after it (Completion::CompleteAfterStream).
-  void AnnounceEvent(void* event) const { completion_event_ready_(event); }
+  // `members` of the launch are enqueued on the engine's stream, `event`
+  // recorded after them (Completion::CompleteAfterStream, on the background
+  // thread, bucket after bucket). Once every member was announced, the
+  // caller hears of the last event, which covers the earlier buckets' work:
+  // the engine runs a launch's buckets in order on one stream.
+  void AnnounceEvent(void* event, size_t members) {
+    announced_ += members;
+    if (announced_ == members_) completion_event_ready_(event);
+  }
   // One member completed; the last runs `done` and deletes the launch.
   void CompleteMember(const Status& status) {
     if (!status.ok()) {
@@ -60,6 +68,8 @@ class RegisteredLaunch {
   }
 
  private:
+  const size_t members_;
+  size_t announced_ = 0;  // the background thread's (AnnounceEvent)
   std::atomic<uint32_t> remaining_;
   std::mutex mu_;  // guards first_error_
   Status first_error_;

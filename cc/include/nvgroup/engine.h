@@ -186,9 +186,11 @@ struct GroupLaunch {
   size_t count = 0;             // the number of pointers in each array: the group's member count
   void* ready_event = nullptr;  // CUDA only: cudaEvent_t after every input was produced, may be nullptr
   DoneCallback done;
-  // CUDA only, optional: completion_event_ready of CollectiveRequest, called
-  // once per fusion bucket of the launch (not once per member) with that
-  // bucket's event; the consumer's stream must wait on every one.
+  // CUDA only, optional: completion_event_ready of CollectiveRequest for the
+  // whole launch: called once, when every member's work is enqueued on the
+  // engine's stream, with an event recorded after the last of it (the
+  // engine runs a launch's buckets in order on one stream, so it covers them
+  // all). Not called when some member fails or completes without one.
   std::function<void(void* completion_event)> completion_event_ready;
 };
 
