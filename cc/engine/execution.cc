@@ -256,6 +256,43 @@ Status Execution::RunAllreduceAlone(const BucketMember& m) {
   return Status::Ok();
 }
 
+// Note [Outputs sized by negotiation]
+// Allgather, reducescatter and alltoall learn their output's shape from the
+// response and ask the adapter for the memory (allocate_output). The other
+// ranks are already inside the collective by then, so a failure on this rank
+// must not keep it out: a CPU request takes part with host scratch memory of
+// the output's size and fails with the allocation's error after the
+// collective (the other ranks' results are unaffected); a CUDA request has
+// no host stand-in and returns the error before its collective, as a failed
+// communicator call would (RunBucket fails the request with it).
+Status Execution::AllocateOutput(const CollectiveRequest& q, const std::vector<int64_t>& shape, size_t bytes,
+                                 const char* collective, NegotiatedOutput* out) {
+  Status alloc = q.allocate_output(shape, &out->data);
+  if (alloc.ok() && (out->data != nullptr || bytes == 0)) return Status::Ok();
+  if (alloc.ok()) alloc = Status::Internal("allocate_output returned no buffer");
+  alloc = alloc.WithContext(std::string("allocating the ") + collective + " output");
+  if (q.device.kind != DeviceKind::kCpu) return alloc;
+  out->scratch.resize(std::max<size_t>(bytes, 1));
+  out->data = out->scratch.data();
+  out->failure = alloc;
+  return Status::Ok();
+}
+
+Status Execution::BeginSingle(Communicator* comm, const CollectiveRequest& q, const char* phase) {
+  NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
+  if (timeline_->enabled()) timeline_->Begin(q.name, phase, MonotonicSeconds());
+  return Status::Ok();
+}
+
+void Execution::FinishSingle(Communicator* comm, Work* w, const char* phase, const Status& failure) {
+  if (timeline_->enabled()) timeline_->End(w->pending->entry.request.name, phase, MonotonicSeconds());
+  if (!failure.ok()) {
+    Complete(w->pending.get(), failure);
+    return;
+  }
+  completion_.CompleteAfterStream(comm, {&w->pending->entry});
+}
+
 Status Execution::RunAllgather(Work* w) {
   const ResponseMessage& r = *w->response;
   const CollectiveRequest& q = w->pending->entry.request;
@@ -269,27 +306,13 @@ Status Execution::RunAllgather(Work* w) {
   const size_t row_bytes = static_cast<size_t>(NumElements(row)) * DataTypeSize(r.dtype);
   std::vector<size_t> bytes_per_rank;
   for (int64_t d : r.first_dims) bytes_per_rank.push_back(static_cast<size_t>(d) * row_bytes);
-
-  void* out = nullptr;
-  Status alloc = q.allocate_output(out_shape, &out);
-  // A host allocation failure on this rank must not leave the others inside
-  // Allgatherv: take part with a scratch buffer, then report the failure.
-  std::vector<char> scratch;
-  if (!alloc.ok() || (out == nullptr && NumElements(out_shape) > 0)) {
-    if (alloc.ok()) alloc = Status::Internal("allocate_output returned no buffer");
-    if (q.device.kind != DeviceKind::kCpu) return alloc.WithContext("allocating the allgather output");
-    scratch.resize(static_cast<size_t>(NumElements(out_shape)) * DataTypeSize(r.dtype));
-    out = scratch.data();
-  }
-  NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_->enabled()) timeline_->Begin(q.name, "ALLGATHER", MonotonicSeconds());
-  NVG_RETURN_IF_ERROR(comm->Allgatherv(q.input, out, bytes_per_rank, nullptr));
-  if (timeline_->enabled()) timeline_->End(q.name, "ALLGATHER", MonotonicSeconds());
-  if (!scratch.empty() || !alloc.ok()) {
-    Complete(w->pending.get(), alloc.WithContext("allocating the allgather output"));
-    return Status::Ok();
-  }
-  completion_.CompleteAfterStream(comm, {&w->pending->entry});
+  NegotiatedOutput out;
+  NVG_RETURN_IF_ERROR(AllocateOutput(q, out_shape,
+                                     static_cast<size_t>(NumElements(out_shape)) * DataTypeSize(r.dtype),
+                                     "allgather", &out));
+  NVG_RETURN_IF_ERROR(BeginSingle(comm, q, "ALLGATHER"));
+  NVG_RETURN_IF_ERROR(comm->Allgatherv(q.input, out.data, bytes_per_rank, nullptr));
+  FinishSingle(comm, w, "ALLGATHER", out.failure);
   return Status::Ok();
 }
 
@@ -300,17 +323,16 @@ Status Execution::RunBroadcast(Work* w) {
   if (!comm_or.ok()) return comm_or.status();
   Communicator* comm = comm_or.value();
   const size_t bytes = static_cast<size_t>(NumElements(r.shape)) * DataTypeSize(r.dtype);
-  NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_->enabled()) timeline_->Begin(q.name, "BROADCAST", MonotonicSeconds());
+  NVG_RETURN_IF_ERROR(BeginSingle(comm, q, "BROADCAST"));
   if (rank_ == r.root_rank && q.input != q.output && bytes > 0) {
     Communicator::CopySpec copy{q.input, q.output, bytes};
     NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&copy, 1, DataType::kUint8, 1.0, nullptr));
   }
   if (bytes > 0) NVG_RETURN_IF_ERROR(comm->Broadcast(q.output, bytes, r.root_rank, nullptr));
-  if (timeline_->enabled()) timeline_->End(q.name, "BROADCAST", MonotonicSeconds());
-  completion_.CompleteAfterStream(comm, {&w->pending->entry});
+  FinishSingle(comm, w, "BROADCAST", Status::Ok());
   return Status::Ok();
 }
+
 Status Execution::RunReducescatter(Work* w) {
   const ResponseMessage& r = *w->response;
   const CollectiveRequest& q = w->pending->entry.request;
@@ -327,20 +349,10 @@ Status Execution::RunReducescatter(Work* w) {
   out_shape[0] = ReducescatterRows(r.shape[0], rank_, size_);
   const size_t mine = counts[rank_];
 
-  void* out = nullptr;
-  Status alloc = q.allocate_output(out_shape, &out);
-  // As in RunAllgather: a host allocation failure takes part with scratch
-  // memory (the others are already in the collective), then reports.
-  std::vector<char> out_scratch;
-  if (!alloc.ok() || (out == nullptr && mine > 0)) {
-    if (alloc.ok()) alloc = Status::Internal("allocate_output returned no buffer");
-    if (q.device.kind != DeviceKind::kCpu) return alloc.WithContext("allocating the reducescatter output");
-    out_scratch.resize(std::max<size_t>(mine * esize, 1));
-    out = out_scratch.data();
-  }
+  NegotiatedOutput out;
+  NVG_RETURN_IF_ERROR(AllocateOutput(q, out_shape, mine * esize, "reducescatter", &out));
   const auto [op, postscale] = ReductionFor(r, size_);  // averaging.h
-  NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_->enabled()) timeline_->Begin(q.name, "REDUCESCATTER", MonotonicSeconds());
+  NVG_RETURN_IF_ERROR(BeginSingle(comm, q, "REDUCESCATTER"));
   const void* source = q.input;
   std::vector<char> in_scratch;
   if (r.prescale_factor != 1.0 && total > 0) {
@@ -362,17 +374,12 @@ Status Execution::RunReducescatter(Work* w) {
     NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&pre, 1, r.dtype, r.prescale_factor, nullptr));
     source = scaled;
   }
-  NVG_RETURN_IF_ERROR(comm->ReduceScatter(source, out, counts, r.dtype, op, nullptr));
+  NVG_RETURN_IF_ERROR(comm->ReduceScatter(source, out.data, counts, r.dtype, op, nullptr));
   if (postscale != 1.0 && mine > 0) {
-    Communicator::CopySpec post{out, out, mine};
+    Communicator::CopySpec post{out.data, out.data, mine};
     NVG_RETURN_IF_ERROR(comm->BatchedScaledCopy(&post, 1, r.dtype, postscale, nullptr));
   }
-  if (timeline_->enabled()) timeline_->End(q.name, "REDUCESCATTER", MonotonicSeconds());
-  if (!out_scratch.empty() || !alloc.ok()) {
-    Complete(w->pending.get(), alloc.WithContext("allocating the reducescatter output"));
-    return Status::Ok();
-  }
-  completion_.CompleteAfterStream(comm, {&w->pending->entry});
+  FinishSingle(comm, w, "REDUCESCATTER", out.failure);
   return Status::Ok();
 }
 
@@ -400,24 +407,11 @@ Status Execution::RunAlltoall(Work* w) {
   std::vector<int64_t> out_shape = q.shape;
   out_shape[0] = rows;
   if (q.received_splits != nullptr) *q.received_splits = received;
-  void* out = nullptr;
-  Status alloc = q.allocate_output(out_shape, &out);
-  std::vector<char> scratch;
-  if (!alloc.ok() || (out == nullptr && rows > 0 && row_bytes > 0)) {
-    if (alloc.ok()) alloc = Status::Internal("allocate_output returned no buffer");
-    if (q.device.kind != DeviceKind::kCpu) return alloc.WithContext("allocating the alltoall output");
-    scratch.resize(std::max<size_t>(static_cast<size_t>(rows) * row_bytes, 1));
-    out = scratch.data();
-  }
-  NVG_RETURN_IF_ERROR(comm->WaitEvent(q.ready_event, nullptr));
-  if (timeline_->enabled()) timeline_->Begin(q.name, "ALLTOALL", MonotonicSeconds());
-  NVG_RETURN_IF_ERROR(comm->Alltoallv(q.input, send_bytes, out, recv_bytes, nullptr));
-  if (timeline_->enabled()) timeline_->End(q.name, "ALLTOALL", MonotonicSeconds());
-  if (!scratch.empty() || !alloc.ok()) {
-    Complete(w->pending.get(), alloc.WithContext("allocating the alltoall output"));
-    return Status::Ok();
-  }
-  completion_.CompleteAfterStream(comm, {&w->pending->entry});
+  NegotiatedOutput out;
+  NVG_RETURN_IF_ERROR(AllocateOutput(q, out_shape, static_cast<size_t>(rows) * row_bytes, "alltoall", &out));
+  NVG_RETURN_IF_ERROR(BeginSingle(comm, q, "ALLTOALL"));
+  NVG_RETURN_IF_ERROR(comm->Alltoallv(q.input, send_bytes, out.data, recv_bytes, nullptr));
+  FinishSingle(comm, w, "ALLTOALL", out.failure);
   return Status::Ok();
 }
 

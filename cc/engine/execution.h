@@ -66,6 +66,25 @@ class Execution {
   // returns it if it ends the loop (a lost or aborted peer), else OK.
   Status FailEntries(const Status& s, TensorEntry* const* entries, size_t n);
   Status RunAllreduceAlone(const BucketMember& m);
+  // The single-request runners (allgather, broadcast, reducescatter, alltoall)
+  // around their communicator call: BeginSingle orders it after the input
+  // was produced (a GPU-side wait on the request's ready event) and opens the
+  // timeline phase; FinishSingle closes the phase and completes the request,
+  // with `failure` (a NegotiatedOutput's) or after the stream.
+  Status BeginSingle(Communicator* comm, const CollectiveRequest& q, const char* phase);
+  void FinishSingle(Communicator* comm, Work* w, const char* phase, const Status& failure);
+  // An output sized by negotiation (Note [Outputs sized by negotiation] in
+  // execution.cc): where the collective writes, and the allocation's failure
+  // on this rank, reported after the collective.
+  struct NegotiatedOutput {
+    void* data = nullptr;
+    Status failure;
+    std::vector<char> scratch;  // host memory a failed CPU allocation takes part with
+  };
+  // `bytes`: the output's size. Non-OK only for a failure that cannot take
+  // part (a CUDA request).
+  Status AllocateOutput(const CollectiveRequest& q, const std::vector<int64_t>& shape, size_t bytes,
+                        const char* collective, NegotiatedOutput* out);
   Status RunAllgather(Work* w);
   Status RunBroadcast(Work* w);
   Status RunReducescatter(Work* w);

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <unordered_map>
 #include <utility>
@@ -27,6 +28,8 @@ py::dict& KeepAlive() {
   static py::dict* d = new py::dict();
   return *d;
 }
+
+std::atomic<int> g_refused_allocations{0};  // RefuseOutputAllocationsForTesting
 
 std::mutex g_handles_mu;
 std::unordered_map<int64_t, std::shared_ptr<Handle>> g_handles;
@@ -75,6 +78,11 @@ DoneCallback DoneFor(const std::shared_ptr<Handle>& h) {
 
 AllocateOutputFn AllocatorFor(const std::shared_ptr<Handle>& h) {
   return [h](const std::vector<int64_t>& shape, void** out) -> Status {
+    int refused = g_refused_allocations.load(std::memory_order_relaxed);
+    while (refused > 0 && !g_refused_allocations.compare_exchange_weak(refused, refused - 1)) {
+    }
+    if (refused > 0)
+      return Status::Internal("the output allocation was refused (testing.refuse_output_allocations)");
     const size_t bytes = static_cast<size_t>(NumElements(shape)) * DataTypeSize(h->dtype);
     h->out_shape = shape;
     if (h->device.kind == DeviceKind::kCpu) {
@@ -283,6 +291,10 @@ int64_t SubmitRegistered(uint64_t group, GroupLaunch launch, py::object keepaliv
   const int64_t id = Register(std::move(h));
   if (!keepalive.is_none()) KeepAlive()[py::int_(id)] = keepalive;
   return id;
+}
+
+void RefuseOutputAllocationsForTesting(int count) {
+  g_refused_allocations.store(count > 0 ? count : 0, std::memory_order_relaxed);
 }
 
 }  // namespace nvgroup

@@ -77,5 +77,10 @@ pybind11::object Wait(int64_t id, pybind11::object timeout);
 // Waits for every handle with one release of the GIL, then resolves them in order like Wait().
 pybind11::list WaitAll(const std::vector<int64_t>& ids);
 bool Poll(int64_t id);
+// Testing: the next `count` output allocations of this process (allgather,
+// reducescatter, alltoall: allocate_output) fail, so the engine's path for an
+// output this rank cannot have runs (Note [Outputs sized by negotiation],
+// cc/engine/execution.cc).
+void RefuseOutputAllocationsForTesting(int count);
 
 }  // namespace nvgroup

@@ -16,6 +16,7 @@
 #include "engine/wire_format.h"
 #include "nvgroup/engine.h"
 #include "python/engine_arguments.h"
+#include "python/engine_handles.h"
 #include "transport/liveness.h"
 
 namespace py = pybind11;
@@ -192,6 +193,10 @@ void RegisterEngineTestingBindings(py::module_& t) {
   t.def("perturb_state_digest", [] { PerturbStateDigestForTesting(); },
         "Makes this rank's response-cache digest differ from the other ranks' (the next cycle "
         "must fail on every rank).");
+  t.def("refuse_output_allocations", [](int count) { RefuseOutputAllocationsForTesting(count); },
+        py::arg("count"),
+        "The next `count` allgather/reducescatter/alltoall output allocations of this process fail "
+        "(the engine then takes part with host scratch memory and fails the request naming it).");
   t.def("set_liveness_connect_delay", [](double seconds) { SetLivenessConnectDelayForTesting(seconds); },
         py::arg("seconds"),
         "In the next init(), ranks other than 0 wait `seconds` before connecting to rank 0's "
