@@ -145,8 +145,8 @@ StatusOr<uint64_t> Runtime::RegisterGroup(std::vector<CollectiveRequest> members
   if (members.empty()) return Status::InvalidArgument("RegisterGroup needs at least one member");
   for (const CollectiveRequest& q : members)
     if (q.type != CollectiveType::kAllreduce)
-      return Status::InvalidArgument("RegisterGroup: member '" + q.name + "' is a " +
-                                     CollectiveTypeName(q.type) + "; only allreduces can be registered");
+      return Status::InvalidArgument("RegisterGroup: member '" + q.name + "' is not an allreduce (" +
+                                     CollectiveTypeName(q.type) + "); only allreduces can be registered");
   StatusOr<std::shared_ptr<Engine>> engine = EngineFor(&members);
   if (!engine.ok()) return engine.status();
   Submission model;
