@@ -15,19 +15,27 @@ namespace nvgroup {
 CachedGroups::CachedGroups(Negotiation* negotiation, int rank, EngineCounters* counters, Timeline* timeline)
     : negotiation_(negotiation), rank_(rank), counters_(counters), timeline_(timeline) {}
 
-const Plan* CachedGroups::PlanFor(const Submission& s) const {
+const Plan* CachedGroups::PlanFor(const Submission& s) {
   if (s.group_id == 0 || negotiation_->joined()) return nullptr;
   const Plan* found = plans_.Find(s.group_id);
   if (found == nullptr) return nullptr;
   const Plan& plan = *found;
   const ResponseCache& cache = negotiation_->cache();
   if (plan.entry_of.size() != s.entries.size() || !PlanMatchesCache(plan, cache)) return nullptr;
+  if (s.registered_group != 0) {
+    auto memo = matched_plans_.find(s.registered_group);
+    if (memo != matched_plans_.end() && memo->second == plan.serial) return &plan;
+  }
   // Names are unique among the submission's entries (TensorQueue::Push), so
   // a match of every member makes entry_of a one-to-one map.
   for (size_t k = 0; k < plan.slots.size(); ++k) {
     const uint32_t e = plan.entry_of[k];
     if (e >= s.entries.size() || !EntryMatchesResponse(s.entries[e], cache.Get(plan.slots[k]), rank_))
       return nullptr;
+  }
+  if (s.registered_group != 0) {
+    if (matched_plans_.size() >= kMaxMatchedPlans) matched_plans_.clear();
+    matched_plans_[s.registered_group] = plan.serial;
   }
   return &plan;
 }
@@ -206,6 +214,12 @@ void CachedGroups::MakePlans(const std::vector<Work>& work, size_t threshold) {
     plan.id = PlanId(group, plan);
     plans_.Insert(group, std::move(plan));
   }
+}
+
+void CachedGroups::ClearReady() {
+  for (std::unique_ptr<CachedGroup>& g : ready_)
+    if (g->submission.pool != nullptr) g->submission.pool->Give(std::move(g->submission.entries));
+  ready_.clear();
 }
 
 void CachedGroups::FailReady(const Status& status, Execution* execution) {

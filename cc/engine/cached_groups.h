@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "engine/counters.h"
@@ -57,12 +58,13 @@ class CachedGroups {
   // A failed cycle: fails the ready groups' entries not completed yet with
   // `status` (through `execution`).
   void FailReady(const Status& status, Execution* execution);
-  // The end of a cycle: the ready groups ran (or failed).
-  void ClearReady() { ready_.clear(); }
+  // The end of a cycle: the ready groups ran (or failed); a registered
+  // group's entries go back to their pool (Note [Registered groups]).
+  void ClearReady();
 
  private:
   // The plan `s` can run from unchanged, or null.
-  const Plan* PlanFor(const Submission& s) const;
+  const Plan* PlanFor(const Submission& s);
 
   Negotiation* const negotiation_;
   const int rank_;
@@ -79,6 +81,12 @@ class CachedGroups {
   };
   std::vector<PlanRun> plan_runs_;
   std::vector<BucketMember> plan_members_;  // RunPlans' members of one bucket
+  // Registered groups (by handle) whose entries matched a plan (its serial)
+  // member by member: their entries never change (Note [Registered groups]),
+  // so while the plan's slots keep their generations the next launch
+  // matches it without comparing its members again.
+  std::unordered_map<uint64_t, uint64_t> matched_plans_;
+  static constexpr size_t kMaxMatchedPlans = 4 * PlanCache::kMaxPlans;
 };
 
 }  // namespace nvgroup

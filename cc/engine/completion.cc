@@ -6,6 +6,7 @@
 #include "common/checks.h"
 #include "common/logging.h"
 #include "common/thread_setup.h"
+#include "engine/registered_launch.h"
 #include "engine/wait_policy.h"
 
 namespace nvgroup {
@@ -70,7 +71,7 @@ void Completion::CallDone(TensorEntry* e, const Status& status) {
 }
 
 void Completion::Complete(TensorEntry* e, const Status& status) {
-  queue_->Finish(e->request.name);
+  queue_->Finish(&e, 1);
   CallDone(e, status);
 }
 
@@ -103,21 +104,40 @@ void Completion::CompleteAfterStream(Communicator* comm, const std::vector<Tenso
   // in-flight set first, so the adapter may resubmit it at once (its `done`
   // below then must not Finish the name again).
   struct Callback {
-    std::string name;
+    std::string name;  // empty for a registered group's member
     DoneCallback done;
     bool finished_early = false;
   };
+  // Note [Registered groups] (registered_groups.h): a registered group's
+  // members in a row, which the queue finishes with one count and whose
+  // launch hears of the event once.
+  struct RegisteredRun {
+    uint64_t group;
+    RegisteredLaunch* launch;
+    size_t members;
+    bool finished_early;
+  };
   // The entries die with the cycle and nothing reads their names after this
-  // (the timeline's events are written): the names move, not copy.
+  // (the timeline's events are written): the names move, not copy; a
+  // registered group's entries keep theirs (their EntryPool reuses them).
   std::vector<Callback> callbacks;
+  std::vector<RegisteredRun> runs;
   callbacks.reserve(done.size());
   bool any_early = false;
   for (TensorEntry* e : done) {
     CollectiveRequest& q = e->request;
+    if (e->registered_group != 0) {
+      callbacks.push_back({std::string(), std::move(q.done), false});
+      q.done = nullptr;
+      if (runs.empty() || runs.back().launch != e->launch)
+        runs.push_back({e->registered_group, e->launch, 0, false});
+      ++runs.back().members;
+      continue;
+    }
     Callback c{std::move(q.name), std::move(q.done), false};
     q.done = nullptr;
     if (event != nullptr && q.completion_event_ready) {
-      queue_->Finish(c.name);
+      queue_->Finish(&e, 1);
       c.finished_early = any_early = true;
       try {
         q.completion_event_ready(event);
@@ -127,7 +147,19 @@ void Completion::CompleteAfterStream(Communicator* comm, const std::vector<Tenso
     }
     callbacks.push_back(std::move(c));
   }
-  finalizer_->Add([this, comm, event, any_early, callbacks = std::move(callbacks)]() mutable {
+  for (RegisteredRun& run : runs) {
+    if (event == nullptr || run.launch == nullptr || !run.launch->announces_events()) continue;
+    queue_->Finish(nullptr, 0, run.group, run.members);
+    run.finished_early = any_early = true;
+    try {
+      run.launch->AnnounceEvent(event, run.members);
+    } catch (...) {
+      NVG_LOG(kError) << "the completion_event_ready callback of registered group " << run.group
+                      << " threw; ignored";
+    }
+  }
+  finalizer_->Add([this, comm, event, any_early, callbacks = std::move(callbacks),
+                   runs = std::move(runs)]() mutable {
     // Orders `done` after the device finished the bucket's copy out.
     Status s = event != nullptr ? comm->WaitRecordedEvent(event) : comm->Synchronize(nullptr);
 #ifdef NVGROUP_WITH_CUDA
@@ -141,8 +173,10 @@ void Completion::CompleteAfterStream(Communicator* comm, const std::vector<Tenso
     std::vector<const std::string*> names;
     names.reserve(callbacks.size());
     for (const Callback& c : callbacks)
-      if (!c.finished_early) names.push_back(&c.name);
-    queue_->Finish(names.data(), names.size());
+      if (!c.finished_early && !c.name.empty()) names.push_back(&c.name);
+    if (!names.empty()) queue_->Finish(names.data(), names.size());
+    for (const RegisteredRun& run : runs)
+      if (!run.finished_early) queue_->Finish(nullptr, 0, run.group, run.members);
     for (Callback& c : callbacks) {
       try {
         c.done(s);

@@ -106,4 +106,14 @@ Status EnqueueGroup(std::vector<CollectiveRequest> requests) {
   return Runtime::Get().Submit(std::move(requests), true);
 }
 
+StatusOr<uint64_t> RegisterGroup(std::vector<CollectiveRequest> members) {
+  return Runtime::Get().RegisterGroup(std::move(members));
+}
+
+Status EnqueueRegisteredGroup(uint64_t group, GroupLaunch launch) {
+  return Runtime::Get().EnqueueRegisteredGroup(group, std::move(launch));
+}
+
+Status UnregisterGroup(uint64_t group) { return Runtime::Get().UnregisterGroup(group); }
+
 }  // namespace nvgroup

@@ -131,6 +131,11 @@ class Engine {
   const Topology& topology() const { return topology_; }
   int size() const { return size_; }
   Status Submit(Submission submission) { return queue_.Push(std::move(submission)); }
+  // A registered group's names (Note [Registered names], tensor_queue.h).
+  Status Reserve(uint64_t group, const std::vector<TensorEntry>& entries) {
+    return queue_.Reserve(group, entries);
+  }
+  Status Unreserve(uint64_t group) { return queue_.Unreserve(group); }
   // Agrees on shutdown with the other ranks, fails what is in flight with
   // kAborted, joins the thread and frees the communicators. Idempotent.
   Status Stop();

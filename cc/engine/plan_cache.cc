@@ -60,6 +60,7 @@ void PlanCache::Insert(uint64_t group_id, Plan plan) {
     plans_.erase(lru);
   }
   plan.last_use = ++clock_;
+  plan.serial = ++serials_;
   digest_ ^= plan.id;
   plans_.emplace(group_id, std::move(plan));
 }

@@ -44,6 +44,10 @@ struct Plan {
   // members' cache bits as (word, mask) pairs. See Note [Cached groups].
   std::vector<uint32_t> entry_of;
   std::vector<std::pair<int, uint64_t>> bit_words;
+  // This rank's own: which plan this is, counted by PlanCache::Insert (a
+  // plan replaced under the same group id gets a new serial), for
+  // CachedGroups' memo of registered groups (Note [Registered groups]).
+  uint64_t serial = 0;
 };
 
 // Every member slot still holds the response the plan was made from.
@@ -89,6 +93,7 @@ class PlanCache {
   std::unordered_map<uint64_t, Plan> plans_;  // by group id
   uint64_t digest_ = 0;
   uint64_t clock_ = 0;
+  uint64_t serials_ = 0;
 };
 
 // Note [Cached groups]

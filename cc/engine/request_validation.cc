@@ -25,10 +25,9 @@ Status ValidateScales(const CollectiveRequest& q, const CollectiveWho& who) {
   return Status::Ok();
 }
 
-}  // namespace
-
-// `size`: ranks of the request's process set.
-Status ValidateRequest(const CollectiveRequest& q, int size) {
+// `with_pointers`: check the pointers and `done` (false for a registered
+// group's member, whose launches bring them).
+Status Validate(const CollectiveRequest& q, int size, bool with_pointers) {
   const CollectiveWho who{q.name};
   if (q.name.empty()) return Status::InvalidArgument("a collective needs a non-empty name");
   if (static_cast<int>(q.dtype) >= kNumDataTypes)
@@ -36,7 +35,7 @@ Status ValidateRequest(const CollectiveRequest& q, int size) {
   if (static_cast<int>(q.type) >= kNumCollectiveTypes)
     return Status::InvalidArgument(who + ": unknown collective type " +
                                    std::to_string(static_cast<int>(q.type)));
-  if (!q.done) return Status::InvalidArgument(who + ": no done callback");
+  if (with_pointers && !q.done) return Status::InvalidArgument(who + ": no done callback");
   // Element and byte counts must fit in int64 (they travel as such and size
   // every buffer computation).
   int64_t bytes = static_cast<int64_t>(DataTypeSize(q.dtype));
@@ -55,7 +54,7 @@ Status ValidateRequest(const CollectiveRequest& q, int size) {
   } else if (q.device.kind != DeviceKind::kCpu) {
     return Status::InvalidArgument(who + ": unknown device kind");
   }
-  const bool has_data = NumElements(q.shape) > 0;
+  const bool has_data = with_pointers && NumElements(q.shape) > 0;
   if (has_data && q.input == nullptr && q.type != CollectiveType::kJoin)
     return Status::InvalidArgument(who + ": input pointer is null");
   if (q.type != CollectiveType::kAlltoall && !q.splits.empty())
@@ -131,5 +130,11 @@ Status ValidateRequest(const CollectiveRequest& q, int size) {
   }
   return Status::Ok();
 }
+
+}  // namespace
+
+Status ValidateRequest(const CollectiveRequest& q, int size) { return Validate(q, size, true); }
+
+Status ValidateRegisteredMember(const CollectiveRequest& q, int size) { return Validate(q, size, false); }
 
 }  // namespace nvgroup

@@ -12,5 +12,9 @@ namespace nvgroup {
 // `size`: ranks of the request's process set. Allocates nothing when the
 // request is good (it runs for every enqueue).
 Status ValidateRequest(const CollectiveRequest& q, int size);
+// A member of RegisterGroup (nvgroup/engine.h): the same checks but for the
+// pointers and `done`, which each launch brings (its own, cheaper, checks:
+// RegisteredGroups::Launch).
+Status ValidateRegisteredMember(const CollectiveRequest& q, int size);
 
 }  // namespace nvgroup

@@ -98,21 +98,16 @@ StatusOr<std::shared_ptr<Engine>> Runtime::EngineFor(std::vector<CollectiveReque
   return sets_.EngineFor(id, engine_->topology().rank, requests);
 }
 
-Status Runtime::Submit(std::vector<CollectiveRequest> requests, bool grouped) {
-  if (requests.empty()) return Status::InvalidArgument("EnqueueGroup needs at least one request");
-  for (CollectiveRequest& q : requests)
-    if (q.type == CollectiveType::kJoin && q.name.empty()) q.name = "nvgroup.join";
-  StatusOr<std::shared_ptr<Engine>> engine = EngineFor(&requests);
-  if (!engine.ok()) return engine.status();
-  const int size = engine.value()->size();
-  const uint64_t group_id = grouped && requests.size() > 1 ? GroupId(requests) : 0;
+Status Runtime::BuildSubmission(std::vector<CollectiveRequest>* requests, bool grouped, bool registered,
+                                int size, Submission* out) {
+  const uint64_t group_id = grouped && requests->size() > 1 ? GroupId(*requests) : 0;
   const double now = MonotonicSeconds();
-  Submission submission;
+  Submission& submission = *out;
   submission.group_id = group_id;
   std::vector<TensorEntry>& entries = submission.entries;
-  entries.reserve(requests.size());
-  for (CollectiveRequest& q : requests) {
-    NVG_RETURN_IF_ERROR(ValidateRequest(q, size));
+  entries.reserve(requests->size());
+  for (CollectiveRequest& q : *requests) {
+    NVG_RETURN_IF_ERROR(registered ? ValidateRegisteredMember(q, size) : ValidateRequest(q, size));
     if (q.type == CollectiveType::kJoin && group_id != 0)
       return Status::InvalidArgument("join cannot be part of a grouped collective");
     TensorEntry& e = entries.emplace_back();  // built in place: the request moves once
@@ -126,13 +121,45 @@ Status Runtime::Submit(std::vector<CollectiveRequest> requests, bool grouped) {
     m.postscale_factor = q.postscale_factor;
     m.root_rank = q.root_rank;
     m.group_id = group_id;
-    m.group_size = group_id != 0 ? static_cast<uint32_t>(requests.size()) : 0;
+    m.group_size = group_id != 0 ? static_cast<uint32_t>(requests->size()) : 0;
     if (q.type == CollectiveType::kAlltoall)
       m.splits = q.splits.empty() ? std::vector<int64_t>(size, q.shape[0] / size) : q.splits;
     e.request = std::move(q);
     e.enqueue_time = now;
   }
+  return Status::Ok();
+}
+
+Status Runtime::Submit(std::vector<CollectiveRequest> requests, bool grouped) {
+  if (requests.empty()) return Status::InvalidArgument("EnqueueGroup needs at least one request");
+  for (CollectiveRequest& q : requests)
+    if (q.type == CollectiveType::kJoin && q.name.empty()) q.name = "nvgroup.join";
+  StatusOr<std::shared_ptr<Engine>> engine = EngineFor(&requests);
+  if (!engine.ok()) return engine.status();
+  Submission submission;
+  NVG_RETURN_IF_ERROR(BuildSubmission(&requests, grouped, false, engine.value()->size(), &submission));
   return engine.value()->Submit(std::move(submission));
+}
+
+StatusOr<uint64_t> Runtime::RegisterGroup(std::vector<CollectiveRequest> members) {
+  if (members.empty()) return Status::InvalidArgument("RegisterGroup needs at least one member");
+  for (const CollectiveRequest& q : members)
+    if (q.type != CollectiveType::kAllreduce)
+      return Status::InvalidArgument("RegisterGroup: member '" + q.name + "' is not an allreduce (" +
+                                     CollectiveTypeName(q.type) + "); only allreduces can be registered");
+  StatusOr<std::shared_ptr<Engine>> engine = EngineFor(&members);
+  if (!engine.ok()) return engine.status();
+  Submission model;
+  NVG_RETURN_IF_ERROR(BuildSubmission(&members, true, true, engine.value()->size(), &model));
+  for (TensorEntry& e : model.entries) {  // each launch brings these (Note [Registered groups])
+    CollectiveRequest& q = e.request;
+    q.input = nullptr;
+    q.output = nullptr;
+    q.ready_event = nullptr;
+    q.done = nullptr;
+    q.completion_event_ready = nullptr;
+  }
+  return registered_.Add(engine.value(), std::move(model));
 }
 
 Status Runtime::Shutdown() {
@@ -151,6 +178,7 @@ Status Runtime::Shutdown() {
     for (auto& [id, set] : sets)
       if (set.engine != nullptr) stopping_.push_back(set.engine);
   }
+  registered_.Clear();  // their engines stop below
   if (engine == nullptr) return Status::Ok();
   // Sets first (each agrees on its own shutdown among its members), then set 0.
   bool lost = false;

@@ -19,6 +19,7 @@
 #include "common/env.h"
 #include "engine/engine.h"
 #include "engine/process_set_registry.h"
+#include "engine/registered_groups.h"
 #include "nvgroup/engine.h"
 
 namespace nvgroup {
@@ -53,6 +54,13 @@ class Runtime {
   // Validates `requests` (request_validation.h) and hands them to their
   // process set's engine as one submission; `grouped`: EnqueueGroup.
   Status Submit(std::vector<CollectiveRequest> requests, bool grouped);
+  // Registered groups (registered_groups.h): RegisterGroup validates and
+  // builds the members' entries as Submit does, once.
+  StatusOr<uint64_t> RegisterGroup(std::vector<CollectiveRequest> members);
+  Status EnqueueRegisteredGroup(uint64_t group, GroupLaunch launch) {
+    return registered_.Launch(group, std::move(launch));
+  }
+  Status UnregisterGroup(uint64_t group) { return registered_.Remove(group); }
   // Aborts every engine of the process (engine_control.h).
   void Abort(const Status& reason);
   void PerturbStateDigest();
@@ -67,6 +75,11 @@ class Runtime {
   // The engine of the requests' process set; broadcast roots (ranks of set 0,
   // as in Horovod) are translated into ranks of the set.
   StatusOr<std::shared_ptr<Engine>> EngineFor(std::vector<CollectiveRequest>* requests);
+  // The one builder of a submission's entries (Submit's and RegisterGroup's):
+  // validates each request (`registered`: without its pointers) and moves it
+  // into its entry with this rank's message; `size`: the set's ranks.
+  static Status BuildSubmission(std::vector<CollectiveRequest>* requests, bool grouped, bool registered,
+                                int size, Submission* out);
   // Set 0's engine (null before Init), read under mu_.
   std::shared_ptr<Engine> Global();
 
@@ -88,6 +101,7 @@ class Runtime {
   Knobs knobs_;                     // agreed at Init; process sets' engines use the same
   std::mutex registration_mu_;
   ProcessSetRegistry sets_;
+  RegisteredGroups registered_;  // its own lock; Shutdown clears it
 };
 
 // "nvgroup_tf has not been initialized; call hvd.init() first".

@@ -24,33 +24,75 @@ void InFlightNames::Erase(const std::string& name) {
   if (!node.empty() && spare_.size() < kSpareNodes) spare_.push_back(std::move(node));
 }
 
+std::vector<TensorEntry> EntryPool::Take() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!free_.empty()) {
+      std::vector<TensorEntry> entries = std::move(free_.back());
+      free_.pop_back();
+      return entries;
+    }
+  }
+  return model_;  // the first launches, and after a launch that went entry by entry
+}
+
+void EntryPool::Give(std::vector<TensorEntry> entries) {
+  if (entries.size() != model_.size()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_.size() < kMaxFree) free_.push_back(std::move(entries));
+}
+
+Status TensorQueue::Refuse(const Submission& submission, const std::string& duplicate,
+                           std::unique_lock<std::mutex>* lock) {
+  // Note [Refused duplicates] (coordinator.h): the refusal goes to rank 0 in
+  // the entries' place.
+  Submission refusal;
+  refusal.refused_duplicate = duplicate;
+  for (const TensorEntry& e : submission.entries)
+    if (std::find(refusal.refused_names.begin(), refusal.refused_names.end(), e.request.name) ==
+        refusal.refused_names.end())
+      refusal.refused_names.push_back(e.request.name);
+  queued_.push_back(std::move(refusal));
+  wake_.store(true, std::memory_order_release);
+  // Note [Registered names]: say so when the name is a registered group's.
+  std::string owner;
+  for (const auto& [group, reservation] : reservations_)
+    if (std::find(reservation.names.begin(), reservation.names.end(), duplicate) != reservation.names.end())
+      owner = "; '" + duplicate + "' belongs to registered group " + std::to_string(group) + " on rank " +
+              std::to_string(rank_) +
+              (group == submission.registered_group
+                   ? ", whose previous launch is still in flight (wait for its done callback)"
+                   : " (RegisterGroup): launch it with EnqueueRegisteredGroup, or UnregisterGroup first");
+  const bool waiting = waiting_for_first_;
+  lock->unlock();
+  if (waiting) cv_.notify_one();
+  return Status::InvalidArgument(RefusedDuplicateText(duplicate, duplicate, {rank_}) + owner);
+}
+
 Status TensorQueue::Push(Submission submission) {
   std::vector<TensorEntry>& entries = submission.entries;
   bool wake = false;
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (!closed_.ok()) return closed_;
-    const bool overlapping = !in_flight_.empty();
-    // Names go into in_flight_ as they are checked; a duplicate (in flight, or
-    // twice in this batch) takes the batch's names out again.
-    for (size_t i = 0; i < entries.size(); ++i) {
-      if (!in_flight_.Insert(entries[i].request.name)) {
-        for (size_t j = 0; j < i; ++j) in_flight_.Erase(entries[j].request.name);
-        // Note [Refused duplicates] (coordinator.h): the refusal goes to rank 0
-        // in the entries' place.
-        const std::string& duplicate = entries[i].request.name;
-        Submission refusal;
-        refusal.refused_duplicate = duplicate;
-        for (const TensorEntry& e : entries)
-          if (std::find(refusal.refused_names.begin(), refusal.refused_names.end(), e.request.name) ==
-              refusal.refused_names.end())
-            refusal.refused_names.push_back(e.request.name);
-        queued_.push_back(std::move(refusal));
-        wake_.store(true, std::memory_order_release);
-        const bool waiting = waiting_for_first_;
-        lock.unlock();
-        if (waiting) cv_.notify_one();
-        return Status::InvalidArgument(RefusedDuplicateText(duplicate, duplicate, {rank_}));
+    // Reserved names are not requests in flight (Note [Registered names]).
+    const bool overlapping = in_flight_.size() != reserved_names_ || registered_members_in_flight_ != 0;
+    if (submission.registered_group != 0) {  // Note [Registered names]
+      auto r = reservations_.find(submission.registered_group);
+      if (r == reservations_.end())
+        return Status::FailedPrecondition("registered group " + std::to_string(submission.registered_group) +
+                                          " has no reservation in this engine's queue");
+      if (r->second.members_in_flight != 0) return Refuse(submission, entries[0].request.name, &lock);
+      r->second.members_in_flight = entries.size();
+      registered_members_in_flight_ += entries.size();
+    } else {
+      // Names go into in_flight_ as they are checked; a duplicate (in flight,
+      // or twice in this batch) takes the batch's names out again.
+      for (size_t i = 0; i < entries.size(); ++i) {
+        if (!in_flight_.Insert(entries[i].request.name)) {
+          for (size_t j = 0; j < i; ++j) in_flight_.Erase(entries[j].request.name);
+          return Refuse(submission, entries[i].request.name, &lock);
+        }
       }
     }
     last_was_group_ = submission.group_id != 0 && submission.entries.size() > 1;
@@ -71,6 +113,40 @@ Status TensorQueue::Push(Submission submission) {
   }
   // Ordered after the push by the mutex.
   if (wake) cv_.notify_one();
+  return Status::Ok();
+}
+
+Status TensorQueue::Reserve(uint64_t group, const std::vector<TensorEntry>& entries) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!closed_.ok()) return closed_;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (in_flight_.Insert(entries[i].request.name)) continue;
+    for (size_t j = 0; j < i; ++j) in_flight_.Erase(entries[j].request.name);
+    const std::string& name = entries[i].request.name;
+    for (const auto& [other, reservation] : reservations_)
+      if (std::find(reservation.names.begin(), reservation.names.end(), name) != reservation.names.end())
+        return Status::InvalidArgument("RegisterGroup: '" + name + "' belongs to registered group " +
+                                       std::to_string(other) + " already (UnregisterGroup it first)");
+    return Status::InvalidArgument("RegisterGroup: a collective named '" + name +
+                                   "' is in flight, or the group names it twice");
+  }
+  Reservation& r = reservations_[group];
+  for (const TensorEntry& e : entries) r.names.push_back(e.request.name);
+  reserved_names_ += entries.size();
+  return Status::Ok();
+}
+
+Status TensorQueue::Unreserve(uint64_t group) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = reservations_.find(group);
+  if (r == reservations_.end()) return Status::Ok();  // a queue that never reserved it
+  if (r->second.members_in_flight != 0)
+    return Status::FailedPrecondition("UnregisterGroup: a launch of registered group " +
+                                      std::to_string(group) +
+                                      " is in flight; unregister it after its done callback ran");
+  for (const std::string& name : r->second.names) in_flight_.Erase(name);
+  reserved_names_ -= r->second.names.size();
+  reservations_.erase(r);
   return Status::Ok();
 }
 
@@ -168,19 +244,38 @@ void TensorQueue::RequestShutdown() {
   cv_.notify_one();
 }
 
-void TensorQueue::Finish(const std::string& name) {
-  std::lock_guard<std::mutex> lock(mu_);
-  in_flight_.Erase(name);
+void TensorQueue::FinishRegistered(uint64_t group, size_t members) {
+  auto r = reservations_.find(group);
+  if (r == reservations_.end()) return;
+  const size_t finished = std::min(members, r->second.members_in_flight);
+  r->second.members_in_flight -= finished;
+  registered_members_in_flight_ -= finished;
 }
 
 void TensorQueue::Finish(TensorEntry* const* entries, size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (size_t i = 0; i < n; ++i) in_flight_.Erase(entries[i]->request.name);
+  uint64_t group = 0;  // Note [Registered names]: a group's members in a row, one update
+  size_t members = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const TensorEntry& e = *entries[i];
+    if (e.registered_group == 0) {
+      in_flight_.Erase(e.request.name);
+      continue;
+    }
+    if (e.registered_group != group) {
+      if (members != 0) FinishRegistered(group, members);
+      group = e.registered_group;
+      members = 0;
+    }
+    ++members;
+  }
+  if (members != 0) FinishRegistered(group, members);
 }
 
-void TensorQueue::Finish(const std::string* const* names, size_t n) {
+void TensorQueue::Finish(const std::string* const* names, size_t n, uint64_t group, size_t members) {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < n; ++i) in_flight_.Erase(*names[i]);
+  if (group != 0 && members != 0) FinishRegistered(group, members);
 }
 
 std::vector<Submission> TensorQueue::Close(const Status& status) {

@@ -16,8 +16,10 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -26,6 +28,8 @@
 #include "nvgroup/engine.h"
 
 namespace nvgroup {
+
+class RegisteredLaunch;  // registered_launch.h
 
 // One submitted collective, self-contained: the caller's request plus what
 // this rank reports to rank 0 about it.
@@ -42,6 +46,12 @@ struct TensorEntry {
   }
   double enqueue_time = 0;  // engine clock, for the timeline
   uint32_t group_index = 0;  // position in its Submission (the order the caller gave)
+  // A member of a registered group's launch (Note [Registered groups],
+  // registered_groups.h): the group's handle, whose names the queue holds
+  // reserved (0: not registered, the name is in flight by itself), and the
+  // launch, which hears of completion events once per bucket.
+  uint64_t registered_group = 0;
+  RegisteredLaunch* launch = nullptr;
 };
 
 // One Enqueue or EnqueueGroup: its entries travel as one queue entry from
@@ -52,9 +62,36 @@ inline bool EntryMatchesResponse(const TensorEntry& entry, const ResponseMessage
   return RequestMatchesResponse(entry.message, entry.request.name, entry.request.shape, response, rank);
 }
 
+// A registered group's entries (names, shapes, messages: the registration's
+// copy), reused from launch to launch so that a launch builds no strings and
+// allocates nothing per member (Note [Registered groups]). Take (caller's
+// thread) hands out a free set or a copy of the registration's; Give (the
+// background loop, after the group ran whole: CachedGroups::ClearReady)
+// hands a set back, with its names and shapes untouched.
+class EntryPool {
+ public:
+  explicit EntryPool(std::vector<TensorEntry> model) : model_(std::move(model)) {}
+  const std::vector<TensorEntry>& model() const { return model_; }
+  std::vector<TensorEntry> Take();
+  void Give(std::vector<TensorEntry> entries);
+
+ private:
+  // Two launches can be in flight at once (the next one is accepted once the
+  // previous one's completion events were announced, before its `done`); a
+  // third set covers the one the loop has not given back yet.
+  static constexpr size_t kMaxFree = 3;
+  const std::vector<TensorEntry> model_;
+  std::mutex mu_;
+  std::vector<std::vector<TensorEntry>> free_;
+};
+
 struct Submission {
   std::vector<TensorEntry> entries;
   uint64_t group_id = 0;  // the entries' message.group_id (0: not grouped)
+  // A launch of a registered group (its handle; 0: EnqueueGroup or Enqueue),
+  // and the pool its entries came from and go back to.
+  uint64_t registered_group = 0;
+  std::shared_ptr<EntryPool> pool;
   // A refused push (Note [Refused duplicates]), with no entries: the distinct
   // names of its requests, and the name in flight that refused them.
   std::vector<std::string> refused_names;
@@ -72,7 +109,7 @@ class InFlightNames {
   // False (and nothing changes) when `name` is in flight already.
   bool Insert(const std::string& name);
   void Erase(const std::string& name);
-  bool empty() const { return names_.empty(); }
+  size_t size() const { return names_.size(); }
 
  private:
   static constexpr size_t kSpareNodes = 4096;
@@ -87,8 +124,24 @@ class TensorQueue {
   explicit TensorQueue(int rank) : rank_(rank) {}
   // All or none of the entries are queued (a group is never split). A
   // duplicate name refuses them all with RefusedDuplicateText (coordinator.h)
-  // and queues the refusal's record instead.
+  // and queues the refusal's record instead. A launch of a registered group
+  // checks no name: its reservation says whether its previous launch is
+  // still in flight (then it is refused the same way).
   Status Push(Submission submission);
+  // Note [Registered names]
+  // A registered group's names are reserved in the queue from RegisterGroup
+  // to UnregisterGroup: they sit in the in-flight names all along, so any
+  // other submission of one of them is refused as a duplicate (on every
+  // rank, Note [Refused duplicates]), and the group's launches need no
+  // per-name insert or erase. The reservation counts the members of the
+  // launch in flight instead: Push of a launch finds it zero and sets it to
+  // the member count, Finish of a member counts it down (members of one
+  // group in a row: one update), and the next launch is accepted once it
+  // is zero again, as a name is once its request finished.
+  // Reserve fails (and reserves nothing) when a name is in flight or
+  // reserved already; Unreserve fails while a launch is in flight.
+  Status Reserve(uint64_t group, const std::vector<TensorEntry>& entries);
+  Status Unreserve(uint64_t group);
   // Waits until something is queued, shutdown was requested, or `timeout_s`
   // passed; then, while pushes keep arriving less than `gap_s` apart, keeps
   // collecting them for up to `max_batch_s` after the first one; appends the
@@ -137,11 +190,13 @@ class TensorQueue {
   // one of them did. An idle cycle's agreement sleeps here (mpi_wait.h).
   bool SleepUnlessPushed(double seconds);
   void RequestShutdown();
-  void Finish(const std::string& name);
-  // Finish for `n` entries under one lock (a bucket's members).
+  // Finish for `n` entries under one lock (a bucket's members; a
+  // registered group's count down its reservation).
   void Finish(TensorEntry* const* entries, size_t n);
-  // Finish for `n` names under one lock (a bucket's members once their entries are gone).
-  void Finish(const std::string* const* names, size_t n);
+  // Finish for `n` names under one lock (a bucket's members once their
+  // entries are gone), and `members` members of registered group `group`
+  // (none when `group` is 0).
+  void Finish(const std::string* const* names, size_t n, uint64_t group = 0, size_t members = 0);
   // Pushes of grouped collectives that ended admission batching at once.
   uint64_t groups_not_batched() const { return groups_not_batched_.load(std::memory_order_relaxed); }
   // Takes whose first entry (not a group) was taken at once, without waiting
@@ -162,6 +217,20 @@ class TensorQueue {
   // sees a new push by it changing; the lock orders what it then reads.
   std::atomic<uint64_t> pushes_{0};
   InFlightNames in_flight_;
+  // Note [Registered names]: by group handle.
+  struct Reservation {
+    std::vector<std::string> names;
+    size_t members_in_flight = 0;
+  };
+  std::unordered_map<uint64_t, Reservation> reservations_;
+  size_t reserved_names_ = 0;                // the reservations' names (all in in_flight_)
+  size_t registered_members_in_flight_ = 0;  // the sum of their members_in_flight
+  // Under mu_: refuses `submission` for `duplicate` (Note [Refused
+  // duplicates]), queueing the refusal's record; unlocks `lock`.
+  Status Refuse(const Submission& submission, const std::string& duplicate,
+                std::unique_lock<std::mutex>* lock);
+  // Under mu_: counts down `members` of registered group `group`.
+  void FinishRegistered(uint64_t group, size_t members);
   bool shutdown_requested_ = false;
   bool waiting_for_first_ = false;  // WaitAndPop or SleepUnlessPushed waits for a first entry (Push wakes it)
   // Something is queued or shutdown was requested: read without the lock by

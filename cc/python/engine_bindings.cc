@@ -28,6 +28,8 @@ namespace py = pybind11;
 namespace nvgroup {
 
 void RegisterEngineTestingBindings(py::module_& t);  // cc/python/engine_testing_bindings.cc
+// cc/python/registered_group_bindings.cc
+void RegisterRegisteredGroupBindings(py::module_& m, py::module_& t);
 
 namespace {
 
@@ -362,6 +364,7 @@ void RegisterEngineBindings(py::module_& m) {
 
   py::module_ t = m.def_submodule("testing");
   RegisterEngineTestingBindings(t);
+  RegisterRegisteredGroupBindings(m, t);
 }
 
 }  // namespace nvgroup

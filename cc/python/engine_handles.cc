@@ -284,6 +284,15 @@ int64_t SubmitOne(CollectiveRequest q, std::shared_ptr<Handle> h, py::object kee
   return id;
 }
 
+int64_t SubmitRegistered(uint64_t group, GroupLaunch launch, py::object keepalive) {
+  auto h = std::make_shared<Handle>();
+  launch.done = DoneFor(h);
+  ThrowIfError(EnqueueRegisteredGroup(group, std::move(launch)));  // GIL held: see SubmitOne
+  const int64_t id = Register(std::move(h));
+  if (!keepalive.is_none()) KeepAlive()[py::int_(id)] = keepalive;
+  return id;
+}
+
 void RefuseOutputAllocationsForTesting(int count) {
   g_refused_allocations.store(count > 0 ? count : 0, std::memory_order_relaxed);
 }

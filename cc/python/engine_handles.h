@@ -68,6 +68,10 @@ int64_t SubmitOne(CollectiveRequest q, std::shared_ptr<Handle> h, pybind11::obje
 std::vector<int64_t> SubmitGroup(std::vector<CollectiveRequest> qs, std::vector<std::shared_ptr<Handle>> hs,
                                  pybind11::object keepalive);
 
+// Launches registered group `group` (EnqueueRegisteredGroup) with `launch`'s
+// pointers, resolving one handle when the whole group is done; returns its id.
+int64_t SubmitRegistered(uint64_t group, GroupLaunch launch, pybind11::object keepalive);
+
 // Waits (GIL released); returns None, or the allgather output. Raises on error.
 pybind11::object Wait(int64_t id, pybind11::object timeout);
 // Waits for every handle with one release of the GIL, then resolves them in order like Wait().

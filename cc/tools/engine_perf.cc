@@ -24,7 +24,10 @@
 //   groups admitted and run whole, groups turned back into entries; Note
 //   [Cached groups] in cc/engine/plan_cache.h).
 // With `grouped` the step is one EnqueueGroup of every gradient (the
-// DistributedOptimizer's bucket), else one Enqueue per gradient. With
+// DistributedOptimizer's bucket), else one Enqueue per gradient; with
+// `registered` it is one EnqueueRegisteredGroup of the same requests,
+// registered once before the first step (RegisterGroup, nvgroup/engine.h):
+// the step fills only the pointer arrays, and one done callback ends it. With
 // `inplace` every request's output is its input, as the TF adapter submits
 // them whenever TF lets it forward the input buffer (ops/adapter.cc): on one
 // rank with unit scales the engine then launches nothing at all. After the
@@ -35,7 +38,9 @@
 // engine's own cost on a machine without a GPU; `scale=N` divides every
 // gradient's size by N (at least one element), as the CPU benchmark does.
 //
-// Usage: mpirun -np 2 engine_perf benchmarks/resnet50_gradients.txt [steps] [grouped] [inplace] [cpu] [scale=N]
+// Usage: mpirun -np 2 engine_perf benchmarks/resnet50_gradients.txt [steps] [grouped|registered] [inplace] [cpu]
+//        [scale=N]
+// (`registered` needs an engine with registered groups: NVG_HAS_REGISTERED_GROUPS.)
 #include <cuda_runtime.h>
 #include <mpi.h>
 
@@ -60,11 +65,12 @@ int main(int argc, char** argv) {
   NVG_TOOL_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided));
   if (argc < 2) Die("usage: engine_perf GRADIENT_TABLE [steps]");
   const int steps = argc > 2 ? std::stoi(argv[2]) : 20;
-  bool grouped = false, cpu = false, inplace = false;
+  bool grouped = false, registered = false, cpu = false, inplace = false;
   size_t scale = 1;
   for (int a = 3; a < argc; ++a) {
     const std::string arg = argv[a];
     if (arg == "grouped") grouped = true;
+    else if (arg == "registered") registered = true;
     else if (arg == "cpu") cpu = true;
     else if (arg == "inplace") inplace = true;
     else if (arg.rfind("scale=", 0) == 0) scale = std::max<size_t>(1, std::stoul(arg.substr(6)));
@@ -128,6 +134,31 @@ int main(int argc, char** argv) {
   std::condition_variable cv;
   int pending = 0;
   Status first_error;
+  // `registered`: the step's requests, registered once (the order of the
+  // grouped step's: reverse), and their pointer arrays.
+  uint64_t registered_group = 0;
+  std::vector<const void*> launch_in(n);
+  std::vector<void*> launch_out(n);
+  if (registered) {
+#ifdef NVG_HAS_REGISTERED_GROUPS
+    std::vector<CollectiveRequest> members;
+    for (int t = n - 1; t >= 0; --t) {
+      CollectiveRequest q;
+      q.name = "grad_" + std::to_string(t);
+      q.type = CollectiveType::kAllreduce;
+      q.dtype = DataType::kFloat32;
+      q.device = device;
+      q.shape = {static_cast<int64_t>(counts[t])};
+      q.op = ReduceOp::kAverage;
+      members.push_back(std::move(q));
+    }
+    StatusOr<uint64_t> handle = RegisterGroup(std::move(members));
+    Check(handle.status(), "RegisterGroup");
+    registered_group = handle.value();
+#else
+    Die("`registered` needs an engine with registered groups (RegisterGroup)");
+#endif
+  }
   double enqueue_s = 0, build_s = 0, drain_s = 0;  // summed over steps
   auto step = [&] {
     if (!cpu) CheckCuda(cudaEventRecord(ready, stream), "record");  // "the gradients are produced"
@@ -137,9 +168,31 @@ int main(int argc, char** argv) {
     }
     const double t0 = MPI_Wtime();
     double submit = 0;  // seconds inside Enqueue
-    std::vector<CollectiveRequest> group;
-    if (grouped) group.reserve(n);
-    for (int t = n - 1; t >= 0; --t) {
+#ifdef NVG_HAS_REGISTERED_GROUPS
+    if (registered) {
+      for (int k = 0; k < n; ++k) {
+        launch_in[k] = d_in[n - 1 - k];
+        launch_out[k] = inplace ? d_in[n - 1 - k] : d_out[n - 1 - k];
+      }
+      GroupLaunch launch;
+      launch.inputs = launch_in.data();
+      launch.outputs = launch_out.data();
+      launch.count = n;
+      launch.ready_event = ready;
+      launch.done = [&](const Status& s) {
+        std::lock_guard<std::mutex> l(mu);
+        if (!s.ok() && first_error.ok()) first_error = s;
+        pending = 0;
+        cv.notify_all();
+      };
+      const double s0 = MPI_Wtime();
+      Check(EnqueueRegisteredGroup(registered_group, std::move(launch)), "EnqueueRegisteredGroup");
+      submit += MPI_Wtime() - s0;
+    }
+#endif
+    std::vector<CollectiveRequest> group_requests;
+    if (grouped) group_requests.reserve(n);
+    for (int t = n - 1; t >= 0 && !registered; --t) {
       CollectiveRequest q;
       q.name = "grad_" + std::to_string(t);
       q.type = CollectiveType::kAllreduce;
@@ -156,7 +209,7 @@ int main(int argc, char** argv) {
         if (--pending == 0) cv.notify_all();
       };
       if (grouped) {
-        group.push_back(std::move(q));
+        group_requests.push_back(std::move(q));
       } else {
         const double s0 = MPI_Wtime();
         Check(Enqueue(std::move(q)), "Enqueue");
@@ -165,7 +218,7 @@ int main(int argc, char** argv) {
     }
     if (grouped) {
       const double s0 = MPI_Wtime();
-      Check(EnqueueGroup(std::move(group)), "EnqueueGroup");
+      Check(EnqueueGroup(std::move(group_requests)), "EnqueueGroup");
       submit += MPI_Wtime() - s0;
     }
     const double t1 = MPI_Wtime();
@@ -198,11 +251,13 @@ int main(int argc, char** argv) {
         "engine thread: idle %.1f us, agreement %.1f us, negotiation %.1f us, execution %.1f us | "
         "%.2f cycles, %.2f agreement allreduces, %.2f buckets, %.2f ready-event waits, %.2f plan launches, "
         "%.2f negotiation rounds\n",
-        grouped ? "one EnqueueGroup" : "one Enqueue per tensor", inplace ? ", in place" : "",
-        per_step(enqueue_s) * 1e6, per_step(build_s) * 1e6, per_step(enqueue_s - build_s) * 1e6,
-        per_step(drain_s) * 1e6, per_step(b.idle_s - a.idle_s) * 1e6, per_step(b.agree_s - a.agree_s) * 1e6,
-        per_step(b.negotiate_s - a.negotiate_s) * 1e6, per_step(b.execute_s - a.execute_s) * 1e6,
-        per_step(static_cast<double>(b.cycles - a.cycles)),
+        registered ? "one EnqueueRegisteredGroup"
+        : grouped  ? "one EnqueueGroup"
+                   : "one Enqueue per tensor",
+        inplace ? ", in place" : "", per_step(enqueue_s) * 1e6, per_step(build_s) * 1e6,
+        per_step(enqueue_s - build_s) * 1e6, per_step(drain_s) * 1e6, per_step(b.idle_s - a.idle_s) * 1e6,
+        per_step(b.agree_s - a.agree_s) * 1e6, per_step(b.negotiate_s - a.negotiate_s) * 1e6,
+        per_step(b.execute_s - a.execute_s) * 1e6, per_step(static_cast<double>(b.cycles - a.cycles)),
         per_step(static_cast<double>(b.agreement_allreduces - a.agreement_allreduces)),
         per_step(static_cast<double>(b.buckets - a.buckets)),
         per_step(static_cast<double>(b.ready_event_waits - a.ready_event_waits)),

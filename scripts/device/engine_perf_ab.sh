@@ -6,7 +6,10 @@
 # times: 1 rank per tensor, 1 rank grouped out of place and in place (the
 # outputs forwarded, as the TF adapter submits them when TF lets it), and NP
 # ranks sharing the one GPU as one NV-group under MPS (grouped, grouped in
-# place, per tensor). Every run checks its outputs against float64
+# place, per tensor), then the same launched as a registered group
+# (`registered`, `registered_inplace`: RegisterGroup, the engine's persistent
+# groups) on 1 and NP ranks: for both trees when BASELINE has registered
+# groups, else for this tree only. Every run checks its outputs against float64
 # (engine_perf's `wrong`). Both trees are built with this tree's
 # cc/tools/engine_perf.cc (the harness: the same requests and timers on
 # both sides; the engine is what is compared).
@@ -41,9 +44,14 @@ trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
 sleep 1
 
 printf 'tree\trep\tranks\tstyle\tus_per_step\twrong\n' > "$TSV"
-one() {  # tree-label tools-dir ranks style(grouped|per_tensor, optionally _inplace)
+# An older baseline has no registered groups (engine_perf's `registered`
+# needs NVG_HAS_REGISTERED_GROUPS, nvgroup/engine.h).
+BASE_REGISTERED=0
+grep -q NVG_HAS_REGISTERED_GROUPS "$BASE/cc/include/nvgroup/engine.h" && BASE_REGISTERED=1
+one() {  # tree-label tools-dir ranks style(grouped|registered|per_tensor, optionally _inplace)
   local label=$1 tools=$2 np=$3 style=$4 extra=() line us wrong
   [[ $style == grouped* ]] && extra+=(grouped)
+  [[ $style == registered* ]] && extra+=(registered)
   [[ $style == *_inplace ]] && extra+=(inplace)
   local group=0; (( np > 1 )) && group=1
   line=$(timeout 200 env NVGROUP_ONE_GPU_GROUP=$group mpirun -np "$np" --bind-to none -x NVGROUP_ONE_GPU_GROUP \
@@ -59,6 +67,11 @@ for rep in $(seq 1 "$REPS"); do
   for cfg in "1 per_tensor" "1 grouped" "1 grouped_inplace" "$NP grouped" "$NP grouped_inplace" "$NP per_tensor"; do
     read -r np style <<< "$cfg"
     one baseline "$BASE/build/tools" "$np" "$style"
+    one this build/tools "$np" "$style"
+  done
+  for cfg in "1 registered" "1 registered_inplace" "$NP registered" "$NP registered_inplace"; do
+    read -r np style <<< "$cfg"
+    (( BASE_REGISTERED )) && one baseline "$BASE/build/tools" "$np" "$style"
     one this build/tools "$np" "$style"
   done
 done

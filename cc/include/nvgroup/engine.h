@@ -142,6 +142,73 @@ Status Enqueue(CollectiveRequest request);
 // same process set.
 Status EnqueueGroup(std::vector<CollectiveRequest> requests);
 
+// --- Registered groups: a grouped allreduce registered once, launched each step ---
+//
+// A training step submits the same grouped allreduce every time (the
+// DistributedOptimizer's buckets): the same names, shapes, dtypes and scales,
+// only the pointers change. RegisterGroup takes that group once (its members'
+// `input`, `output`, `ready_event`, `done` and `completion_event_ready` are
+// ignored) and validates it; EnqueueRegisteredGroup then submits it with only
+// the step's pointers, one readiness event and one `done`, with no per-member
+// validation, name building or hashing (Note [Registered groups] in
+// cc/engine/registered_groups.h).
+//
+// Contract:
+//  * A launch is EnqueueGroup of the registered requests with the launch's
+//    pointers: the same negotiation, response cache, plan, fusion and
+//    results, bit for bit. Ranks are matched by the members' names as
+//    always, so a rank that launches a registered group and a rank that
+//    calls EnqueueGroup with the same requests work together; a rank whose
+//    group differs (a shape, a name) fails on every rank as EnqueueGroup does.
+//  * Registration is local to the rank (not collective). Members are
+//    allreduces of one process set with distinct names; the process set
+//    must exist and this rank must be a member. Until UnregisterGroup, the
+//    members' names belong to the group on this rank: Enqueue or EnqueueGroup
+//    of one of them fails like a name in flight (and, as that does, on every
+//    rank that submitted it), and so does registering them in another group.
+//  * A change of shapes, names or anything else is a new registration
+//    (UnregisterGroup, then RegisterGroup).
+//  * EnqueueRegisteredGroup fails synchronously (and `done` is never called)
+//    for an unknown handle, a handle registered before the last Shutdown or
+//    whose process set was removed, a wrong number of pointers, a null
+//    pointer of a member with elements, a missing `done`, or while the
+//    group's previous launch is still in flight (its names are in flight:
+//    as for EnqueueGroup, the refusal also fails that launch on the ranks
+//    that submitted it). Otherwise `done` runs exactly once, after every
+//    member completed, with OK or the first member's error.
+//  * UnregisterGroup fails with kFailedPrecondition while a launch is in
+//    flight. Shutdown forgets every registration.
+struct GroupLaunch {
+  // One pointer per member, in the order the members were registered;
+  // outputs[i] may equal inputs[i]. The arrays are read during the call only.
+  const void* const* inputs = nullptr;
+  void* const* outputs = nullptr;
+  size_t count = 0;             // the number of pointers in each array: the group's member count
+  void* ready_event = nullptr;  // CUDA only: cudaEvent_t after every input was produced, may be nullptr
+  DoneCallback done;
+  // CUDA only, optional: completion_event_ready of CollectiveRequest for the
+  // whole launch: called once, when every member's work is enqueued on the
+  // engine's stream, with an event recorded after the last of it (the
+  // engine runs a launch's buckets in order on one stream, so it covers them
+  // all). Not called when some member fails or completes without one.
+  std::function<void(void* completion_event)> completion_event_ready;
+};
+
+// Defined where this header declares registered groups: tools built against
+// older engines too (cc/tools/engine_perf.cc) test for it.
+#define NVG_HAS_REGISTERED_GROUPS 1
+
+// Registers `members` (allreduces, see above) and returns the group's handle
+// (never 0, unique in the process). kFailedPrecondition before Init;
+// kInvalidArgument for a member EnqueueGroup would refuse, a type other than
+// allreduce, members of several process sets, repeated names, or a name that
+// is in flight or belongs to another registered group.
+StatusOr<uint64_t> RegisterGroup(std::vector<CollectiveRequest> members);
+// Submits one launch of the registered group `group`.
+Status EnqueueRegisteredGroup(uint64_t group, GroupLaunch launch);
+// Forgets the registration; its names become free again.
+Status UnregisterGroup(uint64_t group);
+
 // Blocking form, for callers that cannot take a callback (XLA custom calls,
 // ops/xla_*.cc): submits `requests` (one: Enqueue; several: EnqueueGroup) with
 // done callbacks of its own (any `done` set by the caller is replaced) and
