@@ -139,19 +139,21 @@ int main(int argc, char** argv) {
   uint64_t registered_group = 0;
   std::vector<const void*> launch_in(n);
   std::vector<void*> launch_out(n);
+  // Gradient t's request without its buffers (the same for every style).
+  auto gradient_request = [&](int t) {
+    CollectiveRequest q;
+    q.name = "grad_" + std::to_string(t);
+    q.type = CollectiveType::kAllreduce;
+    q.dtype = DataType::kFloat32;
+    q.device = device;
+    q.shape = {static_cast<int64_t>(counts[t])};
+    q.op = ReduceOp::kAverage;
+    return q;
+  };
   if (registered) {
 #ifdef NVG_HAS_REGISTERED_GROUPS
     std::vector<CollectiveRequest> members;
-    for (int t = n - 1; t >= 0; --t) {
-      CollectiveRequest q;
-      q.name = "grad_" + std::to_string(t);
-      q.type = CollectiveType::kAllreduce;
-      q.dtype = DataType::kFloat32;
-      q.device = device;
-      q.shape = {static_cast<int64_t>(counts[t])};
-      q.op = ReduceOp::kAverage;
-      members.push_back(std::move(q));
-    }
+    for (int t = n - 1; t >= 0; --t) members.push_back(gradient_request(t));
     StatusOr<uint64_t> handle = RegisterGroup(std::move(members));
     Check(handle.status(), "RegisterGroup");
     registered_group = handle.value();
@@ -193,15 +195,9 @@ int main(int argc, char** argv) {
     std::vector<CollectiveRequest> group_requests;
     if (grouped) group_requests.reserve(n);
     for (int t = n - 1; t >= 0 && !registered; --t) {
-      CollectiveRequest q;
-      q.name = "grad_" + std::to_string(t);
-      q.type = CollectiveType::kAllreduce;
-      q.dtype = DataType::kFloat32;
-      q.device = device;
-      q.shape = {static_cast<int64_t>(counts[t])};
+      CollectiveRequest q = gradient_request(t);
       q.input = d_in[t];
       q.output = inplace ? d_in[t] : d_out[t];
-      q.op = ReduceOp::kAverage;
       q.ready_event = ready;
       q.done = [&](const Status& s) {
         std::lock_guard<std::mutex> l(mu);
