@@ -171,6 +171,13 @@ def _init_line(record_dir, pid):
     return (os.path.getmtime(path), m.group(0)[:700]) if m else None
 
 
+def names_rank(text, rank):
+    """Whether an error text names `rank`: "rank 1" as words, as the engine's
+    messages write it ("rank 1 (host h, pid p) has sent no heartbeat", "group
+    ranks 1 (rank 1) did not arrive"), not "rank 10"."""
+    return re.search(r"\brank %d\b" % rank, text) is not None
+
+
 def run_trial(spec, workdir):
     """Runs one trial; returns its spec with the observations and verdict."""
     record_dir = os.path.join(workdir, "trial%03d" % spec["index"])
@@ -272,13 +279,13 @@ def run_trial(spec, workdir):
             if err:
                 t_err = float(err.split()[1])
                 s.update({"outcome": "error", "after_s": round(t_err - t_fault, 3), "message": err[-700:],
-                          "names_victim": ("rank %d " % spec["victim"]) in err})
+                          "names_victim": names_rank(err, spec["victim"])})
             elif done:
                 s.update({"outcome": "done", "after_s": round(float(done.split()[1]) - t_fault, 3)})
             elif ended:
                 # Ended inside init(): its line names the phase; mpirun's names a dead rank.
                 s.update({"outcome": "ended in init", "after_s": round(ended[0] - t_fault, 3), "message": ended[1],
-                          "names_victim": ("rank %d " % spec["victim"]) in ended[1] or mpirun_names_victim})
+                          "names_victim": names_rank(ended[1], spec["victim"]) or mpirun_names_victim})
             else:
                 # Ended without a word of its own: mpirun's SIGTERM reached it
                 # before its program was inside init() (still importing), or

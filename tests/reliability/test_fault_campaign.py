@@ -51,3 +51,17 @@ def test_fault_campaign_sample(results, index):
     assert r["verdict"] == [], r
     if r["phase"] == "train":  # mid-training, the survivors cannot have finished their program
         assert {s["outcome"] for s in r["survivors"]} == {"error"}, r
+
+
+def test_the_verdict_reads_every_way_the_engine_names_a_rank():
+    """The survivor's error names the lost rank in either of the engine's
+    wordings: the liveness monitor's and the communicator's timeout, which
+    came first in one tape-train-stop trial under load and was taken for an
+    error that names nobody. A longer number is not the rank."""
+    timeout = ("timed out after 5.000000 s at allreduce: inputs in place: group ranks 1 (rank 1) did not "
+               "arrive [[{{node DistributedGradientTape_Allreduce/NvgroupGroupedAllreduce}}]]")
+    liveness = "rank 1 (host vm, pid 829) has sent no heartbeat for 7.1 s (stopped, hung or unreachable)"
+    assert fault_campaign.names_rank(timeout, 1)
+    assert fault_campaign.names_rank(liveness, 1)
+    assert not fault_campaign.names_rank("group ranks 10 (rank 10) did not arrive", 1)
+    assert not fault_campaign.names_rank("rank 0's engine stopped", 1)
