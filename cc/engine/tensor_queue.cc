@@ -99,7 +99,6 @@ Status TensorQueue::Push(Submission submission) {
     queued_.push_back(std::move(submission));
     wake_.store(true, std::memory_order_release);
     last_push_ = std::chrono::steady_clock::now();
-    pushes_.fetch_add(1, std::memory_order_release);  // ends a polled admission gap
     // Note [Lone requests skip the gap]: a push while earlier requests are
     // still in flight is part of a burst (or of overlapping callers).
     if (overlapping) {
@@ -111,6 +110,13 @@ Status TensorQueue::Push(Submission submission) {
     // not wake the loop once per enqueue (a group ends the batching: wake).
     wake = waiting_for_first_ || (batching_ && last_was_group_);
   }
+  // Ends a polled admission gap (WaitAndPop). Announced after the unlock, so
+  // a poller that sees it and takes mu_ does not find mu_ still held by this
+  // push (a caller pushing per tensor would otherwise meet the poller on the
+  // lock at every push); the push's state was published by the unlock. A
+  // poller that took mu_ between the unlock and this increment already saw
+  // the push and only polls once more.
+  pushes_.fetch_add(1, std::memory_order_release);
   // Ordered after the push by the mutex.
   if (wake) cv_.notify_one();
   return Status::Ok();
