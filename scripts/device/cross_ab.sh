@@ -19,9 +19,7 @@ THIS_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 LOG="$OUT/cross_ab.log"
-export NCCL_NVLS_ENABLE=0
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
+. scripts/device/device_env.sh
 STATUS=0
 JOBS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
 echo "=== build: this tree ($THIS_COMMIT) and $BASE ($BASE_COMMIT), $JOBS jobs each ($(date -u +%H:%M:%S))" | tee "$LOG"

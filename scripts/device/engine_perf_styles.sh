@@ -16,9 +16,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 TSV="$OUT/engine_perf_styles.tsv"
 LOG="$OUT/engine_perf_styles.log"
-export NCCL_NVLS_ENABLE=0
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
+. scripts/device/device_env.sh
 STATUS=0
 echo "=== build ($(date -u +%H:%M:%S))"
 bash scripts/device/build_tools.sh build/tools "$(nproc)" > "$LOG" 2>&1 || { echo "!!! build failed"; tail -20 "$LOG"; exit 1; }

@@ -1,0 +1,7 @@
+# Sourced by the device scripts (after they cd to the repo root): the
+# environment every run on the shared GPU machines needs.
+# Never NVLink multicast on the shared machines (KINDS.md of the device tool).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Open MPI as root, more ranks than cores, shared memory and loopback TCP only.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
