@@ -27,8 +27,23 @@ namespace {
 
 using Pointers = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 
-// The pointer arrays of one launch: `inputs` and `outputs` as uint64 arrays
-// (numpy arrays are read in place; a list of ints is converted).
+// A launch's addresses from Python: integers only (a numpy array of an
+// integer dtype, or a list of ints), none negative, as uint64 (read in place
+// when they are uint64 already). Floats, bools and other objects are refused
+// rather than truncated into addresses.
+Pointers AddressesOf(const py::object& given, const char* what) {
+  py::array a = py::array::ensure(given);
+  const char kind = a ? a.dtype().kind() : '?';
+  if (kind != 'i' && kind != 'u')
+    throw EngineError(std::string("INVALID_ARGUMENT: ") + what +
+                      " must hold integer addresses (a list of ints or an integer numpy array), got " +
+                      std::string(a ? py::str(a.dtype()) : py::str(py::type::of(given))));
+  if (kind == 'i' && a.size() > 0 && py::module_::import("numpy").attr("min")(a).cast<int64_t>() < 0)
+    throw EngineError(std::string("INVALID_ARGUMENT: ") + what + " holds a negative address");
+  return Pointers::ensure(a);
+}
+
+// The pointer arrays of one launch: `inputs` and `outputs` as uint64 arrays.
 GroupLaunch LaunchOf(const Pointers& inputs, const Pointers& outputs, uintptr_t ready_event) {
   if (inputs.ndim() != 1 || outputs.ndim() != 1 || inputs.shape(0) != outputs.shape(0))
     throw EngineError("INVALID_ARGUMENT: in_ptrs and out_ptrs must be 1-d and of one length");
@@ -90,9 +105,10 @@ void RegisterRegisteredGroupBindings(py::module_& m, py::module_& t) {
   }, py::arg("items"), py::arg("process_set") = 0,
         "Registers a grouped allreduce (pointers come with each launch); returns the group's handle.");
   m.def("registered_group_allreduce_async",
-        [](uint64_t group, const Pointers& in_ptrs, const Pointers& out_ptrs, uintptr_t ready_event,
+        [](uint64_t group, const py::object& in_ptrs, const py::object& out_ptrs, uintptr_t ready_event,
            py::object keepalive) {
-    return SubmitRegistered(group, LaunchOf(in_ptrs, out_ptrs, ready_event), std::move(keepalive));
+    const Pointers in = AddressesOf(in_ptrs, "in_ptrs"), out = AddressesOf(out_ptrs, "out_ptrs");
+    return SubmitRegistered(group, LaunchOf(in, out, ready_event), std::move(keepalive));
   },
         py::arg("group"), py::arg("in_ptrs"), py::arg("out_ptrs"), py::arg("ready_event") = 0,
         py::arg("keepalive") = py::none(),

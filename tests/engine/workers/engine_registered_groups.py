@@ -151,6 +151,13 @@ xs = inputs(ONE, 9)
 ys = [np.zeros_like(x) for x in xs]
 expect_error(lambda: E.registered_group_allreduce_async(g + 1000, pointers(xs), pointers(ys)),
              "unknown registered group", code="INVALID_ARGUMENT")
+# Addresses must be integers: floats (or bools) were truncated into addresses and crashed the engine.
+expect_error(lambda: E.registered_group_allreduce_async(g, [1.5, 2.5], pointers(ys)),
+             "in_ptrs must hold integer addresses", code="INVALID_ARGUMENT")
+expect_error(lambda: E.registered_group_allreduce_async(g, pointers(xs), np.array([True, False])),
+             "out_ptrs must hold integer addresses", code="INVALID_ARGUMENT")
+expect_error(lambda: E.registered_group_allreduce_async(g, [xs[0].ctypes.data, -8], pointers(ys)),
+             "in_ptrs holds a negative address", code="INVALID_ARGUMENT")
 expect_error(lambda: E.registered_group_allreduce_async(g, pointers(xs[:1]), pointers(ys[:1])),
              "has 2 members", "gives 1", code="INVALID_ARGUMENT")
 expect_error(lambda: E.registered_group_allreduce_async(g, np.array([xs[0].ctypes.data, 0], np.uint64),
