@@ -146,12 +146,12 @@ AllocateOutputFn IntoCompiledBuffer(const CallAttributes& a, const std::string& 
 }  // namespace
 
 Status DecodeCall(const WireAttributes& wire, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  std::vector<CollectiveRequest>* requests, size_t token_results) {
+                  std::vector<CollectiveRequest>* requests) {
   CallAttributes a;
   NVG_RETURN_IF_ERROR(DecodeAttributes(wire, &a));
   // The last operand only orders the call (CollectiveOrder); the data operands
-  // pair with the data results (a start's token follows them).
-  const size_t data = rets.size() >= token_results ? rets.size() - token_results : 0;
+  // pair with the data results (the order token follows them).
+  const size_t data = rets.size() >= 1 ? rets.size() - 1 : 0;
   if (args.size() != data + 1 || data == 0)
     return Status::Internal("nvgroup XLA custom call '" + a.name + "': " + std::to_string(args.size()) +
                             " operands for " + std::to_string(data) +

@@ -126,7 +126,7 @@ struct HostPairCall : PairCall {
 
 ffi::Error HostCollectiveStart(ffi::RemainingArgs args, ffi::RemainingRets rets, WireAttributes wire) {
   std::vector<CollectiveRequest> requests;
-  Status status = DecodeCall(wire, args, rets, &requests, /*token_results=*/1);
+  Status status = DecodeCall(wire, args, rets, &requests);
   if (!status.ok()) return ToFfiError(status);
   const std::string name(wire.name);
   auto call = std::make_shared<HostPairCall>(static_cast<int>(requests.size()));

@@ -75,8 +75,16 @@ absl::Status XlaTarget(const char** target) {
   return absl::OkStatus();
 }
 
+// The order token every call and start returns as its last result (xla_ops.h,
+// "Order"): u8[kOrderTokenElements], never written or read.
+::xla::Shape OrderTokenShape() {
+  ::xla::Shape token = ::xla::ShapeUtil::MakeShape(::xla::U8, {kOrderTokenElements});
+  ::xla::LayoutUtil::SetToDefaultLayout(&token);
+  return token;
+}
+
 // The order of the collective calls of one XLA computation (xla_ops.h,
-// "Order"): per XlaBuilder, the last collective call's output. Builders live
+// "Order"): per XlaBuilder, the last collective call's order token. Builders live
 // only while TF compiles one function and may be built on several threads at
 // once; an entry whose builder was destroyed is never used again, because an
 // op is taken only while it still belongs to the builder at that address and
@@ -86,7 +94,7 @@ absl::Status XlaTarget(const char** target) {
 class CollectiveOrder {
  public:
   // The operand that puts the next collective call of `builder` after its
-  // previous one: that call's output, or for the first one an empty u8[0].
+  // previous one: that call's order token, or for the first one an empty u8[0].
   static ::xla::XlaOp Previous(::xla::XlaBuilder* builder) {
     {
       std::lock_guard<std::mutex> lock(mu());
@@ -147,9 +155,7 @@ std::vector<::xla::XlaOp> EmitStartDone(XlaOpKernelContext* ctx, const CallAttri
   if (!OrderedOperands(ctx, &start_operands, &start_operand_shapes)) return {};
   const std::vector<::xla::XlaOp> inputs(start_operands.begin(), start_operands.end() - 1);
   std::vector<::xla::Shape> start_results = out_shapes;
-  ::xla::Shape token = ::xla::ShapeUtil::MakeShape(::xla::U8, {0});
-  ::xla::LayoutUtil::SetToDefaultLayout(&token);
-  start_results.push_back(token);
+  start_results.push_back(OrderTokenShape());
   const std::string config = XlaAttributes(attributes);
   ::xla::XlaOp start = ::xla::CustomCallWithLayout(builder, kXlaStartTarget, start_operands,
                                                    ::xla::ShapeUtil::MakeTupleShape(start_results),
@@ -195,8 +201,8 @@ std::vector<::xla::XlaOp> EmitStartDone(XlaOpKernelContext* ctx, const CallAttri
 }
 
 // One custom call: inputs [0, in_shapes.size()) and the ordering operand
-// (CollectiveOrder; the handlers skip it) -> results (a tuple when `tuple`),
-// row-major layouts. Done-after inputs are not operands of the single call:
+// (CollectiveOrder; the handlers skip it) -> (results..., order token),
+// row-major layouts (`tuple` matters only to the pair's done). Done-after inputs are not operands of the single call:
 // they would hold its start back.
 std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes& attributes,
                                    std::vector<::xla::Shape> in_shapes,
@@ -216,20 +222,21 @@ std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes
   ::xla::XlaBuilder* builder = ctx->builder();
   std::vector<::xla::XlaOp> operands;
   if (!OrderedOperands(ctx, &operands, &in_shapes)) return {};
-  const ::xla::Shape result = tuple ? ::xla::ShapeUtil::MakeTupleShape(out_shapes) : out_shapes[0];
-  ::xla::XlaOp call = ::xla::CustomCallWithLayout(builder, target, operands, result, in_shapes,
+  // (results..., order token): a tuple even for one result, so the token is an
+  // element of its own (xla_ops.h, "Order").
+  std::vector<::xla::Shape> results = out_shapes;
+  results.push_back(OrderTokenShape());
+  ::xla::XlaOp call = ::xla::CustomCallWithLayout(builder, target, operands,
+                                                  ::xla::ShapeUtil::MakeTupleShape(results), in_shapes,
                                                   XlaAttributes(attributes),
                                                   /*has_side_effect=*/true, /*output_operand_aliasing=*/{},
                                                   /*literal=*/nullptr,
                                                   ::xla::CustomCallSchedule::SCHEDULE_NONE,
                                                   ::xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
   std::vector<::xla::XlaOp> outputs;
-  if (!tuple) {
-    outputs.push_back(call);
-  } else {
-    for (size_t i = 0; i < out_shapes.size(); ++i) outputs.push_back(::xla::GetTupleElement(call, i));
-  }
-  CollectiveOrder::Record(builder, outputs[0]);
+  for (size_t i = 0; i < out_shapes.size(); ++i)
+    outputs.push_back(::xla::GetTupleElement(call, static_cast<int64_t>(i)));
+  CollectiveOrder::Record(builder, ::xla::GetTupleElement(call, static_cast<int64_t>(out_shapes.size())));
   return outputs;
 }
 

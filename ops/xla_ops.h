@@ -19,7 +19,7 @@
 // Note [Start and done]
 // A collective lowers to one custom call (kXlaTarget), or, with
 // NVGROUP_XLA_START_DONE=1 (not the default: Note [The pair on one H200]), to a pair:
-//   start = custom-call(inputs..., order) -> (results..., token u8[0])
+//   start = custom-call(inputs..., order) -> (results..., token u8[1])
 //           target kXlaStartTarget, SCHEDULE_EARLIEST, side effect
 //   done  = custom-call(start.results..., inputs...) -> results
 //           target kXlaDoneTarget, SCHEDULE_LATEST, result i aliasing operand i
@@ -72,9 +72,17 @@
 //    steps failed on both ranks with "NV-group barrier timed out", each rank
 //    naming the other (the deadline is NVGROUP_TIMEOUT, 30 s, from the
 //    call's first kernel). At 128x128 batch 32 the same benchmark ran (21749a6).
-// Neither cause is found yet; the argument of "Order" above assumes every
-// rank runs the starts of one computation in chain order, and the first
-// failure says that did not hold there.
+// The first failure's cause: the chain of starts ("Order" below) was cut by
+// XLA. The starts' tokens were then zero-element arrays (u8[0]), and XLA's
+// ZeroSizedHloElimination pass replaces every instruction of zero-element
+// shape without side effects -- the get-tuple-element of a start's token --
+// by a constant: in the optimized HLO of that run's ResNet-50 step every start
+// took the same u8[0] constant as its order operand, so XLA ordered the starts
+// as it liked, by rank where the HLO differs by rank (the allgather
+// gradient). The token is now u8[1] (kOrderTokenElements), which no pass
+// folds, and tests/tf/workers/xla.py checks the chain in the optimized HLO
+// too. The second failure's cause is not known yet (the chain was cut there as
+// well, but ResNet-50's HLO is the same on every rank).
 //
 // Done after. SCHEDULE_LATEST puts a done just before its first user, and
 // XLA's memory scheduler puts the optimizer update of a bucket's variables
@@ -97,10 +105,16 @@
 // orders independent side-effecting calls as it likes, and the HLO may differ
 // by rank (the allgather gradient slices at a rank-dependent offset): two ranks
 // could enter two collectives in opposite orders and wait for each other for
-// ever. So every collective call (every start) takes, as an extra last
-// operand that the handlers skip, the output of the previous collective call
-// (or the token of the previous start) lowered into the same XLA computation (xla_lowering.cc CollectiveOrder; an empty u8[0] constant for
-// the first): a data dependency XLA must respect. tf2xla lowers a graph's ops
+// ever. So every collective call and every start returns, as its last result,
+// an *order token* (u8[kOrderTokenElements], never written or read), and
+// takes, as an extra last operand that the handlers skip, the order token of
+// the previous collective call lowered into the same XLA computation
+// (xla_lowering.cc CollectiveOrder; an empty u8[0] constant for the first): a
+// data dependency XLA must respect. The token has an element because XLA
+// removes zero-element values that have no side effect (ZeroSizedHloElimination
+// turns them into constants), which cut the chain of an earlier u8[0] token
+// (Note [The pair on one H200]); a result of the call itself would not do
+// either, as a collective's result may be empty. tf2xla lowers a graph's ops
 // in a topological order broken by node names (graph_compiler.cc,
 // GetReversePostOrder with NodeComparatorName), the same on every rank, so
 // every rank's chain is the same sequence of collectives.
@@ -160,6 +174,8 @@ constexpr const char* kXlaAsyncTarget = "nvgroup_collective_async";
 // The pair (Note [Start and done]), for every platform.
 constexpr const char* kXlaStartTarget = "nvgroup_collective_start";
 constexpr const char* kXlaDoneTarget = "nvgroup_collective_done";
+// Elements of the order token ("Order" above): not zero, or XLA folds it away.
+constexpr int64_t kOrderTokenElements = 1;
 
 // What the custom call's attributes say (XlaAttributes writes them at
 // lowering; the handlers get them back through DecodeCall).
@@ -200,10 +216,10 @@ std::string XlaAttributes(const CallAttributes& attributes);
 
 // The handlers' shared first step: decodes `wire` and builds one engine
 // request per (argument, result) pair; device and ready_event are left to the
-// caller. `token_results` trailing results are not data (a start's token).
+// caller. The last result is the order token (not data; "Order" above).
 // Fails on attributes or buffers the engine cannot take.
 Status DecodeCall(const WireAttributes& wire, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                  std::vector<CollectiveRequest>* requests, size_t token_results = 0);
+                  std::vector<CollectiveRequest>* requests);
 
 // A done's buffers: operand i (the start's result i) and result i, which XLA
 // normally makes the same buffer (the alias the lowering asks for); where it

@@ -304,7 +304,7 @@ struct CudaPairCall : PairCall {
 ffi::Error CudaCollectiveStart(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args,
                                ffi::RemainingRets rets, WireAttributes wire) {
   std::vector<CollectiveRequest> requests;
-  Status status = DecodeCall(wire, args, rets, &requests, /*token_results=*/1);
+  Status status = DecodeCall(wire, args, rets, &requests);
   if (!status.ok()) return ToFfiError(status);
   StatusOr<cudaStream_t> relay = RelayStream(ordinal);
   if (!relay.ok()) return ToFfiError(relay.status());

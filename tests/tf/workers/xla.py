@@ -41,50 +41,68 @@ OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
 MAX_SECONDS = 20.0  # "within seconds" for a mismatch error
 
 
-def hlo_of(fn, *args):
-    return fn.experimental_get_compiler_ir(*args)(stage="hlo")
+def hlo_of(fn, *args, stage="hlo"):
+    """The HLO text of `fn` at `stage`: "hlo" as lowered, "optimized_hlo" as
+    XLA compiled it (after its passes: what runs)."""
+    return fn.experimental_get_compiler_ir(*args)(stage=stage)
+
+
+def operand_names(text):
+    """The operand names of an HLO operand list, printed with shapes
+    ("f32[3]{0} %a, u8[1]{0} %b") or without ("%a, %b")."""
+    return re.findall(r"%([\w.\-]+)", text)
 
 
 def collective_chain(text):
     """The nvgroup collectives of HLO `text` in the order their ordering
     operands chain them (ops/xla_ops.h, "Order"): each single call or start
-    takes as its last operand the previous call's output (an element of its
-    tuple: a single call's element 0, a start's token), the first one an
-    empty u8[0] constant; a done (Note [Start and done]) is not in the chain
-    but must take its own start's results. None unless all form one chain and
-    every start has exactly one done."""
-    calls, elements, dones = {}, {}, []
+    returns an order token u8[1] as its last result and takes, as its last
+    operand, the previous call's token (a get-tuple-element of its last
+    element), the first one an empty u8[0] constant; a done (Note [Start and
+    done]) is not in the chain but must take its own start's results. None
+    unless all form one chain and every start has exactly one done. Works on
+    the HLO as lowered and as optimized (operands printed without shapes)."""
+    calls, dones, tokens, empty_constants, results, starts = {}, [], {}, set(), {}, []
     for line in text.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? custom-call\((.*?)\), "
-                     r"custom_call_target=\"(nvgroup_collective\w*)\"", line)
-        if m:
-            if m.group(3) == "nvgroup_collective_done":
-                dones.append(re.findall(r"%?([\w.\-]+)(?:, |$)", m.group(2)))
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", line)
+        if not m:
+            continue
+        name, rest = m.groups()
+        if re.match(r"u8\[0\]\S* constant\(", rest):
+            empty_constants.add(name)
+        gte = re.match(r"(\S+) get-tuple-element\(.*?%([\w.\-]+)\), index=(\d+)", rest)
+        if gte:
+            tokens[name] = (gte.group(2), int(gte.group(3)), gte.group(1))
+        call = re.match(r"(.*?) custom-call\((.*?)\), custom_call_target=\"(nvgroup_collective\w*)\"", rest)
+        if call:
+            shape, operands, target = call.groups()
+            names = operand_names(operands)
+            if target == "nvgroup_collective_done":
+                dones.append(names)
                 continue
-            last = re.findall(r"(\S+) %?([\w.\-]+)$", m.group(2).split(", ")[-1])
-            calls[m.group(1)] = (last[0] if last else None, m.group(3))
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+ get-tuple-element\(.*? %?([\w.\-]+)\), index=\d+", line)
-        if m:
-            elements[m.group(1)] = m.group(2)
-    starts = [name for name, (_, target) in calls.items() if target == "nvgroup_collective_start"]
-    done_of = [{elements.get(o, o) for o in operands} & set(starts) for operands in dones]
+            calls[name] = names[-1] if names else None
+            results[name] = shape.count("[")  # elements of the result tuple
+            if target == "nvgroup_collective_start":
+                starts.append(name)
+    done_of = [{tokens.get(o, (o,))[0] for o in operands} & set(starts) for operands in dones]
     if any(len(d) != 1 for d in done_of) or sorted(next(iter(d)) for d in done_of) != sorted(starts):
         return None
     after = {}  # previous call -> next call
     first = []
-    for name, (operand, _) in calls.items():
+    for name, operand in calls.items():
         if operand is None:
             return None
-        shape, source = operand
-        source = elements.get(source, source)
-        if source in calls:
-            if source in after:
-                return None  # two calls after the same one: not a chain
-            after[source] = name
-        elif shape.startswith("u8[0]"):
+        if operand in empty_constants:
             first.append(name)
-        else:
+            continue
+        if operand not in tokens:
             return None
+        source, index, shape = tokens[operand]
+        if source not in calls or index != results[source] - 1 or not shape.startswith("u8[1]"):
+            return None  # not the previous call's order token
+        if source in after:
+            return None  # two calls after the same one: not a chain
+        after[source] = name
     if len(first) != 1:
         return None
     order = first
@@ -177,6 +195,10 @@ def section_collectives(c, digest):
     text = hlo_of(several_xla, tf.ones([3]))
     chain = collective_chain(text)
     c.check(chain is not None and len(chain) == 4, "the collective calls do not form one chain:\n%s" % text[:4000])
+    # XLA's passes must keep the chain (a zero-element token was folded into a constant by them)
+    optimized = hlo_of(several_xla, tf.ones([3]), stage="optimized_hlo")
+    c.check(collective_chain(optimized) is not None and len(collective_chain(optimized)) == 4,
+            "the compiled program's collective calls do not form one chain:\n%s" % optimized[:4000])
     order = [n for n in ("order.ag", "order.ar", "order.bc", "order.gar") if "op_name=\"%s\"" % n in text]
     c.check(len(order) == 4, "the probe's collectives are missing from the HLO")
     names = hvd.allgather_object([re.sub(r"\.\d+$", "", x) for x in chain or []])
@@ -192,11 +214,13 @@ def section_collectives(c, digest):
             loss = tf.reduce_sum(hvd.allreduce(t * t, op=hvd.Sum, name="order.g.ar")) + \
                 tf.reduce_sum(hvd.allgather(t, name="order.g.ag") ** 2)
         return tape.gradient(loss, t)
-    text = hlo_of(tf.function(rank_dependent, jit_compile=True), tf.ones([2, 2]))
-    chain = collective_chain(text)
-    c.check(chain is not None and len(chain) >= 4, "gradient program: no single chain:\n%s" % text[:4000])
-    names = hvd.allgather_object([re.sub(r"\.\d+$", "", x) for x in chain or []])
-    c.check(all(n == names[0] for n in names), "gradient program: ranks chain differently: %s" % names)
+    rank_dependent_xla = tf.function(rank_dependent, jit_compile=True)
+    for stage in ("hlo", "optimized_hlo"):
+        text = hlo_of(rank_dependent_xla, tf.ones([2, 2]), stage=stage)
+        chain = collective_chain(text)
+        c.check(chain is not None and len(chain) >= 4, "gradient program (%s): no single chain:\n%s" % (stage, text[:4000]))
+        names = hvd.allgather_object([re.sub(r"\.\d+$", "", x) for x in chain or []])
+        c.check(all(n == names[0] for n in names), "gradient program (%s): ranks chain differently: %s" % (stage, names))
 
     c.section("grouped allreduce: mixed dtypes and shapes in one call")
     shapes = [(3,), (4, 5), (1,), (2, 3, 2)]
