@@ -67,6 +67,21 @@ MiB = 1 << 20
 FIRST_BUCKET_CAP_BYTES = 1 * MiB
 
 
+# Benchmarks only (set_reduce_alone_for_testing): reduce through the engine
+# even when the job has one rank, which otherwise keeps its gradients.
+_reduce_alone = False
+
+
+def set_reduce_alone_for_testing(on: bool) -> None:
+    """Benchmarks only: with `on`, a job of one rank still sends its gradients
+    through the engine (its buckets, the simulated link), as a job of several
+    ranks does; the results are the same. Affects reducers built (and
+    functions traced) afterwards. Horovod has no such switch: a job of one
+    rank skips the allreduce."""
+    global _reduce_alone
+    _reduce_alone = bool(on)
+
+
 def check_bucket_cap_bytes(bucket_cap_bytes: Optional[int]) -> Optional[int]:
     """The constructor argument, validated (None: not given)."""
     if bucket_cap_bytes is not None and (isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int)
@@ -266,7 +281,7 @@ class GradientReducer:
             for i, g in enumerate(grads):
                 if local[i] and g is not None:
                     out[i] = _scale(g, 1.0 / size)
-        if basics.size() == 1:
+        if basics.size() == 1 and not _reduce_alone:
             return out
         if self.process_set is not None and not (self.process_set.included() and self.process_set.size() > 1):
             # As Horovod: a rank outside the set (or a set of one) keeps its gradients.
