@@ -134,10 +134,14 @@ void Completion::CompleteAfterStream(Communicator* comm, const std::vector<Tenso
       ++runs.back().members;
       continue;
     }
+    // The queue finishes the entry by its name: before the name moves into
+    // the callback (a moved-from name would finish nothing, and the name
+    // would stay in flight for ever: the next submission of it is refused).
+    const bool early = event != nullptr && q.completion_event_ready;
+    if (early) queue_->Finish(&e, 1);
     Callback c{std::move(q.name), std::move(q.done), false};
     q.done = nullptr;
-    if (event != nullptr && q.completion_event_ready) {
-      queue_->Finish(&e, 1);
+    if (early) {
       c.finished_early = any_early = true;
       try {
         q.completion_event_ready(event);
