@@ -18,7 +18,7 @@
 //
 // Note [Start and done]
 // A collective lowers to one custom call (kXlaTarget), or, with
-// NVGROUP_XLA_START_DONE=1 (not the default: Note [The pair on one H200]), to a pair:
+// NVGROUP_XLA_START_DONE=1 (not the default: Note [The pair on a GPU]), to a pair:
 //   start = custom-call(inputs..., order) -> (results..., token u8[1])
 //           target kXlaStartTarget, SCHEDULE_EARLIEST, side effect
 //   done  = custom-call(start.results..., inputs...) -> results
@@ -55,34 +55,27 @@
 //    a failed enqueue) fails the done on every rank, as the single call
 //    does. A start the engine refuses fails at once.
 //
-// Note [The pair on one H200]
-// The pair is not the default (NVGROUP_XLA_START_DONE=0): on one H200 on
-// 2026-12-04 (op library of 5073c64; logs in
-// benchmarks/results/device_checks_h200x1_28ebcca/) two programs failed
-// with it at 2 ranks, where the single call had passed:
-//  * tests/tf/workers/xla.py, 2 ranks sharing the GPU as groups of one: the
-//    "gradients through the lowered collectives" step stalled until the
-//    run's time limit: of its three collectives rank 0 had submitted only
-//    'g.ag.xla/grad_sizes' and rank 1 only 'g.ar.xla' and 'g.ag.xla' (the
-//    stall inspector's warnings), although the starts are chained (the
-//    "Order" below). The single call passed this worker at 2dae886 and the
-//    pair passes it on the CPU (tests/tf/test_xla.py).
-//  * benchmarks/xla_overlap_bench.py, Keras ResNet-50 224x224 batch 128
-//    (fp32) and 256 (mixed), 2 ranks under MPS as one NV-group: the first
-//    steps failed on both ranks with "NV-group barrier timed out", each rank
-//    naming the other (the deadline is NVGROUP_TIMEOUT, 30 s, from the
-//    call's first kernel). At 128x128 batch 32 the same benchmark ran (21749a6).
-// The first failure's cause: the chain of starts ("Order" below) was cut by
-// XLA. The starts' tokens were then zero-element arrays (u8[0]), and XLA's
-// ZeroSizedHloElimination pass replaces every instruction of zero-element
-// shape without side effects -- the get-tuple-element of a start's token --
-// by a constant: in the optimized HLO of that run's ResNet-50 step every start
-// took the same u8[0] constant as its order operand, so XLA ordered the starts
-// as it liked, by rank where the HLO differs by rank (the allgather
-// gradient). The token is now u8[1] (kOrderTokenElements), which no pass
-// folds, and tests/tf/workers/xla.py checks the chain in the optimized HLO
-// too. The second failure's cause is not known yet (the chain was cut there as
-// well, but ResNet-50's HLO is the same on every rank).
+// Note [The pair on a GPU]
+// The pair is not the default (NVGROUP_XLA_START_DONE=0). What has run on a
+// GPU (logs under benchmarks/results/):
+//  * With a zero-element order token (u8[0], op library of 5073c64, one
+//    H200, device_checks_h200x1_28ebcca/) the chain of starts did not exist
+//    in the compiled program: XLA's ZeroSizedHloElimination replaces every
+//    side-effect-free instruction of zero-element shape -- the
+//    get-tuple-element of a start's token -- by a constant, so every start
+//    took the same constant and XLA ordered the starts as it liked, by rank
+//    where the HLO differs by rank. tests/tf/workers/xla.py then stalled at
+//    2 ranks (rank 0 had submitted only 'g.ag.xla/grad_sizes', rank 1
+//    'g.ar.xla' and 'g.ag.xla'). Hence the one-element token ("Order" below)
+//    and the worker's check of the chain in the optimized HLO.
+//  * With the one-element token (f0fe6e2, one H100,
+//    device_checks_h100x1_f0fe6e2/) the worker passes at 2 ranks sharing the
+//    GPU, and Keras ResNet-50 224x224 on one rank overlaps: with a simulated
+//    link of 2000 us per bucket the pair exposed 0.22 (fp32) and 0.20 (mixed)
+//    of the added link time, the single call 1.0.
+//  * Not run with the one-element token: ResNet-50 224x224 at 2 ranks under
+//    MPS as one NV-group, which with the u8[0] token failed in its first
+//    steps with "NV-group barrier timed out" on both ranks (cause unknown).
 //
 // Done after. SCHEDULE_LATEST puts a done just before its first user, and
 // XLA's memory scheduler puts the optimizer update of a bucket's variables
@@ -113,7 +106,7 @@
 // data dependency XLA must respect. The token has an element because XLA
 // removes zero-element values that have no side effect (ZeroSizedHloElimination
 // turns them into constants), which cut the chain of an earlier u8[0] token
-// (Note [The pair on one H200]); a result of the call itself would not do
+// (Note [The pair on a GPU]); a result of the call itself would not do
 // either, as a collective's result may be empty. tf2xla lowers a graph's ops
 // in a topological order broken by node names (graph_compiler.cc,
 // GetReversePostOrder with NodeComparatorName), the same on every rank, so
