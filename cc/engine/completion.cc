@@ -45,19 +45,28 @@ void Finalizer::Run() {
 
 void Completion::StartCuda(int ordinal) {
 #ifdef NVGROUP_WITH_CUDA
-  completion_events_ = std::make_unique<CompletionEvents>(ordinal);
+  cuda_events_ = std::make_unique<CompletionEvents>(ordinal);
 #else
   (void)ordinal;
 #endif
+  StartFinalizer();
+}
+
+void Completion::StartHostEvents() {
+  host_events_ = std::make_unique<CompletionEvents>(CompletionEvents::kHostTokens);
+  StartFinalizer();
+}
+
+void Completion::StartFinalizer() {
+  if (finalizer_ != nullptr) return;
   finalizer_ = std::make_unique<Finalizer>();
   finalizer_thread_ = finalizer_->thread_id();
 }
 
 void Completion::Stop() {
-  finalizer_.reset();  // runs the remaining CUDA completions
-#ifdef NVGROUP_WITH_CUDA
-  completion_events_.reset();  // after the finalizer: no event is pending any more
-#endif
+  finalizer_.reset();  // runs the remaining deferred completions
+  cuda_events_.reset();  // after the finalizer: no event is pending any more
+  host_events_.reset();
 }
 
 void Completion::CallDone(TensorEntry* e, const Status& status) {
@@ -76,7 +85,9 @@ void Completion::Complete(TensorEntry* e, const Status& status) {
 }
 
 void Completion::CompleteAfterStream(Communicator* comm, const std::vector<TensorEntry*>& done) {
-  if (comm->device().kind == DeviceKind::kCpu) {
+  const bool host = comm->device().kind == DeviceKind::kCpu;
+  CompletionEvents* const events = host ? host_events_.get() : cuda_events_.get();
+  if (host && events == nullptr) {
     PhaseTimer complete(&counters_->complete_ns);
     queue_->Finish(done.data(), done.size());  // one lock for the bucket
     for (TensorEntry* e : done) CallDone(e, Status::Ok());
@@ -88,16 +99,14 @@ void Completion::CompleteAfterStream(Communicator* comm, const std::vector<Tenso
   // this bucket's work only, not for the buckets enqueued after it. Without an
   // event (creation failed) it falls back to draining the whole stream.
   void* event = nullptr;
-#ifdef NVGROUP_WITH_CUDA
-  if (completion_events_ != nullptr) {
-    StatusOr<void*> e = completion_events_->Acquire();
+  if (events != nullptr) {
+    StatusOr<void*> e = events->Acquire();
     if (e.ok() && comm->RecordEvent(e.value(), nullptr).ok()) {
       event = e.value();
     } else if (e.ok()) {
-      completion_events_->Release(e.value());
+      events->Release(e.value());
     }
   }
-#endif
   // The Pending objects are owned by the Work list, which dies at the end of
   // the cycle: move the callbacks into the job. A request with
   // completion_event_ready hears of the event now; its name leaves the
@@ -162,13 +171,11 @@ void Completion::CompleteAfterStream(Communicator* comm, const std::vector<Tenso
                       << " threw; ignored";
     }
   }
-  finalizer_->Add([this, comm, event, any_early, callbacks = std::move(callbacks),
+  finalizer_->Add([this, comm, events, event, any_early, callbacks = std::move(callbacks),
                    runs = std::move(runs)]() mutable {
     // Orders `done` after the device finished the bucket's copy out.
     Status s = event != nullptr ? comm->WaitRecordedEvent(event) : comm->Synchronize(nullptr);
-#ifdef NVGROUP_WITH_CUDA
-    if (event != nullptr) completion_events_->Release(event);
-#endif
+    if (event != nullptr) events->Release(event);
     // An adapter may already have let its stream run on the event: a
     // device-side failure must then stop every later collective.
     if (!s.ok() && any_early) abort_->Raise(s);

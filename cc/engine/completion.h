@@ -61,27 +61,34 @@ class Completion {
   // With the CUDA communicator of device `ordinal`: the Finalizer and (CUDA
   // builds) the completion events.
   void StartCuda(int ordinal);
-  // Engine::Stop: runs the remaining CUDA completions, then frees the events
-  // (no event is pending any more). Idempotent.
+  // Testing only (SetHostCompletionEventsForTesting, engine_control.h): host
+  // collectives complete as CUDA ones do, through the Finalizer and one host
+  // token per bucket (completion_events.h) announced to completion_event_ready,
+  // so the CPU suite runs that path.
+  void StartHostEvents();
+  // Engine::Stop: runs the remaining deferred completions, then frees the
+  // events (no event is pending any more). Idempotent.
   void Stop();
   // The Finalizer's thread (where CUDA `done` callbacks run), if started.
   std::thread::id finalizer_thread() const { return finalizer_thread_.load(); }
 
   void Complete(TensorEntry* e, const Status& status);
   // CPU: completes at once (one Finish for all, then the callbacks in one
-  // loop). CUDA: after the bucket's completion event (completion_event_ready
-  // hears of it first, nvgroup/engine.h).
+  // loop). CUDA, and CPU after StartHostEvents: after the bucket's completion
+  // event (completion_event_ready hears of it first, nvgroup/engine.h).
   void CompleteAfterStream(Communicator* comm, const std::vector<TensorEntry*>& done);
 
  private:
   // Runs the entry's done callback once (it must have one), catching throws.
   static void CallDone(TensorEntry* e, const Status& status);
+  void StartFinalizer();  // once, by the first Start*
 
   TensorQueue* const queue_;
   AbortSignal* const abort_;
   EngineCounters* const counters_;
-  std::unique_ptr<Finalizer> finalizer_;                 // with the CUDA communicator
-  std::unique_ptr<CompletionEvents> completion_events_;  // with the CUDA communicator (CUDA builds)
+  std::unique_ptr<Finalizer> finalizer_;           // with the CUDA communicator or host events
+  std::unique_ptr<CompletionEvents> cuda_events_;  // with the CUDA communicator (CUDA builds)
+  std::unique_ptr<CompletionEvents> host_events_;  // StartHostEvents
   std::atomic<std::thread::id> finalizer_thread_{};
 };
 

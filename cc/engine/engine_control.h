@@ -33,4 +33,10 @@ double BucketDelayForTesting();
 // benchmark's denominator: the link time it added is this count times the delay).
 int64_t DelayedBucketsForTesting();
 
+// Testing only: from the next Init on, host collectives complete the way CUDA
+// ones do (Completion::StartHostEvents, completion.h): on the finalizer's
+// thread, after one host token per bucket that a request's
+// completion_event_ready hears of first. Lets the CPU suite run that path.
+void SetHostCompletionEventsForTesting(bool on);
+
 }  // namespace nvgroup

@@ -46,6 +46,7 @@ std::vector<int64_t> Tail(const std::vector<int64_t>& shape) {
 
 std::atomic<double> bucket_delay_us{0.0};
 std::atomic<int64_t> delayed_buckets{0};
+std::atomic<bool> host_completion_events{false};  // SetHostCompletionEventsForTesting
 
 // The simulated link (NVGROUP_TEST_BUCKET_DELAY_US): after the bucket's work,
 // before its completion is recorded.
@@ -63,6 +64,9 @@ void SetBucketDelayForTesting(double microseconds) {
 }
 double BucketDelayForTesting() { return bucket_delay_us.load(std::memory_order_relaxed); }
 int64_t DelayedBucketsForTesting() { return delayed_buckets.load(std::memory_order_relaxed); }
+void SetHostCompletionEventsForTesting(bool on) {
+  host_completion_events.store(on, std::memory_order_relaxed);
+}
 
 Execution::Execution(const Knobs& knobs, MPI_Comm comm, int rank, int size, std::unique_ptr<Communicator> cpu,
                      std::unique_ptr<Communicator> cuda, TensorQueue* queue, AbortSignal* abort,
@@ -77,6 +81,7 @@ Execution::Execution(const Knobs& knobs, MPI_Comm comm, int rank, int size, std:
       completion_(queue, abort, counters),
       cpu_comm_(std::move(cpu)) {
   abort_->WatchCpu(cpu_comm_.get());
+  if (host_completion_events.load(std::memory_order_relaxed)) completion_.StartHostEvents();
   if (cuda != nullptr) {  // created by Init (EngineOptions::cuda_at_init)
     cuda_comm_ = std::move(cuda);
     abort_->WatchCuda(cuda_comm_.get());

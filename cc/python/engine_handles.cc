@@ -30,6 +30,27 @@ py::dict& KeepAlive() {
 }
 
 std::atomic<int> g_refused_allocations{0};  // RefuseOutputAllocationsForTesting
+// AnnounceCompletionEventsForTesting: whether requests carry a
+// completion_event_ready, and what it heard.
+std::atomic<bool> g_announce_events{false};
+std::atomic<int64_t> g_events_heard{0};
+std::atomic<int64_t> g_events_after_done{0};
+
+// completion_event_ready for handle `h` when announcing: counts the event, and
+// counts it as out of order if `done` already ran (the engine announces the
+// event before it runs `done`).
+std::function<void(void*)> EventListenerFor(const std::shared_ptr<Handle>& h) {
+  if (!g_announce_events.load(std::memory_order_relaxed)) return nullptr;
+  return [h](void* event) {
+    bool after_done;
+    {
+      std::lock_guard<std::mutex> lock(h->mu);
+      after_done = h->done;
+    }
+    if (event == nullptr || after_done) g_events_after_done.fetch_add(1, std::memory_order_relaxed);
+    g_events_heard.fetch_add(1, std::memory_order_relaxed);
+  };
+}
 
 std::mutex g_handles_mu;
 std::unordered_map<int64_t, std::shared_ptr<Handle>> g_handles;
@@ -255,7 +276,10 @@ CollectiveRequest MakeAllocated(CollectiveType type, const std::string& name, ui
 
 std::vector<int64_t> SubmitGroup(std::vector<CollectiveRequest> qs, std::vector<std::shared_ptr<Handle>> hs,
                                  py::object keepalive) {
-  for (size_t i = 0; i < qs.size(); ++i) qs[i].done = DoneFor(hs[i]);
+  for (size_t i = 0; i < qs.size(); ++i) {
+    qs[i].done = DoneFor(hs[i]);
+    qs[i].completion_event_ready = EventListenerFor(hs[i]);
+  }
   ThrowIfError(EnqueueGroup(std::move(qs)));  // GIL held: see SubmitOne
   std::vector<int64_t> ids;
   ids.reserve(hs.size());
@@ -275,6 +299,7 @@ std::vector<int64_t> SubmitGroup(std::vector<CollectiveRequest> qs, std::vector<
 
 int64_t SubmitOne(CollectiveRequest q, std::shared_ptr<Handle> h, py::object keepalive) {
   q.done = DoneFor(h);
+  q.completion_event_ready = EventListenerFor(h);
   // The GIL stays held: Enqueue only validates and appends under a mutex that
   // no thread holds for long (releasing and retaking the GIL cost more than
   // the call), and done callbacks never take the GIL.
@@ -287,6 +312,7 @@ int64_t SubmitOne(CollectiveRequest q, std::shared_ptr<Handle> h, py::object kee
 int64_t SubmitRegistered(uint64_t group, GroupLaunch launch, py::object keepalive) {
   auto h = std::make_shared<Handle>();
   launch.done = DoneFor(h);
+  launch.completion_event_ready = EventListenerFor(h);
   ThrowIfError(EnqueueRegisteredGroup(group, std::move(launch)));  // GIL held: see SubmitOne
   const int64_t id = Register(std::move(h));
   if (!keepalive.is_none()) KeepAlive()[py::int_(id)] = keepalive;
@@ -295,6 +321,17 @@ int64_t SubmitRegistered(uint64_t group, GroupLaunch launch, py::object keepaliv
 
 void RefuseOutputAllocationsForTesting(int count) {
   g_refused_allocations.store(count > 0 ? count : 0, std::memory_order_relaxed);
+}
+
+void AnnounceCompletionEventsForTesting(bool on) {
+  g_announce_events.store(on, std::memory_order_relaxed);
+  g_events_heard.store(0, std::memory_order_relaxed);
+  g_events_after_done.store(0, std::memory_order_relaxed);
+}
+
+std::pair<int64_t, int64_t> CompletionEventsHeardForTesting() {
+  return {g_events_heard.load(std::memory_order_relaxed),
+          g_events_after_done.load(std::memory_order_relaxed)};
 }
 
 }  // namespace nvgroup

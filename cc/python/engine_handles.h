@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nvgroup/engine.h"
@@ -82,5 +83,11 @@ bool Poll(int64_t id);
 // output this rank cannot have runs (Note [Outputs sized by negotiation],
 // cc/engine/execution.cc).
 void RefuseOutputAllocationsForTesting(int count);
+// Testing: whether the requests submitted from here on carry a
+// completion_event_ready (engine.h) that counts the events it hears, and
+// resets the counts; CompletionEventsHeardForTesting returns (events heard,
+// of them heard after their `done` or without an event).
+void AnnounceCompletionEventsForTesting(bool on);
+std::pair<int64_t, int64_t> CompletionEventsHeardForTesting();
 
 }  // namespace nvgroup

@@ -197,6 +197,18 @@ void RegisterEngineTestingBindings(py::module_& t) {
         py::arg("count"),
         "The next `count` allgather/reducescatter/alltoall output allocations of this process fail "
         "(the engine then takes part with host scratch memory and fails the request naming it).");
+  t.def("host_completion_events",
+        [](bool on) {
+    SetHostCompletionEventsForTesting(on);
+    AnnounceCompletionEventsForTesting(on);
+  }, py::arg("on"),
+        "From the next init() on, host collectives complete as CUDA ones do: on the finalizer thread, "
+        "after a host token per bucket that each request submitted from here (allreduce_async, "
+        "grouped_allreduce_async, registered_group_allreduce_async, ...) hears of first through "
+        "completion_event_ready. Resets completion_events_heard().");
+  t.def("completion_events_heard", [] { return CompletionEventsHeardForTesting(); },
+        "(events heard by completion_event_ready since host_completion_events(), "
+        "of them heard after the request's done or without an event).");
   t.def("set_liveness_connect_delay", [](double seconds) { SetLivenessConnectDelayForTesting(seconds); },
         py::arg("seconds"),
         "In the next init(), ranks other than 0 wait `seconds` before connecting to rank 0's "
