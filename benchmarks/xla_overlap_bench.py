@@ -62,10 +62,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.dirname(HERE))  # this tree's nvgroup_tf, unless PYTHONPATH names another
 
-# name -> (NVGROUP_XLA_START_DONE, jit_compile): the XLA start/done pair, the
-# XLA single call, and the TF graph path (no XLA: each bucket's ops start as
-# its gradients appear, ops/adapter.cc).
-LOWERINGS = {"pair": ("1", True), "single": ("0", True), "graph": ("1", False)}
+# name -> (settings, jit_compile): the XLA start/done pair, the XLA single
+# call, and the TF graph path (no XLA: each bucket's ops start as its
+# gradients appear, ops/adapter.cc), its ops finishing on TF's stream (graph)
+# or on the host (graph_host, NVGROUP_TF_CUDA_WAIT=host).
+LOWERINGS = {"pair": ({"NVGROUP_XLA_START_DONE": "1"}, True),
+             "single": ({"NVGROUP_XLA_START_DONE": "0"}, True),
+             "graph": ({"NVGROUP_TF_CUDA_WAIT": "stream"}, False),
+             "graph_host": ({"NVGROUP_TF_CUDA_WAIT": "host"}, False)}
 
 
 # ---------------------------------------------------------------- HLO schedule
@@ -291,8 +295,8 @@ def launch(args, lowering, dump):
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    start_done, jit = LOWERINGS[lowering]
-    env["NVGROUP_XLA_START_DONE"] = start_done
+    settings, jit = LOWERINGS[lowering]
+    env.update(settings)
     cmd = ["mpirun", "-np", str(args.ranks), "--bind-to", "none"]
     for k in sorted(env):
         if k.startswith(("NVGROUP_", "CUDA_", "LD_LIBRARY_PATH", "PYTHONPATH", "TF_", "XLA_")):

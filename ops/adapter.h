@@ -46,6 +46,13 @@
 //     after the compute stream (its copy streams wait on it). One wait per op
 //     suffices: the engine runs an op's requests in order on one stream, so the
 //     event recorded for the op's last request covers the earlier ones.
+//     That is NVGROUP_TF_CUDA_WAIT=stream, the default. Every kernel TF queues
+//     on its stream after the wait (the rest of backward, for a gradient)
+//     then runs only after the collective. With NVGROUP_TF_CUDA_WAIT=host no
+//     completion_event_ready is asked for: done() arrives on the engine's
+//     finalizer thread after the host saw the bucket's event complete, so the
+//     outputs are written and the inputs read before TF sees the op finish,
+//     and only the kernels that use the outputs wait (Horovod's order).
 #pragma once
 
 #include <atomic>
@@ -152,6 +159,10 @@ class Completion {
 // readiness or completion signal.
 struct CpuTraits {
   static constexpr bool kDeviceCompletion = false;
+  static absl::Status CompletesOnStream(bool* on_stream) {
+    *on_stream = false;
+    return absl::OkStatus();
+  }
   static absl::Status Prepare(tf::OpKernelContext*, Device* device, void** event) {
     *device = Device::Cpu();
     *event = nullptr;
@@ -177,7 +188,9 @@ void Submit(tf::OpKernelContext* context, std::vector<CollectiveRequest> request
             tf::AsyncOpKernel::DoneCallback done) {
   Device device;
   void* event = nullptr;
-  absl::Status prepared = Traits::Prepare(context, &device, &event);
+  bool on_stream = false;  // NVGROUP_TF_CUDA_WAIT (header comment, completion)
+  absl::Status prepared = Traits::CompletesOnStream(&on_stream);
+  if (prepared.ok()) prepared = Traits::Prepare(context, &device, &event);
   if (!prepared.ok()) {
     context->SetStatus(prepared);
     done();
@@ -189,7 +202,7 @@ void Submit(tf::OpKernelContext* context, std::vector<CollectiveRequest> request
     request.device = device;
     request.ready_event = event;
     request.done = [completion](const Status& status) { completion->Finish(status); };
-    if (Traits::kDeviceCompletion)
+    if (Traits::kDeviceCompletion && on_stream)
       request.completion_event_ready = [completion](void* e) { completion->OnDeviceEvent(e); };
     if (request.allocate_output) {  // readiness after the allocation (header comment)
       request.allocate_output = [allocate = std::move(request.allocate_output), context,

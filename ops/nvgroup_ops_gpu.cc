@@ -16,8 +16,10 @@
 #include <cuda_runtime_api.h>
 
 #include <mutex>
+#include <utility>
 #include <vector>
 
+#include "common/env.h"
 #include "ops/adapter.h"
 #include "ops/negotiated_output_kernels.h"
 #include "tensorflow/core/framework/device_base.h"
@@ -107,8 +109,21 @@ cudaStream_t CudaStream(stream_executor::Stream* stream) {
   return static_cast<cudaStream_t>(stream->platform_specific_handle().stream);
 }
 
+// NVGROUP_TF_CUDA_WAIT (the settings table, cc/common/env.h; parsed once per
+// process, at the first GPU op): true = "stream" (the default), false = "host".
+absl::Status CompleteOnStream(bool* on_stream) {
+  static const std::pair<Status, bool> parsed = [] {
+    Knobs knobs;
+    Status status = ParseSettingFromEnvironment("NVGROUP_TF_CUDA_WAIT", &knobs);
+    return std::make_pair(status, knobs.tf_cuda_wait_on_stream);
+  }();
+  *on_stream = parsed.second;
+  return ToTfStatus(parsed.first);
+}
+
 struct GpuTraits {
   static constexpr bool kDeviceCompletion = true;
+  static absl::Status CompletesOnStream(bool* on_stream) { return CompleteOnStream(on_stream); }
 
   static absl::Status Prepare(tf::OpKernelContext* context, Device* device, void** event) {
     stream_executor::Stream* stream = nullptr;

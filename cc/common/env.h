@@ -90,6 +90,12 @@ struct Knobs {
   // waits on the host until the result is complete (false, "host")
   // (ops/xla_ops_gpu.cc).
   bool xla_cuda_wait_on_stream = true;
+  // TF GPU ops (no XLA): the op finishes once the engine enqueued the
+  // collective, TF's compute stream waiting on the engine's completion event
+  // (true, "stream"), or when the host saw the collective complete (false,
+  // "host"), so TF's later kernels are not queued behind it
+  // (ops/nvgroup_ops_gpu.cc).
+  bool tf_cuda_wait_on_stream = true;
   // XLA: lower each collective to a start/done pair of custom calls
   // (ops/xla_ops.h, Note [Start and done]) rather than one call: 1 on, 0 off
   // (the default, also what "auto" means).

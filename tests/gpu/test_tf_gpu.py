@@ -71,6 +71,15 @@ def test_every_collective_dtype_and_mode_on_gpu(tf_gpu, np_):
     assert not r.timed_out and r.returncode == 0 and passed(r, np_), r.output[-20000:]
 
 
+@pytest.mark.parametrize("np_", [1, 2])
+def test_every_collective_with_ops_finishing_on_the_host(tf_gpu, np_):
+    # NVGROUP_TF_CUDA_WAIT=host: no completion event for TF's stream; each op
+    # finishes after the host saw its collective complete (ops/adapter.h).
+    r = run_mpi(worker("tf_gpu_collectives.py"), np_, env=dict(ENV, NVGROUP_TF_CUDA_WAIT="host"), timeout=900,
+                check=False)
+    assert not r.timed_out and r.returncode == 0 and passed(r, np_), r.output[-20000:]
+
+
 @pytest.mark.parametrize("np_", [1, 2, 4])
 def test_keras_fit_on_gpu_matches_one_process(tf_gpu, np_):
     # TFGPU_FULL=1 kit mode (or a real TF GPU install) has cuBLAS: Dense layers too.
