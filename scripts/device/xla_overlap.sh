@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # On the GPU machine, after the TF GPU kit installed (../shared/tfgpu, TFGPU_FULL=1: real cuDNN):
-# benchmarks/xla_overlap_bench.py on one GPU, NP ranks (default 2) sharing it as one NV-group under MPS
-# (NVGROUP_ONE_GPU_GROUP=1), the start/done pair against the single call; the pair's scheduled train-step
+# benchmarks/xla_overlap_bench.py on one GPU, NP ranks (default 2) sharing it under MPS as one NV-group
+# (NVGROUP_ONE_GPU_GROUP=1, the default) or as groups of 1 whose cross step is host-staged over MPI
+# (NVGROUP_ONE_GPU_GROUP=0), the start/done pair against the single call; the pair's scheduled train-step
 # HLO comes back compressed. Results to $OUT.
 #   bash scripts/device/xla_overlap.sh [bench args...]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . /tmp/tfgpu/env.sh
 export NVG_COMMIT=$(cat .tfgpu/carry/commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo "?")
-export NVGROUP_ONE_GPU_GROUP=1 CUDA_MPS_PIPE_DIRECTORY=/tmp/nvgroup_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nvgroup_mps/log
+export NVGROUP_ONE_GPU_GROUP=${NVGROUP_ONE_GPU_GROUP:-1} CUDA_MPS_PIPE_DIRECTORY=/tmp/nvgroup_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nvgroup_mps/log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d && echo "MPS started" || echo "!!! MPS did not start"
 trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
