@@ -30,7 +30,7 @@ namespace xla_adapter {
 
 namespace tf = ::tensorflow;
 
-StatusOr<bool> LowerToStartDone() {
+StatusOr<bool> LowerToStartDone(bool for_gpu) {
   static const StatusOr<int> setting = []() -> StatusOr<int> {
     Knobs knobs;
     Status parsed = ParseSettingFromEnvironment("NVGROUP_XLA_START_DONE", &knobs);
@@ -38,7 +38,7 @@ StatusOr<bool> LowerToStartDone() {
     return knobs.xla_start_done;
   }();
   if (!setting.ok()) return setting.status();
-  return setting.value() == 1;
+  return setting.value() == 1 || (setting.value() < 0 && for_gpu);
 }
 
 // ---------------------------------------------------------------------------
@@ -207,7 +207,9 @@ std::vector<::xla::XlaOp> EmitStartDone(XlaOpKernelContext* ctx, const CallAttri
 std::vector<::xla::XlaOp> EmitCall(XlaOpKernelContext* ctx, const CallAttributes& attributes,
                                    std::vector<::xla::Shape> in_shapes,
                                    const std::vector<::xla::Shape>& out_shapes, bool tuple) {
-  StatusOr<bool> pair = LowerToStartDone();
+  // The compilation device: XLA_GPU_JIT for a program compiled for a GPU.
+  StatusOr<bool> pair = LowerToStartDone(ctx->op_kernel_context()->device()->device_type() ==
+                                         tf::DEVICE_GPU_XLA_JIT);
   if (!pair.ok()) {
     ctx->SetStatus(tf_adapter::ToTfStatus(pair.status()));
     return {};

@@ -17,8 +17,9 @@
 // factors, the broadcast root, the process set, alltoall's splits.
 //
 // Note [Start and done]
-// A collective lowers to one custom call (kXlaTarget), or, with
-// NVGROUP_XLA_START_DONE=1 (not the default: Note [The pair on a GPU]), to a pair:
+// A collective lowers to one custom call (kXlaTarget) or to a pair, as
+// NVGROUP_XLA_START_DONE says (auto, the default: the pair in a program
+// compiled for a GPU, one call on the CPU; Note [The pair on a GPU]):
 //   start = custom-call(inputs..., order) -> (results..., token u8[1])
 //           target kXlaStartTarget, SCHEDULE_EARLIEST, side effect
 //   done  = custom-call(start.results..., inputs...) -> results
@@ -56,8 +57,8 @@
 //    does. A start the engine refuses fails at once.
 //
 // Note [The pair on a GPU]
-// The pair is not the default (NVGROUP_XLA_START_DONE=0). What has run on a
-// GPU (logs under benchmarks/results/):
+// The pair is the default on a GPU (NVGROUP_XLA_START_DONE=auto). What has
+// run on a GPU (logs under benchmarks/results/):
 //  * With a zero-element order token (u8[0], op library of 5073c64, one
 //    H200, device_checks_h200x1_28ebcca/) the chain of starts did not exist
 //    in the compiled program: XLA's ZeroSizedHloElimination replaces every
@@ -246,9 +247,10 @@ class PairCalls {
   static std::shared_ptr<PairCall> Take(const std::string& name);
 };
 
-// How the lowering emits the collectives of a program: the pair (Note [Start
-// and done]) or one call (NVGROUP_XLA_START_DONE, parsed once per process).
-StatusOr<bool> LowerToStartDone();
+// How the lowering emits the collectives of a program compiled for a GPU
+// (`for_gpu`) or the CPU: the pair (Note [Start and done]) or one call
+// (NVGROUP_XLA_START_DONE, parsed once per process; auto: the pair on a GPU).
+StatusOr<bool> LowerToStartDone(bool for_gpu);
 
 // Engine status -> the XLA FFI error with the same code (the handlers' one
 // conversion point).

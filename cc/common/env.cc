@@ -247,19 +247,21 @@ std::vector<Setting> MakeSettings() {
     k->tf_cuda_wait_on_stream = v == "stream";
     return Status::Ok();
   }, +[](const K& k) { return std::string(k.tf_cuda_wait_on_stream ? "stream" : "host"); }},
-      {"NVGROUP_XLA_START_DONE", S::kPerProcess, "auto, 0 or 1", "0", "TF ops (XLA)", "",
+      {"NVGROUP_XLA_START_DONE", S::kPerProcess, "auto, 0 or 1", "auto", "TF ops (XLA)", "",
        "1 lowers every collective of an XLA program to a start/done pair of custom calls, so XLA schedules "
        "the program's independent work (the rest of backprop) between them and the collective runs "
        "meanwhile; 0 lowers each to one call that returns when the collective was enqueued (GPU) or "
-       "complete (CPU). auto is 0. The pair is not the default on GPUs: with 2 ranks on one H200 it "
-       "deadlocked and timed out (docs/XLA.md). Read once per process, at the first compilation.",
+       "complete (CPU); auto is the pair in programs compiled for a GPU and one call on the CPU, where "
+       "the pair measured no faster (docs/XLA.md). Read once per process, at the first compilation.",
        +[](const char* n, const std::string& v, K* k) -> Status {
-    if (v == "auto") k->xla_start_done = 0;
+    if (v == "auto") k->xla_start_done = -1;
     else if (v == "1") k->xla_start_done = 1;
     else if (v == "0") k->xla_start_done = 0;
     else return Malformed(n, v, "auto, 0 or 1");
     return Status::Ok();
-  }, +[](const K& k) { return std::string(k.xla_start_done ? "1" : "0"); }},
+  }, +[](const K& k) { return std::string(k.xla_start_done < 0 ? "auto"
+                                          : k.xla_start_done   ? "1"
+                                                               : "0"); }},
       {"NVGROUP_ELASTIC_BASE", S::kPerProcess, "absolute directory path",
        "unset (the system's temporary "
        "directory: $TMPDIR, else /tmp)",

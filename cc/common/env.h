@@ -97,9 +97,9 @@ struct Knobs {
   // (ops/nvgroup_ops_gpu.cc).
   bool tf_cuda_wait_on_stream = true;
   // XLA: lower each collective to a start/done pair of custom calls
-  // (ops/xla_ops.h, Note [Start and done]) rather than one call: 1 on, 0 off
-  // (the default, also what "auto" means).
-  int xla_start_done = 0;
+  // (ops/xla_ops.h, Note [Start and done]) rather than one call: 1 always,
+  // 0 never, -1 ("auto", the default) in programs compiled for a GPU only.
+  int xla_start_done = -1;
   // Tests and benchmarks only: a delay of this many microseconds added to
   // every allreduce bucket on the engine's stream (CUDA: a device-side spin
   // before the bucket's completion; CPU: the loop's thread sleeps), the

@@ -118,7 +118,12 @@ def collective_calls(text):
 
 
 def calls_per_collective():
-    return 2 if os.environ.get("NVGROUP_XLA_START_DONE", "0") == "1" else 1
+    """2 where the collectives lower to a start and a done, else 1:
+    NVGROUP_XLA_START_DONE=1 always, 0 never, auto (the default) on a GPU."""
+    setting = os.environ.get("NVGROUP_XLA_START_DONE", "auto")
+    if setting == "auto":
+        return 2 if tf.config.list_physical_devices("GPU") else 1
+    return 2 if setting == "1" else 1
 
 
 class Digest:

@@ -29,14 +29,13 @@ launch per rank count. The sections (command-line arguments):
 
 Several sections may be given; each rank prints "... N checks, 0 failures".
 """
-import os
 import sys
 import time
 
 import numpy as np
 
 from common import ALL_DTYPES, FLOAT_DTYPES, Checker, hvd, random_array, reference, run, tf, to_numpy
-from xla import MAX_SECONDS, Digest, check_value, hlo_of, same_bytes
+from xla import MAX_SECONDS, Digest, calls_per_collective, check_value, hlo_of, same_bytes
 
 SMALL_INTS = [tf.uint8, tf.int8, tf.uint16, tf.int16]
 # Every dtype reducescatter takes (ops/nvgroup_negotiated_output_ops.cc).
@@ -44,11 +43,6 @@ RS_DTYPES = SMALL_INTS + [tf.int32, tf.int64] + FLOAT_DTYPES
 EVERY_DTYPE = ALL_DTYPES + [tf.uint16, tf.int16]
 CUSTOM_CALL = 'custom_call_target="nvgroup_collective'
 
-
-def calls_per_collective():
-    """Custom calls per lowered collective: one, or a start and its done
-    (NVGROUP_XLA_START_DONE, ops/xla_ops.h Note [Start and done])."""
-    return 2 if os.environ.get("NVGROUP_XLA_START_DONE", "0") == "1" else 1
 
 
 def data(rng, dtype, shape):
