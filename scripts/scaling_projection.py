@@ -77,15 +77,17 @@ MEASURED = {
     "cross_step_fixed_ms": {"value": 0.077, "file": "benchmarks/results/cross_step_ab_h200x1_a72f8fc/cross_step_this_np2.json",
                             "machine": "1x H200 shared by 2 ranks (host-staged), the whole cross step of 64 KiB",
                             "date": "2026-12-04", "commit": "a72f8fc"},
+    # Each precision's runs of benchmarks/xla_overlap_bench.py (1 rank, ResNet-50 224x224). The JSONs of
+    # these runs name a commit the device's stale git metadata gave (bafdbbb, 482c657); the op library each
+    # run used is the commit here (the README of device_checks_h100x1_<commit>/ beside them).
     "xla_exposed_share": {
-        "mixed": {"file": "benchmarks/results/xla_overlap_resnet50_mixed_h100x1_f0fe6e2.json"},
-        "fp32": {"file": "benchmarks/results/xla_overlap_resnet50_fp32_h100x1_f0fe6e2.json"},
-        # The mixed JSON's own commit field says bafdbbb, the device's stale git metadata; the run used the
-        # op library of f0fe6e2 (benchmarks/results/device_checks_h100x1_f0fe6e2/README.md).
-        "commit_of": {"benchmarks/results/xla_overlap_resnet50_mixed_h100x1_f0fe6e2.json": "f0fe6e2"},
-        "machine": "1 rank on one GPU, its buckets through the engine, a simulated link delay per bucket "
+        "mixed": [{"file": "benchmarks/results/xla_overlap_resnet50_mixed_h100x1_f0fe6e2.json", "commit": "f0fe6e2"},
+                  {"file": "benchmarks/results/xla_overlap_resnet50_mixed_h100x1_f248d3f.json", "commit": "f248d3f"}],
+        "fp32": [{"file": "benchmarks/results/xla_overlap_resnet50_fp32_h100x1_f0fe6e2.json", "commit": "f0fe6e2"},
+                 {"file": "benchmarks/results/xla_overlap_resnet50_fp32_h100x1_f248d3f.json", "commit": "f248d3f"}],
+        "machine": "1 rank on one H100, its buckets through the engine, a simulated link delay per bucket "
                    "(NVGROUP_TEST_BUCKET_DELAY_US)",
-        "note": "the start/done pair under XLA, Keras ResNet-50 224x224"},
+        "note": "the start/done pair under XLA, Keras ResNet-50 224x224, 6 buckets per step"},
 }
 
 # Published measurements of ResNet-50 data-parallel scaling efficiency.
@@ -128,14 +130,16 @@ def interp(xs, ys, x):
     return float(np.exp(np.interp(np.log(x), np.log(xs), np.log(ys))))
 
 
-def exposed_shares(path, max_delay_us):
+def exposed_shares(path, min_delay_us, max_delay_us):
     """The start/done pair's exposed share at each simulated delay D in
-    (0, max_delay_us] of an xla_overlap_bench JSON: {D: share}, and the JSON."""
+    [min_delay_us, max_delay_us] of an xla_overlap_bench JSON: {D: share}, and the JSON."""
     d = json.load(open(path))
     pair = d["summary"]["pair"]
-    shares = {D: e for D, e in zip(d["delays_us"], pair["exposed"]) if 0 < D <= max_delay_us and e is not None}
+    shares = {D: e for D, e in zip(d["delays_us"], pair["exposed"])
+              if 0 < D and min_delay_us <= D <= max_delay_us and e is not None}
     if not shares:
-        raise SystemExit("%s: no exposed share of the pair at a delay in (0, %g] us" % (path, max_delay_us))
+        raise SystemExit("%s: no exposed share of the pair at a delay in [%g, %g] us" % (path, min_delay_us,
+                                                                                     max_delay_us))
     return shares, d
 
 
@@ -199,6 +203,9 @@ def main():
     p.add_argument("--chunk-mb", type=float, default=4.0, help="NVGROUP_PIPELINE_CHUNK")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="NVGROUP_BUCKET_CAP_MB")
     p.add_argument("--forward-fraction", type=float, default=1 / 3)
+    p.add_argument("--min-delay-us", type=float, default=2000.0,
+                   help="the smallest simulated link delay per bucket whose exposed share counts (below it the "
+                        "added time of these short runs is within their round-to-round spread)")
     p.add_argument("--max-delay-us", type=float, default=2000.0,
                    help="the largest simulated link delay per bucket whose exposed share counts")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "SCALING_PROJECTION"))
@@ -215,13 +222,14 @@ def main():
         ms, ips, batch, meta = step_time(os.path.join(REPO, MEASURED[key]["file"]))
         MEASURED[key].update({"date": meta.get("date"), "step_ms": round(ms, 2), "img_per_s": round(ips, 1)})
         precisions[label] = ms
-        source = MEASURED["xla_exposed_share"][short]
-        by_delay, meta = exposed_shares(os.path.join(REPO, source["file"]), a.max_delay_us)
-        commit = MEASURED["xla_exposed_share"]["commit_of"].get(source["file"], meta.get("commit"))
-        source.update({"date": meta.get("date"), "commit": commit, "batch": meta.get("batch"),
-                       "gpu": ", ".join(meta.get("machine", {}).get("gpus", [])),
-                       "by_delay_us": {"%g" % D: round(e, 3) for D, e in sorted(by_delay.items())}})
-        shares[label] = (min(by_delay.values()), max(by_delay.values()))
+        found = []
+        for source in MEASURED["xla_exposed_share"][short]:
+            by_delay, meta = exposed_shares(os.path.join(REPO, source["file"]), a.min_delay_us, a.max_delay_us)
+            source.update({"date": meta.get("date"), "batch": meta.get("batch"),
+                           "gpu": ", ".join(meta.get("machine", {}).get("gpus", [])),
+                           "by_delay_us": {"%g" % D: round(e, 3) for D, e in sorted(by_delay.items())}})
+            found += by_delay.values()
+        shares[label] = (min(found), max(found))
 
     sizes = [4 * n for n in load_gradients()]  # float32 gradients (also under mixed_float16: float32 variables)
     idx = assign_buckets(sizes, ["float32"] * len(sizes), int(a.bucket_cap_mb * 2 ** 20), 2 ** 20)
@@ -321,13 +329,16 @@ def main():
              a.nic_gbytes[0], a.nic_gbytes[1], published["nic"]),
          "| latency per message | %.0f us / %.0f us | assumed |" % tuple(a.latency_us),
          "| host staging | none (GPUDirect RDMA, CUDA-aware MPI) / PCIe at %.0f GB/s | assumed |" % a.pcie_gbytes,
-         "| overlap with backward | the share of each bucket's time exposed: the smallest / the largest measured at a simulated link of up to %g us per bucket | measured (next rows) |" % a.max_delay_us,
-    ] + ["| share exposed under XLA (start/done pair), %s | %s (%s) | measured: `%s`, %s, batch %s, %s, commit `%s` (%s) |" % (
-             short, " / ".join("%.2f at %s us" % (e, D) for D, e in m["xla_exposed_share"][short]["by_delay_us"].items()),
-             "optimistic %.2f, pessimistic %.2f" % shares[label], m["xla_exposed_share"][short]["file"],
-             m["xla_exposed_share"][short]["gpu"], m["xla_exposed_share"][short]["batch"],
-             m["xla_exposed_share"][short]["date"], m["xla_exposed_share"][short]["commit"],
-             m["xla_exposed_share"]["note"] + "; " + m["xla_exposed_share"]["machine"])
+         "| overlap with backward | the share of each bucket's time exposed: the smallest / the largest measured at a simulated link of %g-%g us per bucket | measured (next rows) |" % (
+             a.min_delay_us, a.max_delay_us),
+    ] + ["| share exposed under XLA (start/done pair), %s | %s (optimistic %.2f, pessimistic %.2f) | measured: %s (%s; %s) |" % (
+             short, "; ".join("%s at %s us (`%s`)" % (e, D, run["commit"]) for run in m["xla_exposed_share"][short]
+                              for D, e in run["by_delay_us"].items()),
+             shares[label][0], shares[label][1],
+             "; ".join("`%s`, %s, batch %s, %s, op library of `%s`" % (run["file"], run["gpu"], run["batch"],
+                                                                       run["date"][:10], run["commit"])
+                       for run in m["xla_exposed_share"][short]),
+             m["xla_exposed_share"]["note"], m["xla_exposed_share"]["machine"])
          for short, label in (("mixed", "mixed precision, batch 256"), ("fp32", "fp32, batch 128"))] + [
          "| forward : backward | %.0f%% : %.0f%% of the step; gradients ready in proportion to bytes | assumed |" % (
              100 * a.forward_fraction, 100 * (1 - a.forward_fraction)),

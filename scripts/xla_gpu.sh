@@ -19,6 +19,8 @@
 #   mixedab, fp32ab  the CUDA handler's two waits against plain Keras, alternated
 #          (NVGROUP_XLA_CUDA_WAIT, ops/xla_ops_gpu.cc): nvgroup stream, plain,
 #          nvgroup host, nvgroup stream, plain
+#   fp32alt, mixedalt  nvgroup_tf (the defaults) and plain Keras, both with XLA,
+#          alternated XLA_ALT_ROUNDS times (default 3)
 # Default: all three. Logs and the NVG_RESULT lines go to $OUT (default /tmp/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +76,16 @@ for stage in $STAGES; do
           --image-size 224 --steps 60 --warmup-steps 10 --log-every 20 | tee -a "$OUT/resnet_$stage.log"
       done
       unset NVGROUP_XLA_CUDA_WAIT
+      ;;
+    fp32alt|mixedalt)
+      if [ "$stage" = fp32alt ]; then args="--batch-size 128"; else args="--batch-size 256 --mixed-precision"; fi
+      for round in $(seq "${XLA_ALT_ROUNDS:-3}"); do
+        for mode in nvgroup plain; do
+          step "ResNet-50 $stage $mode, round $round"
+          run timeout 300 mpirun -np 1 $X python3 scripts/xla_resnet.py $mode $args --image-size 224 \
+            --steps 60 --warmup-steps 10 --log-every 20 | tee -a "$OUT/resnet_$stage.log"
+        done
+      done
       ;;
     *) echo "unknown stage $stage"; STATUS=1 ;;
   esac
