@@ -59,3 +59,10 @@ def run_mpi(script, np, args=(), env=None, timeout=300, check=True):
         assert result.returncode == 0, "mpirun -np %d %s failed (rc=%s):\n%s" % (
             np, script, result.returncode, result.output[-20000:])
     return result
+
+
+def assert_all_ranks_ok(result, np):
+    """Every rank of `result` printed "[rank R] OK", the last line of an engine
+    worker that found no failure (tests/engine/workers/engine_common.py finish)."""
+    for r in range(np):
+        assert "[rank %d] OK" % r in result.output, result.output[-20000:]

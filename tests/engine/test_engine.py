@@ -7,18 +7,13 @@ import re
 
 import pytest
 
-from mpi_util import run_mpi
+from mpi_util import assert_all_ranks_ok, run_mpi
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 
 
 def worker(name):
     return os.path.join(WORKERS, name)
-
-
-def assert_all_ranks_ok(result, np):
-    for r in range(np):
-        assert "[rank %d] OK" % r in result.output, result.output[-20000:]
 
 
 @pytest.mark.parametrize("np", [2, 3, 4])

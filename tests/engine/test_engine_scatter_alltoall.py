@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mpi_util import run_mpi
+from mpi_util import assert_all_ranks_ok, run_mpi
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "engine_scatter_alltoall.py")
 
@@ -13,15 +13,13 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "en
 @pytest.mark.parametrize("np", [2, 3, 4])
 def test_scatter_alltoall_join_process_sets(np):
     result = run_mpi(WORKER, np, timeout=240)
-    for r in range(np):
-        assert "[rank %d] OK" % r in result.output, result.output[-20000:]
+    assert_all_ranks_ok(result, np)
 
 
 def test_scatter_alltoall_join_process_sets_hierarchical():
     """4 ranks as 2 NV-groups of 2: reducescatter through the hierarchical reduce-scatter."""
     result = run_mpi(WORKER, 4, env={"NVGROUP_GROUP_SIZE": "2"}, timeout=240)
-    for r in range(4):
-        assert "[rank %d] OK" % r in result.output, result.output[-20000:]
+    assert_all_ranks_ok(result, 4)
 
 
 @pytest.mark.parametrize("np_,env", [(2, {}), (3, {}), (4, {"NVGROUP_GROUP_SIZE": "2"})])

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from mpi_util import run_mpi
+from mpi_util import assert_all_ranks_ok, run_mpi
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "engine_registered_groups.py")
 
@@ -17,5 +17,4 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "en
 @pytest.mark.parametrize("np", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_registered_groups(np):
     result = run_mpi(WORKER, np, timeout=240)
-    for r in range(np):
-        assert "[rank %d] OK" % r in result.output, result.output[-20000:]
+    assert_all_ranks_ok(result, np)
