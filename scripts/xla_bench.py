@@ -12,12 +12,14 @@ FILE`, then writes the medians to OUT.json and OUT.png. Workloads:
            same chain with `h * 2` in place of each allreduce (the compute alone).
   fit      Keras fit of a small conv net with DistributedOptimizer, img/s per rank.
 
-Modes: "sync" (jit_compile=True, the custom call waits for the engine), "async"
+Modes: "sync" (jit_compile=True, one custom call per collective that waits for
+the engine, NVGROUP_XLA_START_DONE=0), "pair" (jit_compile=True, a start and a
+done custom call per collective, NVGROUP_XLA_START_DONE=1), "async"
 (jit_compile=True, NVGROUP_XLA_ASYNC=1: the handler returns a future), "tf"
 (jit_compile=False: TF's executor and the AsyncOpKernels), "autocluster"
 (jit_compile=False with tf.config.optimizer.set_jit("autoclustering") and, on
-CPU, TF_XLA_FLAGS=--tf_xla_cpu_global_jit; fit only). NVGROUP_XLA_ASYNC is read
-once per process, hence one launch per mode.
+CPU, TF_XLA_FLAGS=--tf_xla_cpu_global_jit; fit only). NVGROUP_XLA_ASYNC and
+NVGROUP_XLA_START_DONE are read once per process, hence one launch per mode.
 """
 import json
 import os
@@ -82,7 +84,7 @@ def fit(jit, steps=20, batch=32):
     return batch * steps / (time.perf_counter() - start)  # images/s per rank
 
 
-MODES = ["sync", "async", "tf", "autocluster"]
+MODES = ["sync", "pair", "async", "tf", "autocluster"]
 
 
 def drive(argv):
@@ -99,12 +101,13 @@ def drive(argv):
     runs = {m: [] for m in MODES}
     for rep in range(args.repeats):
         for mode in MODES:
-            env = dict(os.environ, PYTHONPATH=root, NVGROUP_XLA_ASYNC="1" if mode == "async" else "0")
+            env = dict(os.environ, PYTHONPATH=root, NVGROUP_XLA_ASYNC="1" if mode == "async" else "0",
+                       NVGROUP_XLA_START_DONE="1" if mode == "pair" else "0")
             if mode == "autocluster":
                 env["TF_XLA_FLAGS"] = (env.get("TF_XLA_FLAGS", "") + " --tf_xla_cpu_global_jit").strip()
             tmp = "%s.%s.%d.json" % (args.out, mode, rep)
             cmd = ["mpirun", "-np", str(args.ranks), "--bind-to", "none", "--oversubscribe",
-                   "-x", "PYTHONPATH", "-x", "NVGROUP_XLA_ASYNC", "-x", "TF_XLA_FLAGS",
+                   "-x", "PYTHONPATH", "-x", "NVGROUP_XLA_ASYNC", "-x", "NVGROUP_XLA_START_DONE", "-x", "TF_XLA_FLAGS",
                    sys.executable, os.path.abspath(__file__), mode, tmp]
             env.setdefault("TF_XLA_FLAGS", "")
             env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -149,7 +152,7 @@ def main():
     if mode == "autocluster":
         tf.config.optimizer.set_jit("autoclustering")
     hvd.init()
-    jit = mode in ("sync", "async")
+    jit = mode in ("sync", "pair", "async")
     result = {"mode": mode, "ranks": hvd.size(),
               "overlap_step_ms": None if mode == "autocluster" else 1e3 * overlap(jit),
               "overlap_nocomm_step_ms": None if mode == "autocluster" else 1e3 * overlap(jit, comm=False),

@@ -7,7 +7,7 @@
 #           but the last; for the last one run instead:
 #   there:  bash .tfgpu/carry/tfgpu_suite.sh [STAGE...]       (default: suite bench)
 # Stages: suite  the TF GPU suite (parallel part, then the *memory* tests alone: they take the GPU's memory)
-#         full   (kit in TFGPU_FULL=1 mode: real cuBLAS/cuDNN) Keras fit of Dense and Conv models, with and
+#         full   (kit in TFGPU_FULL=1 mode: real cuBLAS/cuDNN) the XLA worker (default lowering), Keras fit of Dense and Conv models, with and
 #                without XLA, and examples/resnet50/train.py on the GPU (NVGROUP_TEST_TF_GPU_DENSE=1)
 #         bench  step cost, 1 and 2 ranks sharing the GPU
 #         race   the allgather-race check alone (2 ranks), and on the baseline when one is carried
@@ -70,8 +70,8 @@ for stage in $STAGES; do
       fi ;;
     full)
       NVGROUP_TEST_TF_GPU_DENSE=1 timeout "$(left 300)" python3 -m pytest -q -rs -n 3 -p no:cacheprovider \
-        tests/gpu/test_tf_gpu.py -k "keras" > "$OUT/suite_full.log" 2>&1; rc=$?
-      note "suite (full: Dense/Conv fit with and without XLA): rc=$rc $(tail -1 "$OUT/suite_full.log")"; [ $rc = 0 ] || status=1
+        tests/gpu/test_tf_gpu.py -k "keras or xla" > "$OUT/suite_full.log" 2>&1; rc=$?
+      note "suite (full: Dense/Conv fit with and without XLA, the XLA worker): rc=$rc $(tail -1 "$OUT/suite_full.log")"; [ $rc = 0 ] || status=1
       # One at a time (they time the GPU) and with -s: the img/s lines are printed.
       NVGROUP_TEST_TF_GPU_DENSE=1 timeout "$(left 300)" python3 -m pytest -q -rs -s -p no:cacheprovider \
         tests/gpu/test_tf_gpu.py -k "resnet50" >> "$OUT/suite_full.log" 2>&1; rc=$?

@@ -80,6 +80,23 @@ def test_every_collective_with_ops_finishing_on_the_host(tf_gpu, np_):
     assert not r.timed_out and r.returncode == 0 and passed(r, np_), r.output[-20000:]
 
 
+@pytest.mark.parametrize("np_", [1, 2])
+def test_xla_collectives_on_gpu_with_the_default_lowering(tf_gpu, np_):
+    """tests/tf/workers/xla.py on XLA GPU with NVGROUP_XLA_START_DONE unset: every collective lowers to a
+    start and a done (auto on a GPU; the worker counts the custom calls and checks their chain in the
+    compiled program), values against the non-XLA op and a float64 reference, identical on every rank;
+    with 2 ranks also the mismatch errors; Keras fit under XLA."""
+    if os.environ.get("NVGROUP_TEST_TF_GPU_DENSE") != "1":
+        pytest.skip("XLA on a GPU initializes cuDNN and cuBLAS (NVGROUP_TEST_TF_GPU_DENSE=1: TFGPU_FULL=1 kit mode "
+                    "or a real TF GPU install)")
+    sections = ["collectives", "fit"] + (["errors"] if np_ > 1 else [])
+    env = dict(ENV, NVGROUP_XLA_START_DONE="auto", TF_FORCE_GPU_ALLOW_GROWTH="true")
+    r = run_mpi(os.path.join(REPO, "tests", "tf", "workers", "xla.py"), np_, args=sections, env=env, timeout=600,
+                check=False)
+    assert not r.timed_out and r.returncode == 0, r.output[-20000:]
+    assert r.output.count(" 0 failures") == np_, r.output[-20000:]
+
+
 @pytest.mark.parametrize("np_", [1, 2, 4])
 def test_keras_fit_on_gpu_matches_one_process(tf_gpu, np_):
     # TFGPU_FULL=1 kit mode (or a real TF GPU install) has cuBLAS: Dense layers too.
