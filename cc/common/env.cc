@@ -252,7 +252,8 @@ std::vector<Setting> MakeSettings() {
        "the program's independent work (the rest of backprop) between them and the collective runs "
        "meanwhile; 0 lowers each to one call that returns when the collective was enqueued (GPU) or "
        "complete (CPU); auto is the pair in programs compiled for a GPU and one call on the CPU, where "
-       "the pair measured no faster (docs/XLA.md). Read once per process, at the first compilation.",
+       "the pair measured within the launches' spread (docs/XLA.md). Read once per process, at the first "
+       "compilation.",
        +[](const char* n, const std::string& v, K* k) -> Status {
     if (v == "auto") k->xla_start_done = -1;
     else if (v == "1") k->xla_start_done = 1;
