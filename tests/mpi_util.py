@@ -36,16 +36,25 @@ class MpiResult:
         return "MpiResult(rc=%s, timed_out=%s)\n%s" % (self.returncode, self.timed_out, self.output)
 
 
-def run_mpi(script, np, args=(), env=None, timeout=300, check=True):
+def run_mpi(script, np, args=(), env=None, timeout=300, check=True, rank_env=None):
     """Runs `python script args...` on `np` ranks. Returns an MpiResult.
 
+    `rank_env`, a list of `np` dicts, adds rank r's own variables to rank r's
+    environment (one mpirun app context per rank).
     With check=True, fails the calling test unless every rank exited 0 in time.
     """
     full_env = dict(os.environ)
     full_env.update(MPI_ENV)
     if env:
         full_env.update({k: str(v) for k, v in env.items()})
-    cmd = ["mpirun", "-np", str(np), "--bind-to", "none", sys.executable, script] + [str(a) for a in args]
+    program = [sys.executable, script] + [str(a) for a in args]
+    if rank_env is None:
+        cmd = ["mpirun", "-np", str(np), "--bind-to", "none"] + program
+    else:
+        assert len(rank_env) == np, "rank_env needs one dict per rank"
+        cmd = ["mpirun", "--bind-to", "none"]
+        for r, own in enumerate(rank_env):
+            cmd += ([":"] if r else []) + ["-np", "1", "env"] + ["%s=%s" % kv for kv in own.items()] + program
     try:
         proc = subprocess.run(cmd, env=full_env, cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=timeout)

@@ -37,6 +37,18 @@ def test_dead_peer_fails_the_xla_program(tmp_path, start_done):
         assert re.search(r"rank %d: CAUGHT UnavailableError .*rank 1" % survivor, result.output), result
 
 
+@pytest.mark.parametrize("lowerings", [["1", "0"], ["1", "0", "auto"]])
+def test_ranks_may_lower_differently(lowerings):
+    """NVGROUP_XLA_START_DONE differs by rank (it is read per process): one
+    rank's pairs and another's single calls meet in the engine by name, in
+    the one order of the chain (ops/xla_ops.h Note [Start and done]); the
+    values, the bits across ranks and the mismatch errors as always."""
+    ranks = len(lowerings)
+    result = run_mpi(WORKER, ranks, args=["collectives", "errors"], timeout=600,
+                     rank_env=[{"NVGROUP_XLA_START_DONE": v} for v in lowerings])
+    assert result.output.count(" 0 failures") == ranks, result.output[-20000:]
+
+
 def test_async_custom_call_variant():
     """NVGROUP_XLA_ASYNC=1: the host custom call returns a future (docs/XLA.md)."""
     result = run_mpi(WORKER, 2, args=["collectives", "errors"], env={"NVGROUP_XLA_ASYNC": "1"}, timeout=600)
