@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
-#include <cstring>
 #include <string>
 
 #include "algorithms/hierarchical_allreduce.h"
@@ -37,18 +36,17 @@ ChunkSlices Parts(size_t count, int peers, size_t esize) {
 // Posts one round of the exchange among the peers on `comm`: the receives
 // (recv_bytes[p] bytes from peer p at recv + recv_displs[p]), then the sends
 // (send_bytes[p] bytes to peer p from send + send_displs[p]), peer me first,
-// then me+1, ... Empty messages are skipped on both sides (both know every
+// then me+1, ... Our own share is a message to ourselves only when
+// `message_to_self` (device buffers); otherwise it is not moved (the fold reads
+// it in `send`). Empty messages are skipped on both sides (both know every
 // size). Point-to-point messages of one (source, tag, communicator) match in
 // posting order, and every peer posts its rounds on a communicator in the same
 // job order, so round k of one peer meets round k of every other.
 Status PostRound(MPI_Comm comm, int peers, int me, const void* send, const int* send_bytes,
                  const int* send_displs, void* recv, const int* recv_bytes, const int* recv_displs,
-                 bool copy_own_share, std::vector<MPI_Request>* requests) {
+                 bool message_to_self, std::vector<MPI_Request>* requests) {
   constexpr int kTag = 0;
   requests->clear();
-  // Our own share: a message to ourselves, or (copy_own_share, host buffers)
-  // a memcpy after the other peers' messages are posted, while they move.
-  const bool message_to_self = !copy_own_share;
   for (int i = 0; i < peers; ++i) {
     const int p = (me + i) % peers;
     if (recv_bytes[p] == 0 || (p == me && !message_to_self)) continue;
@@ -62,13 +60,6 @@ Status PostRound(MPI_Comm comm, int peers, int me, const void* send, const int* 
     requests->push_back(MPI_REQUEST_NULL);
     NVG_MPI_CHECK(MPI_Isend(static_cast<const char*>(send) + send_displs[p], send_bytes[p], MPI_BYTE, p, kTag,
                             comm, &requests->back()));
-  }
-  if (!message_to_self && send_bytes[me] > 0) {
-    if (recv_bytes[me] != send_bytes[me])
-      return Status::Internal("cross-group round: our own share is " + std::to_string(send_bytes[me]) +
-                              " bytes to send but " + std::to_string(recv_bytes[me]) + " to receive");
-    std::memcpy(static_cast<char*>(recv) + recv_displs[me], static_cast<const char*>(send) + send_displs[me],
-                send_bytes[me]);
   }
   return Status::Ok();
 }
@@ -102,6 +93,9 @@ struct CrossExchange::Active {
   std::vector<int> send_bytes, send_displs, recv_bytes, recv_displs;
   std::vector<int> ag_send_bytes, ag_send_displs, ag_recv_bytes, ag_recv_displs;
   size_t my_part_offset = 0;  // bytes: where our part of `result` starts
+  // The fold's P copies in peer order: peer p's in `recv`, ours in `send` on
+  // host memory (FoldSources).
+  std::vector<const void*> sources;
 };
 
 uint64_t CrossExchange::BytesSent() { return g_bytes_sent.load(std::memory_order_relaxed); }
@@ -245,6 +239,13 @@ Status CrossExchange::StartReduceScatter(ScatterJob sj, uint64_t* ticket) {
 
 // See Note [Cross exchange protocol]: caller -> jobs.
 Status CrossExchange::Enqueue(std::unique_ptr<Active> a, uint64_t* ticket) {
+  // The fold's operands: on host memory our own share stays where it is in
+  // `send` (the first round leaves it out); on device memory it arrives in
+  // `recv` as a message to ourselves, so the P copies are contiguous there.
+  a->sources.resize(peers_);
+  for (int p = 0; p < peers_; ++p)
+    a->sources[p] = p == me_ && host_memory_ ? static_cast<const char*>(a->job.send) + a->send_displs[me_]
+                                             : static_cast<const char*>(a->job.recv) + a->recv_displs[p];
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok()) return failure_;
@@ -324,7 +325,7 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
     }
     NVG_RETURN_IF_ERROR_CTX(PostRound(rs_comm_, peers_, me_, j.send, a.send_bytes.data(),
                                       a.send_displs.data(), j.recv, a.recv_bytes.data(), a.recv_displs.data(),
-                                      host_memory_, &a.requests),
+                                      !host_memory_, &a.requests),
                             a.kind == Active::kAllgatherFold ? "posting the cross-group allgather"
                                                              : "posting the cross-group reduce-scatter");
     uint64_t sent = 0;
@@ -340,7 +341,7 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
     NVG_RETURN_IF_ERROR(TestRound(&a.requests, &done));
     if (!done) return Status::Ok();
     // The first round completed: `send` was read (so `result` may alias it)
-    // and `recv` holds the P copies, in peer order.
+    // and `recv` holds the other peers' copies, in peer order.
     a.stage = Active::kWaitFold;
     *moved = true;
   }
@@ -353,7 +354,8 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
     }
     const size_t mine = a.recv_bytes[me_] / j.element_size;  // the slice (allgather) or our part
     if (mine > 0)
-      NVG_RETURN_IF_ERROR_CTX(j.fold(j.recv, peers_, static_cast<char*>(j.result) + a.my_part_offset, mine),
+      NVG_RETURN_IF_ERROR_CTX(j.fold(a.sources.data(), peers_,
+                                     static_cast<char*>(j.result) + a.my_part_offset, mine),
                               "folding the cross-group copies");
     *moved = true;
     if (a.kind != Active::kReduceScatterAllgather) {  // one round: done after the fold
@@ -363,7 +365,7 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
     }
     NVG_RETURN_IF_ERROR_CTX(PostRound(ag_comm_, peers_, me_, j.result, a.ag_send_bytes.data(),
                                       a.ag_send_displs.data(), j.result, a.ag_recv_bytes.data(),
-                                      a.ag_recv_displs.data(), host_memory_, &a.requests),
+                                      a.ag_recv_displs.data(), !host_memory_, &a.requests),
                             "posting the cross-group allgather of the parts");
     g_bytes_sent.fetch_add(static_cast<uint64_t>(a.recv_bytes[me_]) * (peers_ - 1),
                            std::memory_order_relaxed);

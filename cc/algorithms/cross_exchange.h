@@ -10,17 +10,17 @@
 // How: one of two variants per slice, chosen from the slice's size alone
 // (VariantFor), so every peer picks the same one for the same job. Each
 // *round* is point-to-point: every peer posts its receives from the other
-// peers, then its sends to them, then copies its own share from `send` to
-// `recv` with memcpy while those move (Options::host_memory; on device memory,
-// with CUDA-aware MPI, our own share is a message to ourselves instead, so MPI
-// does that copy), and the round is complete when all of them are
-// (MPI_Testall). Rounds of all peers run at
-// once: no schedule of a nonblocking collective to step through.
+// peers, then its sends to them, and the round is complete when all of them
+// are (MPI_Testall). Our own share of a first round is not moved: the fold
+// reads it where it lies in `send` (Options::host_memory; on device memory,
+// with CUDA-aware MPI, it is a message to ourselves instead, so the device fold
+// reads P contiguous copies in `recv`). Rounds of all peers run at once: no
+// schedule of a nonblocking collective to step through.
 //  * Reduce-scatter + allgather (bandwidth-optimal, two rounds). The slice is
 //    cut into P *parts* (ChunkSlices geometry: whole units, part p owned by
 //    peer p; the words: Note [Vocabulary], cc/algorithms/hierarchical_allreduce.h).
 //     1. reduce-scatter round: part p of every peer's slice goes to peer p
-//        (`send` -> `recv`, P copies of our part, in peer order);
+//        (`send` -> `recv`, the other peers' copies of our part);
 //     2. fold: the P copies, in peer order, into our part of `result` (the
 //        Fold callback: ReduceFold on the host, or the device fold kernel when
 //        MPI reads device memory);
@@ -30,7 +30,7 @@
 //  * Allgather + fold (latency-optimal, one round), for slices whose (P-1)
 //    copies are at most Options::allgather_max_bytes:
 //     1. allgather round: every peer's whole slice to every peer (`send` ->
-//        `recv`, P slices in peer order);
+//        `recv`, the other peers' slices);
 //     2. fold: the P slices, in peer order, into the whole of `result`.
 //    Each peer sends (P-1) slices: the same bytes as the other variant for
 //    P = 2, P/2 times more above; it folds the whole slice instead of one
@@ -86,7 +86,8 @@
 // and progressing_ order those writes before the MPI call that reads them;
 // the GPU's device-side writes are ordered by `ready`); MPI writes `recv` and
 // `result`, and the fold reads `recv` after MPI_Test reported completion
-// (MPI's completion semantics); the caller reads `result` after Wait saw
+// (MPI's completion semantics) and our own share in `send` (written before
+// Start, as above; MPI only reads it); the caller reads `result` after Wait saw
 // finished_below_ with acquire (stored after the job's `done` by whoever
 // progressed it).
 // The GPU's streams and host buffers: the device primitives' header
@@ -143,17 +144,20 @@ struct CrossExchangeOptions {
   // slices) take the one-round allgather + fold; 0: never
   // (NVGROUP_CROSS_ALLGATHER_MAX_BYTES; the same on every peer).
   size_t allgather_max_bytes = 0;
-  // The jobs' buffers are host memory: a round copies our own share with one
-  // memcpy instead of an MPI send and receive to ourselves. false (device
-  // buffers, CUDA-aware MPI): a message to ourselves.
+  // The jobs' buffers are host memory: our own share of a first round stays
+  // in `send`, where the fold reads it. false (device buffers, CUDA-aware
+  // MPI): a message to ourselves, so the P copies are contiguous in `recv`.
   bool host_memory = true;
 };
 
 class CrossExchange {
  public:
-  // Folds `num_sources` contiguous copies of `count` elements at `sources`
-  // (copy k at sources + k * count elements, k = peer order) into `dst`.
-  using Fold = std::function<Status(const void* sources, int num_sources, void* dst, size_t count)>;
+  // Folds `num_sources` copies of `count` elements, sources[k] = peer k's,
+  // into `dst` in peer order. On host memory sources[me] lies in the job's
+  // `send` (and `dst` may be that very place: element for element, as
+  // ReduceFold allows); on device memory the P copies are contiguous in
+  // `recv` (sources[k] = sources[0] + k * count elements).
+  using Fold = std::function<Status(const void* const* sources, int num_sources, void* dst, size_t count)>;
   using Predicate = std::function<Status(bool* yes)>;
 
   struct Job {
@@ -180,7 +184,8 @@ class CrossExchange {
   int peer_index() const { return me_; }
   // The variant of a slice of `count` elements (the same on every peer).
   Variant VariantFor(size_t count, size_t element_size) const;
-  // Scratch `recv` needs for a slice of `count` elements.
+  // Scratch `recv` needs for a slice of `count` elements (room for P copies
+  // in peer order; on host memory our own slot is left unused).
   size_t RecvBytes(size_t count, size_t element_size) const;
   // The most RecvBytes asks for any slice of at most `max_slice_bytes`.
   size_t MaxRecvBytes(size_t max_slice_bytes) const;
@@ -191,9 +196,9 @@ class CrossExchange {
   // The reduce-scatter half alone, with parts of any size (the hierarchical
   // reduce-scatter, cc/algorithms/hierarchical_reduce_scatter.h): `send` holds
   // part p for peer p (part_counts[p] elements), consecutive in peer order;
-  // the P copies of our part arrive in `recv` (P * part_counts[me] elements,
-  // peer order) and `fold` folds them into `result` (part_counts[me]
-  // elements). Step 3 (the allgather round) is left out: `done` runs after the
+  // the other peers' copies of our part arrive in `recv` (room for P *
+  // part_counts[me] elements, peer order; ours as Start's) and `fold` folds
+  // the P copies into `result` (part_counts[me] elements). Step 3 (the allgather round) is left out: `done` runs after the
   // fold. Same queue, posting order and buffer rules as Start().
   struct ScatterJob {
     const void* send = nullptr;
@@ -245,16 +250,16 @@ class CrossExchange {
   std::mutex mu_;
   std::condition_variable work_cv_;  // the progress thread sleeps here
   std::deque<std::unique_ptr<Active>> incoming_;  // started, not taken yet (mu_)
-  uint64_t next_ticket_ = 0;                      // mu_
-  uint64_t next_ag_index_ = 0;                    // mu_: order of the second rounds
-  Status failure_;                                // mu_: first failure (then every job fails)
-  bool stop_ = false;                             // mu_
-  bool sleeping_ = false;                         // mu_: the progress thread waits on work_cv_
-  std::atomic<uint64_t> submitted_{0};            // tickets handed out
-  std::atomic<uint64_t> finished_below_{0};       // every ticket < this finished
+  uint64_t next_ticket_ = 0;  // mu_
+  uint64_t next_ag_index_ = 0;  // mu_: order of the second rounds
+  Status failure_;  // mu_: first failure (then every job fails)
+  bool stop_ = false;  // mu_
+  bool sleeping_ = false;  // mu_: the progress thread waits on work_cv_
+  std::atomic<uint64_t> submitted_{0};  // tickets handed out
+  std::atomic<uint64_t> finished_below_{0};  // every ticket < this finished
   std::atomic<bool> failed_{false};
-  std::atomic<int> waiting_callers_{0};           // callers inside Wait
-  std::atomic<bool> progressing_{false};          // held while ProgressOnce runs
+  std::atomic<int> waiting_callers_{0};  // callers inside Wait
+  std::atomic<bool> progressing_{false};  // held while ProgressOnce runs
   std::thread thread_;
   // Only under progressing_.
   std::deque<std::unique_ptr<Active>> active_;  // taken, in job order

@@ -204,7 +204,7 @@ Status CpuCommunicator::FlatAllreduce(const void* in, void* out, size_t count, D
   const size_t piece = PieceElements(std::min(chunk_bytes_, kMaxMpiBytes), esize,
                                      AlignUnitElements(esize) * static_cast<size_t>(topo_.size));
   const size_t num_pieces = (count + piece - 1) / piece;
-  const CrossExchange::Fold fold = ContiguousHostFold(dtype, op, op == ReduceOp::kAverage ? topo_.size : 1);
+  const CrossExchange::Fold fold = HostFold(dtype, op, op == ReduceOp::kAverage ? topo_.size : 1);
   CrossJobs jobs(flat_.get());
   auto start = [&](size_t k) -> Status {
     const size_t offset = k * piece, n = std::min(piece, count - offset);

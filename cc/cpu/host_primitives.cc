@@ -148,7 +148,7 @@ Status HostPrimitives::CrossStart(const ChunkSlices& chunk) {
   job.result = slice;
   job.count = n;
   job.element_size = esize_;
-  job.fold = ContiguousHostFold(dtype_, op_, final_divisor_);
+  job.fold = HostFold(dtype_, op_, final_divisor_);
   return jobs_.Start(chunk.index, std::move(job));
 }
 
@@ -223,7 +223,7 @@ Status HostScatterPrimitives::CrossStart(const RowChunk& chunk) {
   job.recv = recv.data();
   job.result = mine > 0 ? out_ + plan_.MyPartOffset(chunk) * esize_ : nullptr;
   job.element_size = esize_;
-  job.fold = ContiguousHostFold(dtype_, op_, op_ == ReduceOp::kAverage ? topo_.size : 1);
+  job.fold = HostFold(dtype_, op_, op_ == ReduceOp::kAverage ? topo_.size : 1);
   return jobs_.StartReduceScatter(chunk.index, std::move(job));
 }
 

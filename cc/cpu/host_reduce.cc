@@ -99,30 +99,75 @@ struct MaxOp {
 // every source streams through it once.
 constexpr size_t kFoldBlock = 512;
 
+// The element loops below may read a source at the very place they write dst
+// (in place, element for element: the contract in host_reduce.h): each
+// iteration reads its element of every operand before it writes that element
+// of dst, and no iteration touches another's element, so the loop carries no
+// dependency and may be vectorized although the pointers alias. The pragma
+// tells the compiler so (without it, an aliasing dst makes it fall back to a
+// scalar loop).
+#if defined(__clang__)
+#define NVG_NO_LOOP_CARRIED_DEPENDENCY _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define NVG_NO_LOOP_CARRIED_DEPENDENCY _Pragma("GCC ivdep")
+#else
+#define NVG_NO_LOOP_CARRIED_DEPENDENCY
+#endif
+
+// The value Fold stores: the Average division (integers in int64: a narrow
+// type cannot hold the divisor), then the narrowing.
+template <class Traits>
+typename Traits::Storage Finish(typename Traits::Acc a, int divisor) {
+  using A = typename Traits::Acc;
+  if (divisor > 1) {
+    if constexpr (std::is_integral_v<A>)
+      return Traits::Store(static_cast<A>(static_cast<int64_t>(a) / divisor));
+    else return Traits::Store(a / static_cast<A>(divisor));
+  }
+  return Traits::Store(a);
+}
+
+// dst = s_0 (op) s_1 (op) ... (op) s_{n-1}, left to right. Each source is read
+// once and dst written once: the first two sources fold into the block's
+// accumulator (L1), the middle ones into it, and the last one folds on the way
+// to dst; two sources fold straight into dst. The operations and their order
+// are the same for every n and every path, so the bits are too.
+template <class Traits, class Op>
+void FoldBlock(const void* const* sources, int num_sources, typename Traits::Storage* out, size_t base,
+               size_t len, int divisor, typename Traits::Acc* acc) {
+  using S = typename Traits::Storage;
+  const S* first = static_cast<const S*>(sources[0]) + base;
+  if (num_sources == 1) {
+    NVG_NO_LOOP_CARRIED_DEPENDENCY
+    for (size_t j = 0; j < len; ++j) out[j] = Finish<Traits>(Traits::Load(first[j]), divisor);
+    return;
+  }
+  const S* second = static_cast<const S*>(sources[1]) + base;
+  if (num_sources == 2) {
+    NVG_NO_LOOP_CARRIED_DEPENDENCY
+    for (size_t j = 0; j < len; ++j)
+      out[j] = Finish<Traits>(Op::Apply(Traits::Load(first[j]), Traits::Load(second[j])), divisor);
+    return;
+  }
+  for (size_t j = 0; j < len; ++j) acc[j] = Op::Apply(Traits::Load(first[j]), Traits::Load(second[j]));
+  for (int k = 2; k < num_sources - 1; ++k) {
+    const S* src = static_cast<const S*>(sources[k]) + base;
+    for (size_t j = 0; j < len; ++j) acc[j] = Op::Apply(acc[j], Traits::Load(src[j]));
+  }
+  const S* last = static_cast<const S*>(sources[num_sources - 1]) + base;
+  NVG_NO_LOOP_CARRIED_DEPENDENCY
+  for (size_t j = 0; j < len; ++j) out[j] = Finish<Traits>(Op::Apply(acc[j], Traits::Load(last[j])), divisor);
+}
+
 template <class Traits, class Op>
 void Fold(const void* const* sources, int num_sources, void* dst, size_t count, int divisor) {
   using S = typename Traits::Storage;
   using A = typename Traits::Acc;
   A acc[kFoldBlock];
-  for (size_t base = 0; base < count; base += kFoldBlock) {
-    const size_t len = std::min(kFoldBlock, count - base);
-    const S* first = static_cast<const S*>(sources[0]) + base;
-    for (size_t j = 0; j < len; ++j) acc[j] = Traits::Load(first[j]);
-    for (int k = 1; k < num_sources; ++k) {
-      const S* src = static_cast<const S*>(sources[k]) + base;
-      for (size_t j = 0; j < len; ++j) acc[j] = Op::Apply(acc[j], Traits::Load(src[j]));
-    }
-    S* out = static_cast<S*>(dst) + base;
-    if (divisor > 1 && std::is_integral_v<A>) {  // in int64: a narrow type cannot hold the divisor
-      for (size_t j = 0; j < len; ++j)
-        out[j] = Traits::Store(static_cast<A>(static_cast<int64_t>(acc[j]) / divisor));
-    } else if (divisor > 1) {
-      const A d = static_cast<A>(divisor);
-      for (size_t j = 0; j < len; ++j) out[j] = Traits::Store(acc[j] / d);
-    } else {
-      for (size_t j = 0; j < len; ++j) out[j] = Traits::Store(acc[j]);
-    }
-  }
+  S* out = static_cast<S*>(dst);
+  for (size_t base = 0; base < count; base += kFoldBlock)
+    FoldBlock<Traits, Op>(sources, num_sources, out + base, base, std::min(kFoldBlock, count - base), divisor,
+                          acc);
 }
 
 template <class Traits>
@@ -228,13 +273,10 @@ Status ScaledCopy(DataType dtype, const void* src, void* dst, size_t count, doub
   return Status::Ok();
 }
 
-std::function<Status(const void*, int, void*, size_t)> ContiguousHostFold(DataType dtype, ReduceOp op,
-                                                                          int average_divisor) {
-  const size_t esize = DataTypeSize(dtype);
-  return [dtype, op, esize, average_divisor](const void* src, int num, void* dst, size_t count) {
-    std::vector<const void*> sources(num);
-    for (int k = 0; k < num; ++k) sources[k] = static_cast<const char*>(src) + k * count * esize;
-    return ReduceFold(dtype, op, sources.data(), num, dst, count, average_divisor);
+std::function<Status(const void* const*, int, void*, size_t)> HostFold(DataType dtype, ReduceOp op,
+                                                                       int average_divisor) {
+  return [dtype, op, average_divisor](const void* const* sources, int num, void* dst, size_t count) {
+    return ReduceFold(dtype, op, sources, num, dst, count, average_divisor);
   };
 }
 

@@ -44,9 +44,9 @@ Status ReduceFold(DataType dtype, ReduceOp op, const void* const* sources, int n
                   size_t count, int average_divisor);
 
 // The cross step's fold on the host (CrossExchange::Fold): `num_sources`
-// contiguous copies of `count` elements at `sources` (copy k at sources + k *
-// count elements, in peer order) folded into `dst` by ReduceFold.
-std::function<Status(const void* sources, int num_sources, void* dst, size_t count)> ContiguousHostFold(
+// copies of `count` elements (sources[k]: peer k's) folded into `dst` in peer
+// order by ReduceFold.
+std::function<Status(const void* const* sources, int num_sources, void* dst, size_t count)> HostFold(
     DataType dtype, ReduceOp op, int average_divisor);
 
 // dst[j] = src[j] * scale for `count` elements. scale == 1.0 copies bit for bit

@@ -134,9 +134,17 @@ Status StageCrossJob(DeviceGroup* g, int k, const char* device_send, size_t send
       return EventDone(rs, ready);  // what the job sends is final (the kernel that wrote it finished)
     };
     cudaStream_t fs = g->fold_stream;
-    job->fold = [device, fs, dtype, op, divisor](const void* src, int num, void* dst, size_t count) {
+    const size_t esize = DataTypeSize(dtype);
+    job->fold = [device, fs, dtype, op, divisor, esize](const void* const* sources, int num, void* dst,
+                                                        size_t count) {
+      // Device buffers: the P copies are contiguous in device_recv[k] (our own
+      // share is a message to ourselves, CrossExchangeOptions::host_memory).
+      for (int p = 1; p < num; ++p)
+        if (static_cast<const char*>(sources[p]) != static_cast<const char*>(sources[0]) + p * count * esize)
+          return Status::Internal(
+              "device fold: the cross-group copies are not contiguous in the receive buffer");
       NVG_CUDA_CHECK(cudaSetDevice(device));
-      NVG_RETURN_IF_ERROR(LaunchFoldSources(src, num, dst, count, dtype, op, divisor, fs));
+      NVG_RETURN_IF_ERROR(LaunchFoldSources(sources[0], num, dst, count, dtype, op, divisor, fs));
       NVG_CUDA_CHECK(cudaStreamSynchronize(fs));  // orders: the fold's result is final before the job goes on
       return Status::Ok();
     };
@@ -159,7 +167,7 @@ Status StageCrossJob(DeviceGroup* g, int k, const char* device_send, size_t send
     NVG_CUDA_CHECK(cudaSetDevice(device));
     return EventDone(returned, writable);  // orders: host_result[k] was copied out for chunk index-2
   };
-  job->fold = ContiguousHostFold(dtype, op, divisor);
+  job->fold = HostFold(dtype, op, divisor);
   char* host_result = g->host_result[k];
   cudaStream_t h2d = g->h2d_stream;
   job->done = [device, device_result, host_result, result_bytes, h2d, returned]() {

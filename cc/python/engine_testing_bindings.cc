@@ -14,6 +14,7 @@
 #include "engine/init_watchdog.h"
 #include "engine/stall_inspector.h"
 #include "engine/wire_format.h"
+#include "cpu/host_reduce.h"
 #include "nvgroup/engine.h"
 #include "python/engine_arguments.h"
 #include "python/engine_handles.h"
@@ -226,6 +227,31 @@ void RegisterEngineTestingBindings(py::module_& t) {
         "process stops (kind 'stop': SIGSTOP) or dies (kind 'kill': SIGKILL) there.");
   t.def("liveness_listen_addresses", [] { return LivenessListenAddressesForTesting(); },
         "Rank 0, while init() is accepting the dead-rank detection connections: [(address, port)].");
+  t.def("reduce_fold",
+        [](const std::string& dtype_name, const std::string& op_name, const std::vector<py::bytes>& sources,
+           int average_divisor, int in_place) {
+    const DataType dtype = ParseDataType(dtype_name);
+    const ReduceOp op = ParseReduceOp(op_name);
+    if (sources.empty() || in_place < -1 || in_place >= static_cast<int>(sources.size()))
+      throw EngineError("INVALID_ARGUMENT: reduce_fold needs sources and -1 <= in_place < len(sources)");
+    std::vector<std::string> copies;
+    for (const py::bytes& b : sources) copies.push_back(b);
+    const size_t esize = DataTypeSize(dtype), bytes = copies[0].size();
+    for (const std::string& c : copies)
+      if (c.size() != bytes || bytes % esize != 0)
+        throw EngineError("INVALID_ARGUMENT: reduce_fold sources must be arrays of one length");
+    std::vector<const void*> ptrs;
+    for (const std::string& c : copies) ptrs.push_back(c.data());
+    std::string out(bytes, '\0');
+    void* dst = in_place >= 0 ? copies[in_place].data() : out.data();
+    ThrowIfError(ReduceFold(dtype, op, ptrs.data(), static_cast<int>(ptrs.size()), dst, bytes / esize,
+                            average_divisor));
+    return py::bytes(static_cast<const char*>(dst), bytes);
+  },
+        py::arg("dtype"), py::arg("op"), py::arg("sources"), py::arg("average_divisor") = 1,
+        py::arg("in_place") = -1,
+        "The host fold (cpu/host_reduce.h ReduceFold) of equal-length byte arrays in order; in_place = k "
+        "writes the result over source k (as the in-place collectives do) instead of a separate buffer.");
   t.def("build_response", [](const std::vector<py::dict>& by_rank) {
     if (by_rank.empty()) throw EngineError("INVALID_ARGUMENT: build_response needs one request per rank");
     std::vector<RequestMessage> qs;

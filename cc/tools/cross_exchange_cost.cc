@@ -25,6 +25,7 @@
 #include <ctime>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "algorithms/cross_exchange.h"
@@ -49,7 +50,7 @@ void Check(const Status& s, const char* what) {
 
 template <class Exchange>
 Status ExchangeOnce(Exchange& x, const float* send, void* recv, float* result, size_t count,
-                    const CrossExchange::Fold& fold) {
+                    const typename Exchange::Fold& fold) {
   typename Exchange::Job job;
   job.send = send;
   job.recv = recv;
@@ -110,7 +111,7 @@ int main(int argc, char** argv) {
   auto x_base = BaseCrossExchange::Create(MPI_COMM_WORLD);
   Check(x_base.status(), "BaseCrossExchange::Create");
 #endif
-  const CrossExchange::Fold fold = ContiguousHostFold(DataType::kFloat32, ReduceOp::kSum, 1);
+  const CrossExchange::Fold fold = HostFold(DataType::kFloat32, ReduceOp::kSum, 1);
   const size_t max_count = max_bytes / sizeof(float);
   std::vector<float> send(max_count), result(max_count), want(max_count);
   std::vector<char> recv(std::max(x_ag.value()->MaxRecvBytes(max_bytes),
@@ -136,8 +137,19 @@ int main(int argc, char** argv) {
     Check(ExchangeOnce(*x_caller.value(), send.data(), recv.data(), result.data(), n, fold), "no-thread");
   }, {}});
 #if NVG_WITH_BASE_CROSS_EXCHANGE
+  // A baseline's fold takes the peers' copies as a pointer array, as ours, or
+  // (before our own share stayed in `send`) as P contiguous copies.
+  const BaseCrossExchange::Fold base_fold = [&fold](auto sources, int num, void* dst, size_t count) {
+    if constexpr (std::is_same_v<decltype(sources), const void*>) {
+      std::vector<const void*> copies(num);
+      for (int k = 0; k < num; ++k) copies[k] = static_cast<const char*>(sources) + k * count * sizeof(float);
+      return fold(copies.data(), num, dst, count);
+    } else {
+      return fold(sources, num, dst, count);
+    }
+  };
   variants.push_back({"base", [&](size_t n) {
-    Check(ExchangeOnce(*x_base.value(), send.data(), recv.data(), result.data(), n, fold), "base");
+    Check(ExchangeOnce(*x_base.value(), send.data(), recv.data(), result.data(), n, base_fold), "base");
   }, {}});
 #endif
   variants.push_back({"mpi", [&](size_t n) {
