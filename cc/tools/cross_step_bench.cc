@@ -9,7 +9,7 @@
 //   NVGROUP_GROUP_SIZE=1 mpirun -np 4 -x NVGROUP_GROUP_SIZE build/tools/cross_step_bench
 // (works on any layout: with several GPUs per group it times the whole hierarchy).
 //
-// Per size (float32 Sum, 64 KiB .. --max_bytes, x4) and per configuration of
+// Per size (float32 Sum, 64 KiB .. --max_bytes, x --step) and per configuration of
 // the communicator, in one run:
 //   nvgroup        the settings as given (NVGROUP_CROSS_ALLGATHER_MAX_BYTES,
 //                  NVGROUP_PIPELINE_MIN_CHUNK, NVGROUP_PIPELINE_CHUNK)
@@ -18,6 +18,9 @@
 //                  the one round pays, to set NVGROUP_CROSS_ALLGATHER_MAX_BYTES)
 //   whole-chunks   the same, chunks of NVGROUP_PIPELINE_CHUNK (no quarter
 //                  chunks: a message up to the chunk is one serial chunk)
+//   min-chunk-x4   the same, NVGROUP_PIPELINE_MIN_CHUNK four times larger
+//                  (at most the chunk): where quarter chunks stop paying
+// Sizes from 64 KiB, times --step (4) up to --max_bytes.
 // random inputs regenerated from a hash, the result checked EVERY element
 // bitwise against the host fold in the communicator's order (tool_common.h
 // ExpectedResult) and against a float64 reference within the float32 rounding
@@ -126,7 +129,7 @@ int main(int argc, char** argv) {
   int provided = 0;
   NVG_TOOL_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided));
   size_t max_bytes = 256u << 20;
-  int iters = 20, warmup = 5;
+  int iters = 20, warmup = 5, step = 4;
   std::string json, commit = "unknown";
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
@@ -139,8 +142,10 @@ int main(int argc, char** argv) {
     else if (s == "--warmup") warmup = std::stoi(next());
     else if (s == "--json") json = next();
     else if (s == "--commit") commit = next();
-    else Die("unknown flag " + s + " (--max_bytes N --iters N --warmup N --json FILE --commit REV)");
+    else if (s == "--step") step = std::stoi(next());
+    else Die("unknown flag " + s + " (--max_bytes N --step N --iters N --warmup N --json FILE --commit REV)");
   }
+  if (step < 2) Die("--step must be at least 2");
   Topology host;
   TopologyComms comms;
   Check(SplitNodes(MPI_COMM_WORLD, &host, &comms), "SplitNodes");
@@ -156,6 +161,8 @@ int main(int argc, char** argv) {
   configs.back().knobs.cross_allgather_max_bytes = 1u << 30;
   configs.push_back({"whole-chunks", knobs, nullptr});
   configs.back().knobs.pipeline_min_chunk = knobs.pipeline_chunk;
+  configs.push_back({"min-chunk-x4", knobs, nullptr});
+  configs.back().knobs.pipeline_min_chunk = std::min(knobs.pipeline_chunk, 4 * knobs.pipeline_min_chunk);
   for (Config& c : configs) {
     auto created = CreateCudaCommunicator(MPI_COMM_WORLD, -1, c.knobs, opt, host);
     Check(created.status(), "CreateCudaCommunicator");
@@ -223,7 +230,7 @@ int main(int argc, char** argv) {
   };
   std::vector<Row> rows;
   bool ok = true;
-  for (size_t bytes = 64u << 10; bytes <= max_bytes; bytes *= 4) {
+  for (size_t bytes = 64u << 10; bytes <= max_bytes; bytes *= static_cast<size_t>(step)) {
     Row r;
     r.bytes = bytes;
     const size_t count = bytes / sizeof(float);
