@@ -11,6 +11,8 @@
 # its CUDA objects are compiled once per distinct source (a .cu file and the
 # headers it can include: cc/kernels, cc/include, cc/common), so trees that
 # share their kernels share their objects.
+# BISECT_BUILD_ONLY=1 stops after the builds; BISECT_SKIP_BUILD=1 runs what
+# an earlier call built.
 # Writes $OUT/engine_perf_bisect.tsv (tree, rep, ranks, style, us per step,
 # wrong) and $OUT/engine_perf_bisect.log.
 # Usage (GPU machine, repo root): scripts/device/engine_perf_bisect.sh REPS STEPS LABEL=TREE...
@@ -33,7 +35,7 @@ CACHE=${CU_CACHE:-/tmp/engine_perf_bisect_cu}
 mkdir -p "$CACHE"
 HARNESS=$(pwd)/cc/tools/engine_perf.cc
 STATUS=0
-: > "$LOG"
+: >> "$LOG"
 
 # A tree's CUDA kernels, each compiled once per distinct source into $CACHE:
 # the key hashes the .cu file and every file of the tree it includes (nvcc -M),
@@ -45,13 +47,6 @@ kernel_objects() {  # tree dir -> "source object" lines on stdout
           grep '^cc/' | sort -u | xargs cat | (cat; echo "$GENCODE") | sha1sum | cut -c1-16)
     echo "$src $CACHE/$(basename "$src" .cu)_$key.o"
   done
-}
-build_kernels() {  # tree dir
-  local dir=$1
-  kernel_objects "$dir" > "$dir/build/bisect_kernels.txt" || return 1
-  while read -r src obj; do
-    [[ -f $obj ]] || echo "$src $obj"
-  done < "$dir/build/bisect_kernels.txt" | (cd "$dir" && xargs -P "$(nproc)" -L1 sh -c 'nvcc '"-O3 -std=c++17 $GENCODE -DNVGROUP_WITH_CUDA=1 -Icc/include -Icc"' -c "$0" -o "$1.tmp" && mv "$1.tmp" "$1"')
 }
 build_host() {  # tree dir -> dir/build/bisect/engine_perf
   local dir=$1 objs cc_srcs src
@@ -70,20 +65,31 @@ build_host() {  # tree dir -> dir/build/bisect/engine_perf
 }
 
 LABELS=() DIRS=()
-for spec in "$@"; do LABELS+=("${spec%%=*}"); DIRS+=("$(cd "${spec#*=}" && pwd)"); done
-echo "=== build ${#DIRS[@]} trees ($(date -u +%H:%M:%S))" | tee -a "$LOG"
-for i in "${!DIRS[@]}"; do
-  mkdir -p "${DIRS[$i]}/build"
-  build_kernels "${DIRS[$i]}" >> "$OUT/build_kernels.log" 2>&1 || { echo "!!! kernels failed: ${LABELS[$i]}"; tail -20 "$OUT/build_kernels.log"; exit 1; }
+for spec in "$@"; do
+  dir=$(cd "${spec#*=}" 2>/dev/null && pwd) || { echo "!!! no tree at ${spec#*=}"; exit 2; }
+  LABELS+=("${spec%%=*}") DIRS+=("$dir")
 done
-echo "=== kernels built ($(date -u +%H:%M:%S)), $(ls "$CACHE" | wc -l) distinct objects" | tee -a "$LOG"
-JOBS=$(( $(nproc) / ${#DIRS[@]} > 0 ? $(nproc) / ${#DIRS[@]} : 1 ))
-PIDS=()
-for i in "${!DIRS[@]}"; do build_host "${DIRS[$i]}" & PIDS+=($!); done
-for i in "${!PIDS[@]}"; do
-  wait "${PIDS[$i]}" || { echo "!!! build failed: ${LABELS[$i]}"; tail -20 "$OUT/build_$(basename "${DIRS[$i]}").log"; exit 1; }
-done
-echo "=== built ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+if [[ ${BISECT_SKIP_BUILD:-0} != 1 ]]; then
+  echo "=== build ${#DIRS[@]} trees ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+  # Every tree's missing kernel objects at once (each distinct source once),
+  # then every tree's host sources in parallel.
+  for i in "${!DIRS[@]}"; do
+    mkdir -p "${DIRS[$i]}/build"
+    kernel_objects "${DIRS[$i]}" > "${DIRS[$i]}/build/bisect_kernels.txt" || { echo "!!! nvcc -M failed: ${LABELS[$i]}"; exit 1; }
+    while read -r src obj; do [[ -f $obj ]] || echo "${DIRS[$i]} $src $obj"; done < "${DIRS[$i]}/build/bisect_kernels.txt"
+  done | sort -u -k3,3 |
+    xargs -P "$(nproc)" -L1 sh -c 'cd "$0" && nvcc '"-O3 -std=c++17 $GENCODE -DNVGROUP_WITH_CUDA=1 -Icc/include -Icc"' -c "$1" -o "$2.tmp" && mv "$2.tmp" "$2"' \
+    >> "$OUT/build_kernels.log" 2>&1 || { echo "!!! kernels failed"; tail -20 "$OUT/build_kernels.log"; exit 1; }
+  echo "=== kernels built ($(date -u +%H:%M:%S)), $(ls "$CACHE" | wc -l) distinct objects" | tee -a "$LOG"
+  JOBS=$(( $(nproc) / ${#DIRS[@]} > 0 ? $(nproc) / ${#DIRS[@]} : 1 ))
+  PIDS=()
+  for i in "${!DIRS[@]}"; do build_host "${DIRS[$i]}" & PIDS+=($!); done
+  for i in "${!PIDS[@]}"; do
+    wait "${PIDS[$i]}" || { echo "!!! build failed: ${LABELS[$i]}"; tail -20 "$OUT/build_$(basename "${DIRS[$i]}").log"; exit 1; }
+  done
+  echo "=== built ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+fi
+[[ ${BISECT_BUILD_ONLY:-0} == 1 ]] && exit 0
 
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvgroup_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nvgroup_mps/log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
