@@ -254,7 +254,10 @@ Status Runtime::Init(const EngineOptions& options) {
   MPI_Request req;
   std::atomic<bool> never{false};
   NVG_MPI_CHECK(MPI_Comm_idup(user, dup.get(), &req));
-  Status duplicated = WaitMpi(&req, "Init's communicator duplication", timeout_s, never);
+  // The probe runs on the user's communicator, which carries no other
+  // point-to-point traffic during init() (Note [Arrival check]).
+  Status duplicated = NameSilentRanks(WaitMpi(&req, "Init's communicator duplication", timeout_s, never),
+                                      user);
   if (!duplicated.ok()) {
     (void)dup.release();
     return duplicated.WithContext("nvgroup_tf.init");

@@ -486,12 +486,18 @@ def test_rank_busy_after_shutdown_is_waited_for_in_mpi_finalize(tmp_path):
     assert_no_false_alarm(r)
 
 
-def test_rank_stopped_after_the_arrival_check_is_named_by_every_rank(tmp_path):
-    """Rank 0 stops after every rank arrived, in the agreement on CUDA at init
-    (a bounded wait on the engine's communicator): the others' wait gives up
-    after Init's bound and a liveness probe names rank 0 in their init()
-    error. Before, the error said only that some rank did not answer."""
-    r = init_fault(tmp_path, 3, 0, "device_check", "stop")
-    for survivor in (1, 2):
-        assert lines(r, r"^rank %d: INIT_ERROR [0-9.]+ .*Init's device check.*; rank 0 did not answer a liveness probe"
-                        % survivor), "rank %d did not name rank 0:\n%s" % (survivor, r.output[-5000:])
+@pytest.mark.parametrize("victim,phase,wait", [(0, "device_check", "Init's device check"),
+                                                (1, "dup", "Init's communicator duplication")])
+def test_rank_stopped_after_the_arrival_check_is_named_by_every_rank(tmp_path, victim, phase, wait):
+    """A rank stops after every rank arrived, in a bounded wait of init(): the
+    agreement on CUDA at init (on the engine's communicator) or the
+    duplication of the user's communicator right after the arrival check. The
+    others' wait gives up after Init's bound and a liveness probe names the
+    rank in their init() error. Before, the error said only that some rank did
+    not answer (the duplication's until the fault campaign found it under
+    load)."""
+    r = init_fault(tmp_path, 3, victim, phase, "stop")
+    for survivor in (s for s in range(3) if s != victim):
+        assert lines(r, r"^rank %d: INIT_ERROR [0-9.]+ .*%s.*; rank %d did not answer a liveness probe"
+                        % (survivor, wait, victim)), \
+            "rank %d did not name rank %d:\n%s" % (survivor, victim, r.output[-5000:])
