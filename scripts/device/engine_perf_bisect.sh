@@ -11,6 +11,7 @@
 # its CUDA objects are compiled once per distinct source (a .cu file and the
 # headers it can include: cc/kernels, cc/include, cc/common), so trees that
 # share their kernels share their objects.
+# BISECT_CONFIGS="1 per_tensor,1 grouped" picks the runs (default: the three above).
 # BISECT_BUILD_ONLY=1 stops after the builds; BISECT_SKIP_BUILD=1 runs what
 # an earlier call built.
 # Writes $OUT/engine_perf_bisect.tsv (tree, rep, ranks, style, us per step,
@@ -112,7 +113,8 @@ one() {  # label binary ranks style(per_tensor|grouped)
 }
 for rep in $(seq 1 "$REPS"); do
   echo "=== rep $rep ($(date -u +%H:%M:%S))" | tee -a "$LOG"
-  for cfg in "1 per_tensor" "1 grouped" "$NP per_tensor"; do
+  IFS=, read -r -a CONFIGS <<< "${BISECT_CONFIGS:-1 per_tensor,1 grouped,$NP per_tensor}"
+  for cfg in "${CONFIGS[@]}"; do
     read -r np style <<< "$cfg"
     for i in "${!DIRS[@]}"; do one "${LABELS[$i]}" "${DIRS[$i]}/build/bisect/engine_perf" "$np" "$style"; done
   done
