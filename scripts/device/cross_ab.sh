@@ -30,13 +30,7 @@ P2=$!
 wait $P1 || { echo "!!! build failed (this tree)"; tail -20 "$OUT/build_this.log"; exit 1; }
 wait $P2 || { echo "!!! build failed ($BASE)"; tail -20 "$OUT/build_base.log"; exit 1; }
 echo "=== built ($(date -u +%H:%M:%S))" | tee -a "$LOG"
-# The ranks share the one GPU under MPS, as run_all.sh does: without it their
-# contexts time-slice and every dependent copy waits for a slice.
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvgroup_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nvgroup_mps/log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-nvidia-cuda-mps-control -d || { echo "!!! MPS did not start" | tee -a "$LOG"; STATUS=1; }
-trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
-sleep 1
+start_mps >> "$LOG" 2>&1 || { echo "!!! MPS did not start" | tee -a "$LOG"; STATUS=1; }
 bench() {  # label tree-root commit ranks
   local label=$1 root=$2 commit=$3 np=$4 flags=()
   # an older bench has no --commit flag: its JSON then says "unknown"

@@ -35,11 +35,7 @@ bash scripts/device/build_tools.sh build/tools "$(nproc)" > "$LOG" 2>&1 || { ech
 cp cc/tools/engine_perf.cc "$BASE/cc/tools/engine_perf.cc"
 (cd "$BASE" && bash scripts/device/build_tools.sh build/tools "$(nproc)") >> "$LOG" 2>&1 || { echo "!!! build failed ($BASE)"; tail -20 "$LOG"; exit 1; }
 
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvgroup_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nvgroup_mps/log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-nvidia-cuda-mps-control -d || { echo "!!! MPS did not start"; STATUS=1; }
-trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
-sleep 1
+start_mps || STATUS=1
 
 printf 'tree\trep\tranks\tstyle\tus_per_step\twrong\n' > "$TSV"
 # An older baseline has no registered groups (engine_perf's `registered`

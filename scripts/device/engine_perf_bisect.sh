@@ -92,11 +92,7 @@ if [[ ${BISECT_SKIP_BUILD:-0} != 1 ]]; then
 fi
 [[ ${BISECT_BUILD_ONLY:-0} == 1 ]] && exit 0
 
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvgroup_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nvgroup_mps/log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-nvidia-cuda-mps-control -d || { echo "!!! MPS did not start"; STATUS=1; }
-trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
-sleep 1
+start_mps || STATUS=1
 
 printf 'tree\trep\tranks\tstyle\tus_per_step\twrong\n' > "$TSV"
 one() {  # label binary ranks style(per_tensor|grouped)

@@ -20,11 +20,7 @@ LOG="$OUT/engine_perf_styles.log"
 STATUS=0
 echo "=== build ($(date -u +%H:%M:%S))"
 bash scripts/device/build_tools.sh build/tools "$(nproc)" > "$LOG" 2>&1 || { echo "!!! build failed"; tail -20 "$LOG"; exit 1; }
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvgroup_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nvgroup_mps/log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-nvidia-cuda-mps-control -d || { echo "!!! MPS did not start"; STATUS=1; }
-trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
-sleep 1
+start_mps || STATUS=1
 printf 'rep\tranks\tstyle\tus_per_step\twrong\n' > "$TSV"
 for rep in $(seq 1 "$REPS"); do
   echo "=== rep $rep ($(date -u +%H:%M:%S))"
