@@ -44,21 +44,6 @@ std::string KnobMismatch(const std::string& name, const std::vector<std::string>
   return name + " differs across ranks: " + ValuesByRankText(by_rank) + "; it must be the same on every rank";
 }
 
-// A bounded wait of Init on the engine's communicator gave up (a rank
-// stopped, hung or died after the arrival check): every live rank is stuck in
-// the same wait and gives up within moments of the others, so a liveness
-// probe (Note [Liveness probe], mpi_wait.h) names the ranks that are gone,
-// as the background loop does for its own waits.
-Status NameSilentRanks(Status waited, MPI_Comm comm) {
-  if (waited.code() != StatusCode::kUnavailable) return waited;
-  StatusOr<std::vector<int>> silent = FindSilentRanks(comm, 2.0);
-  if (!silent.ok() || silent.value().empty()) return waited;
-  std::string who;
-  for (int r : silent.value()) who += (who.empty() ? "rank " : ", rank ") + std::to_string(r);
-  return Status::Unavailable(waited.message() + "; " + who +
-                             " did not answer a liveness probe (stopped, hung or dead)");
-}
-
 // Parses the knobs on every rank and makes Init fail on every rank if any
 // rank's environment is malformed or the ranks disagree on a knob of
 // AgreedKnobs (cc/common/env.h). Every rank shares its verdict: its error

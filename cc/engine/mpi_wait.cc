@@ -99,4 +99,14 @@ StatusOr<std::vector<int>> FindSilentRanks(MPI_Comm comm, double grace_s) {
   return silent;
 }
 
+Status NameSilentRanks(Status waited, MPI_Comm comm) {
+  if (waited.code() != StatusCode::kUnavailable) return waited;
+  StatusOr<std::vector<int>> silent = FindSilentRanks(comm, 2.0);
+  if (!silent.ok() || silent.value().empty()) return waited;
+  std::string who;
+  for (int r : silent.value()) who += (who.empty() ? "rank " : ", rank ") + std::to_string(r);
+  return Status::Unavailable(waited.message() + "; " + who +
+                             " did not answer a liveness probe (stopped, hung or dead)");
+}
+
 }  // namespace nvgroup

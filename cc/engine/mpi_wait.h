@@ -54,4 +54,11 @@ Status WaitMpi(MPI_Request* request, const char* what, double timeout_s, const s
 // (one byte goes out eagerly). Returns the ranks that did not answer.
 StatusOr<std::vector<int>> FindSilentRanks(MPI_Comm comm, double grace_s);
 
+// A bounded collective wait of init() or of the process-set registration gave
+// up (kUnavailable: a rank stopped, hung or died in it): every live rank is
+// stuck in the same wait and gives up within moments of the others, so a
+// liveness probe on `comm` (above, grace 2 s) names the ranks that are gone,
+// appended to `waited`. Any other status is returned as it is.
+Status NameSilentRanks(Status waited, MPI_Comm comm);
+
 }  // namespace nvgroup

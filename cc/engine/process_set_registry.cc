@@ -44,7 +44,10 @@ Status ProcessSetRegistry::AgreeOnRanks(const std::vector<int>& mine, const char
   x->counts.assign(size, 0);
   MPI_Request req;
   NVG_MPI_CHECK(MPI_Iallgather(&x->count, 1, MPI_INT, x->counts.data(), 1, MPI_INT, control_, &req));
-  Status waited = WaitMpi(&req, (std::string(what) + ": exchanging rank lists").c_str(), timeout_s, never);
+  // control_ carries only these collectives, so the probe may use it.
+  Status waited = NameSilentRanks(WaitMpi(&req, (std::string(what) + ": exchanging rank lists").c_str(),
+                                          timeout_s, never),
+                                  control_);
   if (!waited.ok()) {
     (void)x.release();
     return waited;
@@ -58,7 +61,9 @@ Status ProcessSetRegistry::AgreeOnRanks(const std::vector<int>& mine, const char
   x->all.assign(std::max(total, 1), 0);
   NVG_MPI_CHECK(MPI_Iallgatherv(mine.data(), x->count, MPI_INT, x->all.data(), x->counts.data(),
                                 x->displs.data(), MPI_INT, control_, &req));
-  waited = WaitMpi(&req, (std::string(what) + ": exchanging rank lists").c_str(), timeout_s, never);
+  waited = NameSilentRanks(WaitMpi(&req, (std::string(what) + ": exchanging rank lists").c_str(), timeout_s,
+                                   never),
+                           control_);
   if (!waited.ok()) {
     (void)x.release();
     return waited;

@@ -486,6 +486,17 @@ def test_rank_busy_after_shutdown_is_waited_for_in_mpi_finalize(tmp_path):
     assert_no_false_alarm(r)
 
 
+def test_rank_stopped_in_add_process_set_is_named_by_every_rank(tmp_path):
+    """Rank 1 stops as add_process_set begins (after init() succeeded on every
+    rank): the others' rank-list exchange gives up after its bound and a
+    liveness probe on the control communicator names rank 1 in their error.
+    Before, the error said only that some rank did not answer."""
+    r = init_fault(tmp_path, 3, 1, "process_set", "stop")
+    for survivor in (0, 2):
+        assert lines(r, r"^rank %d: ADD_ERROR [0-9.]+ .*exchanging rank lists.*; rank 1 did not answer a liveness "
+                        r"probe" % survivor), "rank %d did not name rank 1:\n%s" % (survivor, r.output[-5000:])
+
+
 @pytest.mark.parametrize("victim,phase,wait", [(0, "device_check", "Init's device check"),
                                                 (1, "dup", "Init's communicator duplication")])
 def test_rank_stopped_after_the_arrival_check_is_named_by_every_rank(tmp_path, victim, phase, wait):

@@ -2,13 +2,15 @@
 init() (the engine's test hook _engine.testing.fault_in_init; the phases are
 listed in cc/engine/init_watchdog.h). PHASE before_init: the victim stops or
 kills itself from Python right before calling init(), without the hook.
+PHASE process_set: init() succeeds, then every rank calls add_process_set of
+all ranks, where the hook stops or kills the victim.
 
     init_fault.py VICTIM PHASE stop|kill
 
 Every rank sends its stderr (the engine's log lines) to
 REL_RECORD_DIR/<pid>.log, since mpirun may drop the output of a job it ends.
 A rank whose init() fails says "rank R: INIT_ERROR <seconds> <message>" and
-exits 3; one whose init() returns says "rank R: INIT_OK", shuts down and
+exits 3 (add_process_set: "rank R: ADD_ERROR <seconds> <message>", exit 4); one whose init() returns says "rank R: INIT_OK", shuts down and
 finalizes MPI.
 Engine only (no TensorFlow), so a trial costs the MPI start and the bound.
 """
@@ -38,6 +40,14 @@ def main():
         say("rank %d: INIT_ERROR %.1f %s" % (rank, time.monotonic() - start, " ".join(str(e).split())))
         sys.exit(3)
     say("rank %d: INIT_OK" % rank)
+    if phase == "process_set":
+        start = time.monotonic()
+        try:
+            engine.add_process_set(list(range(int(os.environ["OMPI_COMM_WORLD_SIZE"]))))
+        except Exception as e:  # noqa: BLE001 -- the error is the test's observation
+            say("rank %d: ADD_ERROR %.1f %s" % (rank, time.monotonic() - start, " ".join(str(e).split())))
+            sys.exit(4)
+        say("rank %d: ADD_OK" % rank)
     engine.shutdown()
     engine.finalize_mpi()
 
