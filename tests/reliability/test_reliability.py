@@ -486,20 +486,22 @@ def test_rank_busy_after_shutdown_is_waited_for_in_mpi_finalize(tmp_path):
     assert_no_false_alarm(r)
 
 
-def test_rank_stopped_in_add_process_set_is_named_by_every_rank(tmp_path):
+@pytest.mark.parametrize("np_", [2, 3])
+def test_rank_stopped_in_add_process_set_is_named_by_every_rank(tmp_path, np_):
     """Rank 1 stops as add_process_set begins (after init() succeeded on every
     rank): the others' rank-list exchange gives up after its bound and a
     liveness probe on the control communicator names rank 1 in their error.
     Before, the error said only that some rank did not answer."""
-    r = init_fault(tmp_path, 3, 1, "process_set", "stop")
-    for survivor in (0, 2):
+    r = init_fault(tmp_path, np_, 1, "process_set", "stop")
+    for survivor in (s for s in range(np_) if s != 1):
         assert lines(r, r"^rank %d: ADD_ERROR [0-9.]+ .*exchanging rank lists.*; rank 1 did not answer a liveness "
                         r"probe" % survivor), "rank %d did not name rank 1:\n%s" % (survivor, r.output[-5000:])
 
 
-@pytest.mark.parametrize("victim,phase,wait", [(0, "device_check", "Init's device check"),
-                                                (1, "dup", "Init's communicator duplication")])
-def test_rank_stopped_after_the_arrival_check_is_named_by_every_rank(tmp_path, victim, phase, wait):
+@pytest.mark.parametrize("np_,victim,phase,wait", [(3, 0, "device_check", "Init's device check"),
+                                                    (2, 1, "dup", "Init's communicator duplication"),
+                                                    (3, 1, "dup", "Init's communicator duplication")])
+def test_rank_stopped_after_the_arrival_check_is_named_by_every_rank(tmp_path, np_, victim, phase, wait):
     """A rank stops after every rank arrived, in a bounded wait of init(): the
     agreement on CUDA at init (on the engine's communicator) or the
     duplication of the user's communicator right after the arrival check. The
@@ -507,8 +509,8 @@ def test_rank_stopped_after_the_arrival_check_is_named_by_every_rank(tmp_path, v
     rank in their init() error. Before, the error said only that some rank did
     not answer (the duplication's until the fault campaign found it under
     load)."""
-    r = init_fault(tmp_path, 3, victim, phase, "stop")
-    for survivor in (s for s in range(3) if s != victim):
+    r = init_fault(tmp_path, np_, victim, phase, "stop")
+    for survivor in (s for s in range(np_) if s != victim):
         assert lines(r, r"^rank %d: INIT_ERROR [0-9.]+ .*%s.*; rank %d did not answer a liveness probe"
                         % (survivor, wait, victim)), \
             "rank %d did not name rank %d:\n%s" % (survivor, victim, r.output[-5000:])
