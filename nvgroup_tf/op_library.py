@@ -62,6 +62,8 @@ def _load():
         handle.nvgroup_tf_set_bucket_delay_for_testing.restype = None
         handle.nvgroup_tf_delayed_buckets_for_testing.argtypes = []
         handle.nvgroup_tf_delayed_buckets_for_testing.restype = ctypes.c_int64
+        handle.nvgroup_tf_grouped_submission_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)] * 3
+        handle.nvgroup_tf_grouped_submission_stats.restype = None
         for fn in ("nvgroup_tf_setting_value", "nvgroup_tf_agreed_setting_value"):
             getattr(handle, fn).argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
                                             ctypes.c_char_p, ctypes.c_int]
@@ -124,6 +126,17 @@ def set_bucket_delay_for_testing(microseconds):
     stream from the next bucket on; 0 removes it."""
     handle, _ = _load()
     handle.nvgroup_tf_set_bucket_delay_for_testing(float(microseconds))
+
+
+def grouped_submission_stats():
+    """Tests and benchmarks: what this process's grouped allreduces (TF kernels
+    and XLA calls, ops/grouped_submissions.h) did so far:
+    {"registrations", "launches", "by_name"}, counts of successful group
+    registrations, steps launched through one, and steps submitted by name."""
+    handle, _ = _load()
+    values = [ctypes.c_int64(0) for _ in range(3)]
+    handle.nvgroup_tf_grouped_submission_stats(*[ctypes.byref(v) for v in values])
+    return dict(zip(("registrations", "launches", "by_name"), (int(v.value) for v in values)))
 
 
 def delayed_buckets_for_testing():

@@ -1,6 +1,11 @@
 // Conversions shared by the CPU and GPU kernels (see adapter.h).
 #include "ops/adapter.h"
 
+#include <atomic>
+#include <utility>
+
+#include "common/env.h"
+
 namespace nvgroup {
 namespace tf_adapter {
 
@@ -80,17 +85,51 @@ absl::Status MakeAllreduceRequest(tf::OpKernelContext* context, int index, const
   const tf::Tensor& input = context->input(index);
   tf::Tensor* output = nullptr;
   TF_RETURN_IF_ERROR(context->forward_input_or_allocate_output({index}, index, input.shape(), &output));
+  return FillAllreduceRequest(input, const_cast<char*>(output->tensor_data().data()), name, attrs, request);
+}
+
+absl::Status FillAllreduceRequest(const tf::Tensor& input, void* output, const std::string& name,
+                                  const AllreduceAttrs& attrs, CollectiveRequest* request) {
   TF_RETURN_IF_ERROR(ToTfStatus(ToEngineDataType(input.dtype(), &request->dtype)));
   request->name = name;
   request->type = CollectiveType::kAllreduce;
   request->shape = ToEngineShape(input.shape());
   request->input = input.tensor_data().data();
-  request->output = const_cast<char*>(output->tensor_data().data());
+  request->output = output;
   request->op = attrs.op;
   request->prescale_factor = attrs.prescale_factor;
   request->postscale_factor = attrs.postscale_factor;
   request->process_set_id = attrs.process_set_id;
   return absl::OkStatus();
+}
+
+namespace {
+std::atomic<int64_t> grouped_registrations{0}, grouped_launches{0}, grouped_by_name{0};
+}  // namespace
+
+GroupedSubmissionStats GetGroupedSubmissionStats() {
+  GroupedSubmissionStats stats;
+  stats.registrations = grouped_registrations.load(std::memory_order_relaxed);
+  stats.launches = grouped_launches.load(std::memory_order_relaxed);
+  stats.by_name = grouped_by_name.load(std::memory_order_relaxed);
+  return stats;
+}
+
+void CountGroupedSubmission(GroupedSubmission what) {
+  std::atomic<int64_t>& c = what == GroupedSubmission::kRegistration ? grouped_registrations
+                            : what == GroupedSubmission::kLaunch     ? grouped_launches
+                                                                     : grouped_by_name;
+  c.fetch_add(1, std::memory_order_relaxed);
+}
+
+absl::Status RegisteredGroupsEnabled(bool* enabled) {
+  static const std::pair<Status, bool> parsed = [] {
+    Knobs knobs;
+    Status status = ParseSettingFromEnvironment("NVGROUP_TF_REGISTERED_GROUPS", &knobs);
+    return std::make_pair(status, knobs.tf_registered_groups);
+  }();
+  *enabled = parsed.second;
+  return ToTfStatus(parsed.first);
 }
 
 #if !GOOGLE_CUDA

@@ -65,6 +65,7 @@
 #include "nvgroup/engine.h"
 #include "nvgroup/status.h"
 #include "nvgroup/types.h"
+#include "ops/grouped_submissions.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -181,21 +182,27 @@ struct GpuEventStats {
 };
 GpuEventStats GetGpuEventStats();
 
+// What every submission of one op invocation takes from the device traits.
+struct Prepared {
+  Device device;
+  void* event = nullptr;  // the readiness event (GPU), recorded on TF's stream
+  bool on_stream = false;  // NVGROUP_TF_CUDA_WAIT (header comment, completion)
+};
+
+template <typename Traits>
+absl::Status PrepareSubmission(tf::OpKernelContext* context, Prepared* prepared) {
+  TF_RETURN_IF_ERROR(Traits::CompletesOnStream(&prepared->on_stream));
+  return Traits::Prepare(context, &prepared->device, &prepared->event);
+}
+
 // Fills device/ready_event/done of every request and enqueues them (one request:
 // Enqueue; several: EnqueueGroup, so they are negotiated and fused as a unit).
 template <typename Traits>
-void Submit(tf::OpKernelContext* context, std::vector<CollectiveRequest> requests,
-            tf::AsyncOpKernel::DoneCallback done) {
-  Device device;
-  void* event = nullptr;
-  bool on_stream = false;  // NVGROUP_TF_CUDA_WAIT (header comment, completion)
-  absl::Status prepared = Traits::CompletesOnStream(&on_stream);
-  if (prepared.ok()) prepared = Traits::Prepare(context, &device, &event);
-  if (!prepared.ok()) {
-    context->SetStatus(prepared);
-    done();
-    return;
-  }
+void SubmitPrepared(tf::OpKernelContext* context, std::vector<CollectiveRequest> requests,
+                    tf::AsyncOpKernel::DoneCallback done, const Prepared& prepared) {
+  const Device device = prepared.device;
+  void* const event = prepared.event;
+  const bool on_stream = prepared.on_stream;
   auto completion = std::make_shared<Completion<Traits>>(context, std::move(done),
                                                          static_cast<int>(requests.size()), device, event);
   for (CollectiveRequest& request : requests) {
@@ -217,6 +224,39 @@ void Submit(tf::OpKernelContext* context, std::vector<CollectiveRequest> request
   Status status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));
   // Rejected: the engine dropped the callbacks without calling them.
   if (!status.ok()) completion->Finish(status, count);
+}
+
+template <typename Traits>
+void Submit(tf::OpKernelContext* context, std::vector<CollectiveRequest> requests,
+            tf::AsyncOpKernel::DoneCallback done) {
+  Prepared prepared;
+  absl::Status status = PrepareSubmission<Traits>(context, &prepared);
+  if (!status.ok()) {
+    context->SetStatus(status);
+    done();
+    return;
+  }
+  SubmitPrepared<Traits>(context, std::move(requests), std::move(done), prepared);
+}
+
+// One launch of registered group `group` with the step's pointers, finishing
+// the op like SubmitPrepared (one `done`, one completion event per launch).
+template <typename Traits>
+void LaunchPrepared(tf::OpKernelContext* context, uint64_t group, const std::vector<const void*>& inputs,
+                    const std::vector<void*>& outputs, tf::AsyncOpKernel::DoneCallback done,
+                    const Prepared& prepared) {
+  auto completion = std::make_shared<Completion<Traits>>(context, std::move(done), 1, prepared.device,
+                                                         prepared.event);
+  GroupLaunch launch;
+  launch.inputs = inputs.data();
+  launch.outputs = outputs.data();
+  launch.count = inputs.size();
+  launch.ready_event = prepared.event;
+  launch.done = [completion](const Status& status) { completion->Finish(status); };
+  if (Traits::kDeviceCompletion && prepared.on_stream)
+    launch.completion_event_ready = [completion](void* e) { completion->OnDeviceEvent(e); };
+  Status status = EnqueueRegisteredGroup(group, std::move(launch));
+  if (!status.ok()) completion->Finish(status);  // rejected: no callback will come
 }
 
 // Attributes every allreduce kernel reads.
@@ -245,6 +285,12 @@ struct AllreduceAttrs {
 // Builds the allreduce request for input `index`, output `index`.
 absl::Status MakeAllreduceRequest(tf::OpKernelContext* context, int index, const std::string& name,
                                   const AllreduceAttrs& attrs, CollectiveRequest* request);
+// The same for an input whose output exists already.
+absl::Status FillAllreduceRequest(const tf::Tensor& input, void* output, const std::string& name,
+                                  const AllreduceAttrs& attrs, CollectiveRequest* request);
+
+// NVGROUP_TF_REGISTERED_GROUPS (parsed once per process).
+absl::Status RegisteredGroupsEnabled(bool* enabled);
 
 template <typename Traits>
 class AllreduceOp : public tf::AsyncOpKernel {
@@ -265,30 +311,134 @@ class AllreduceOp : public tf::AsyncOpKernel {
   std::string name_;
 };
 
-// N inputs -> N outputs, one EnqueueGroup. Request i is named "<name>[i]".
+// N inputs -> N outputs, one grouped allreduce. Request i is named "<name>[i]".
+//
+// Note [Grouped kernels launch a registered group]
+// A kernel object lives as long as its graph (for eager calls, as long as
+// TF's kernel cache keeps it) and submits the same group at every step: the
+// same names, dtypes and scales, and usually the same shapes. So it
+// registers the group with the engine at its first step (RegisterGroup) and
+// afterwards launches it with only the step's pointers, the readiness event
+// and one done (EnqueueRegisteredGroup): no names, shapes or callbacks built
+// per member (Note [Registered groups], cc/engine/registered_groups.h). A
+// launch is the same collective as EnqueueGroup of the members, bit for bit
+// and on the wire (engine.h), so ranks need not agree on which way a step
+// goes. A step whose shapes differ registers again (the old registration is
+// dropped), as does a step after the engine restarted or lost the process
+// set (RegisteredGroupUsable). When registering fails, the kernel submits by
+// name (EnqueueGroup) until its shapes change: a name registered by another
+// kernel (a second trace of one function keeps the names) is lent to it
+// while that registration has no launch in flight (Note [Registered names],
+// cc/engine/tensor_queue.h), and a member the engine refuses gets the
+// refusal EnqueueGroup gives. NVGROUP_TF_REGISTERED_GROUPS=0 submits by
+// name always. Steps of one kernel may overlap (two calls of a function
+// from two threads): the registration is guarded by mu_, and a launch while
+// the previous one is in flight is refused like the same names in flight.
 template <typename Traits>
 class GroupedAllreduceOp : public tf::AsyncOpKernel {
  public:
   explicit GroupedAllreduceOp(tf::OpKernelConstruction* context) : AsyncOpKernel(context) {
     OP_REQUIRES_OK(context, attrs_.Read(context));
+    OP_REQUIRES_OK(context, RegisteredGroupsEnabled(&register_));
     name_ = CollectiveName(*this, attrs_.tensor_name);
+  }
+
+  ~GroupedAllreduceOp() override {
+    if (group_ != 0) (void)UnregisterGroup(group_);  // nothing is in flight once TF drops the kernel
   }
 
   void ComputeAsync(tf::OpKernelContext* context, DoneCallback done) override {
     const int n = context->num_inputs();  // >= 1 (op definition)
-    std::vector<CollectiveRequest> requests(n);
+    std::vector<const void*> inputs(n);
+    std::vector<void*> outputs(n);
     for (int i = 0; i < n; ++i) {
-      OP_REQUIRES_OK_ASYNC(context,
-                           MakeAllreduceRequest(context, i, name_ + "[" + std::to_string(i) + "]", attrs_,
-                                                &requests[i]),
+      const tf::Tensor& input = context->input(i);
+      tf::Tensor* output = nullptr;
+      OP_REQUIRES_OK_ASYNC(context, context->forward_input_or_allocate_output({i}, i, input.shape(), &output),
                            done);
+      inputs[i] = input.tensor_data().data();
+      outputs[i] = const_cast<char*>(output->tensor_data().data());
     }
-    Submit<Traits>(context, std::move(requests), std::move(done));
+    Prepared prepared;
+    OP_REQUIRES_OK_ASYNC(context, PrepareSubmission<Traits>(context, &prepared), done);
+    if (register_) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (Registered(context, prepared.device)) {
+        CountGroupedSubmission(GroupedSubmission::kLaunch);
+        LaunchPrepared<Traits>(context, group_, inputs, outputs, std::move(done), prepared);
+        return;
+      }
+    }
+    CountGroupedSubmission(GroupedSubmission::kByName);
+    std::vector<CollectiveRequest> requests;
+    absl::Status built = Requests(context, inputs, outputs, &requests);
+    if (!built.ok()) {
+      Traits::Release(prepared.device, prepared.event);
+      context->SetStatus(built);
+      done();
+      return;
+    }
+    SubmitPrepared<Traits>(context, std::move(requests), std::move(done), prepared);
   }
 
  private:
+  // The members' requests for this step's tensors (device etc. filled by
+  // SubmitPrepared).
+  absl::Status Requests(tf::OpKernelContext* context, const std::vector<const void*>& inputs,
+                        const std::vector<void*>& outputs, std::vector<CollectiveRequest>* requests) const {
+    const int n = static_cast<int>(inputs.size());
+    requests->resize(n);
+    for (int i = 0; i < n; ++i)
+      TF_RETURN_IF_ERROR(FillAllreduceRequest(context->input(i), outputs[i],
+                                              name_ + "[" + std::to_string(i) + "]", attrs_,
+                                              &(*requests)[i]));
+    return absl::OkStatus();
+  }
+
+  // mu_ held: whether group_ is a usable registration of this step's shapes
+  // on `device`, registering it when it is not and registering may succeed.
+  bool Registered(tf::OpKernelContext* context, const Device& device) {
+    const int n = context->num_inputs();
+    bool same = static_cast<int>(shapes_.size()) == n && device == device_;
+    for (int i = 0; same && i < n; ++i) same = context->input(i).shape() == shapes_[i];
+    if (!same) {  // new shapes: a new registration, which may succeed where the old one failed
+      if (group_ != 0)
+        (void)UnregisterGroup(group_);  // a launch in flight keeps it: the engine forgets it at shutdown
+      group_ = 0;
+      by_name_ = false;
+      device_ = device;
+      shapes_.clear();
+      for (int i = 0; i < n; ++i) shapes_.push_back(context->input(i).shape());
+    }
+    if (by_name_) return false;
+    if (group_ != 0 && RegisteredGroupUsable(group_)) return true;
+    group_ = 0;
+    std::vector<CollectiveRequest> members;
+    std::vector<const void*> no_inputs(n, nullptr);
+    std::vector<void*> no_outputs(n, nullptr);
+    if (!Requests(context, no_inputs, no_outputs, &members).ok()) {
+      by_name_ = true;  // EnqueueGroup reports what is wrong
+      return false;
+    }
+    for (CollectiveRequest& m : members) m.device = device;
+    StatusOr<uint64_t> registered = RegisterGroup(std::move(members));
+    if (!registered.ok()) {
+      by_name_ = true;
+      return false;
+    }
+    CountGroupedSubmission(GroupedSubmission::kRegistration);
+    group_ = registered.value();
+    return true;
+  }
+
   AllreduceAttrs attrs_;
   std::string name_;
+  bool register_ = true;  // NVGROUP_TF_REGISTERED_GROUPS
+  std::mutex mu_;  // guards the four below
+  uint64_t group_ = 0;  // the registration of shapes_ on device_ (0: none)
+  std::vector<tf::TensorShape> shapes_;
+  Device device_;
+  bool by_name_ = false;  // registering shapes_ failed: submit by name until they change
 };
 
 template <typename Traits>

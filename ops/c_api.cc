@@ -89,6 +89,14 @@ void nvgroup_tf_gpu_event_stats(int64_t* created, int64_t* recorded) {
   *recorded = stats.recorded;
 }
 
+// What the grouped allreduces did (ops/grouped_submissions.h).
+void nvgroup_tf_grouped_submission_stats(int64_t* registrations, int64_t* launches, int64_t* by_name) {
+  nvgroup::tf_adapter::GroupedSubmissionStats stats = nvgroup::tf_adapter::GetGroupedSubmissionStats();
+  *registrations = stats.registrations;
+  *launches = stats.launches;
+  *by_name = stats.by_name;
+}
+
 int nvgroup_tf_mpi_threads_supported(int* out, char* msg, int len) {
   return ReportValue(nvgroup::MpiThreadsSupported(), out, msg, len);
 }

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/env.h"
+#include "ops/grouped_submissions.h"
 
 // Defined in TensorFlow's library (declared in xla/ffi/ffi_api.h, which needs
 // MLIR headers the wheel does not ship): the FFI API of the XLA inside it,
@@ -58,6 +60,101 @@ std::shared_ptr<PairCall> PairCalls::Take(const std::string& name) {
   std::shared_ptr<PairCall> call = std::move(it->second);
   PairCallMap().erase(it);
   return call;
+}
+
+namespace {
+
+// The members as RegisterGroup saw them: the same collective, pointers aside.
+bool SameMembers(const std::vector<CollectiveRequest>& a, const std::vector<CollectiveRequest>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const CollectiveRequest& x = a[i];
+    const CollectiveRequest& y = b[i];
+    if (x.name != y.name || x.dtype != y.dtype || x.shape != y.shape || x.op != y.op ||
+        x.prescale_factor != y.prescale_factor || x.postscale_factor != y.postscale_factor ||
+        x.process_set_id != y.process_set_id || !(x.device == y.device))
+      return false;
+  }
+  return true;
+}
+
+// NVGROUP_TF_REGISTERED_GROUPS, parsed once per process.
+StatusOr<bool> RegistrationEnabled() {
+  static const std::pair<Status, bool> parsed = [] {
+    Knobs knobs;
+    Status status = ParseSettingFromEnvironment("NVGROUP_TF_REGISTERED_GROUPS", &knobs);
+    return std::make_pair(status, knobs.tf_registered_groups);
+  }();
+  if (!parsed.first.ok()) return parsed.first;
+  return parsed.second;
+}
+
+struct Site {
+  std::vector<CollectiveRequest> members;  // the registered (or refused) members, no pointers
+  uint64_t group = 0;                      // 0: registering them failed; submit by name
+};
+
+}  // namespace
+
+StatusOr<uint64_t> CallRegistrations::For(const std::string& site,
+                                          const std::vector<CollectiveRequest>& requests) {
+  StatusOr<bool> enabled = RegistrationEnabled();
+  if (!enabled.ok()) return enabled.status();
+  if (requests.size() < 2 || !enabled.value()) return 0;
+  for (const CollectiveRequest& q : requests)
+    if (q.type != CollectiveType::kAllreduce) return 0;
+  static std::mutex* mu = new std::mutex();  // never destroyed: programs may run until exit
+  static auto* sites = new std::unordered_map<std::string, Site>();
+  std::lock_guard<std::mutex> lock(*mu);
+  Site& s = (*sites)[site];
+  using tf_adapter::CountGroupedSubmission;
+  using tf_adapter::GroupedSubmission;
+  if (SameMembers(s.members, requests)) {
+    if (s.group == 0 || RegisteredGroupUsable(s.group)) {
+      CountGroupedSubmission(s.group != 0 ? GroupedSubmission::kLaunch : GroupedSubmission::kByName);
+      return s.group;
+    }
+  } else if (s.group != 0 && !UnregisterGroup(s.group).ok() && RegisteredGroupUsable(s.group)) {
+    CountGroupedSubmission(GroupedSubmission::kByName);
+    return 0;  // its launch is in flight: by name this time, replace it at a later call
+  }
+  s.members.clear();
+  for (const CollectiveRequest& q : requests) {
+    CollectiveRequest m;
+    m.name = q.name;
+    m.type = q.type;
+    m.dtype = q.dtype;
+    m.shape = q.shape;
+    m.op = q.op;
+    m.prescale_factor = q.prescale_factor;
+    m.postscale_factor = q.postscale_factor;
+    m.process_set_id = q.process_set_id;
+    m.device = q.device;
+    s.members.push_back(std::move(m));
+  }
+  StatusOr<uint64_t> registered = RegisterGroup(s.members);
+  s.group = registered.ok() ? registered.value() : 0;  // refused: EnqueueGroup reports why
+  if (s.group != 0) CountGroupedSubmission(GroupedSubmission::kRegistration);
+  CountGroupedSubmission(s.group != 0 ? GroupedSubmission::kLaunch : GroupedSubmission::kByName);
+  return s.group;
+}
+
+Status LaunchCall(uint64_t group, const std::vector<CollectiveRequest>& requests, void* ready_event,
+                  DoneCallback done, std::function<void(void*)> completion_event_ready) {
+  std::vector<const void*> inputs(requests.size());
+  std::vector<void*> outputs(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    inputs[i] = requests[i].input;
+    outputs[i] = requests[i].output;
+  }
+  GroupLaunch launch;
+  launch.inputs = inputs.data();
+  launch.outputs = outputs.data();
+  launch.count = requests.size();
+  launch.ready_event = ready_event;
+  launch.done = std::move(done);
+  launch.completion_event_ready = std::move(completion_event_ready);
+  return EnqueueRegisteredGroup(group, std::move(launch));
 }
 
 ffi::Error ToFfiError(const Status& status) {

@@ -129,12 +129,18 @@ ffi::Error HostCollectiveStart(ffi::RemainingArgs args, ffi::RemainingRets rets,
   Status status = DecodeCall(wire, args, rets, &requests);
   if (!status.ok()) return ToFfiError(status);
   const std::string name(wire.name);
-  auto call = std::make_shared<HostPairCall>(static_cast<int>(requests.size()));
+  // Note [Calls launch registered groups] (xla_ops.h): one done for a launch.
+  StatusOr<uint64_t> registration = CallRegistrations::For(name + "@host", requests);
+  if (!registration.ok()) return ToFfiError(registration.status());
+  const uint64_t group = registration.value();
+  auto call = std::make_shared<HostPairCall>(group != 0 ? 1 : static_cast<int>(requests.size()));
   for (CollectiveRequest& q : requests) q.done = [call](const Status& s) { call->OnDone(s); };
   status = PairCalls::Put(name, call);
   if (!status.ok()) return ToFfiError(status);
   const size_t count = requests.size();
-  status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));
+  if (group != 0)
+    status = LaunchCall(group, requests, nullptr, [call](const Status& s) { call->OnDone(s); }, nullptr);
+  else status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));
   if (!status.ok()) PairCalls::Take(name);  // rejected: no callback runs, no done will look for it
   return ToFfiError(status);
 }

@@ -251,6 +251,36 @@ class PairCalls {
   static std::shared_ptr<PairCall> Take(const std::string& name);
 };
 
+// Note [Calls launch registered groups]
+// An XLA program makes the same custom calls at every step: the same
+// attributes, the same buffer shapes; only the buffers move. So a grouped
+// allreduce call (several members, the gradient buckets) registers its
+// members with the engine at its first call (RegisterGroup) and launches
+// that registration afterwards (EnqueueRegisteredGroup) with the step's
+// buffers, one readiness event and one done, as the TF kernels do
+// (ops/adapter.h, Note [Grouped kernels launch a registered group]). The
+// registration is kept per call site: the call's engine name (a program
+// names each collective once, "Order" above) and device. A call whose
+// members differ from the site's registration (new shapes, another program
+// with the same names) registers again, replacing the old one; when that
+// cannot be done (a launch of it in flight) or registering fails (a name
+// held by another registration), the call submits by name (EnqueueGroup,
+// which the engine accepts while the names are only lent, Note [Registered
+// names] in cc/engine/tensor_queue.h), and the site registers no more
+// until its members change. A launch is EnqueueGroup of the same requests,
+// bit for bit and on the wire. NVGROUP_TF_REGISTERED_GROUPS=0 turns it off.
+class CallRegistrations {
+ public:
+  // The registration to launch for `requests` (device set, pointers
+  // ignored) at call site `site`, registering it when needed; 0: submit
+  // them by name. Fails only for a malformed NVGROUP_TF_REGISTERED_GROUPS.
+  static StatusOr<uint64_t> For(const std::string& site, const std::vector<CollectiveRequest>& requests);
+};
+// Launches registered group `group` with the pointers of `requests` (the
+// members in order), `ready_event`, and one `done` / `completion_event_ready`.
+Status LaunchCall(uint64_t group, const std::vector<CollectiveRequest>& requests, void* ready_event,
+                  DoneCallback done, std::function<void(void*)> completion_event_ready);
+
 // How the lowering emits the collectives of a program compiled for a GPU
 // (`for_gpu`) or the CPU: the pair (Note [Start and done]) or one call
 // (NVGROUP_XLA_START_DONE, parsed once per process; auto: the pair on a GPU).

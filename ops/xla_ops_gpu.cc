@@ -173,15 +173,27 @@ ffi::Error CudaCollective(cudaStream_t stream, int32_t ordinal, ffi::RemainingAr
     if (status.ok() && error != cudaSuccess) status = CudaStatus("cudaEventDestroy", error);
     return ToFfiError(status);
   }
+  for (CollectiveRequest& q : requests) q.device = Device::Cuda(ordinal);
+  // Note [Calls launch registered groups] (xla_ops.h): one done and one event for a launch.
+  StatusOr<uint64_t> registration =
+      CallRegistrations::For(std::string(wire.name) + "@cuda" + std::to_string(ordinal), requests);
+  if (!registration.ok()) {
+    cudaEventDestroy(event);  // no request took it
+    return ToFfiError(registration.status());
+  }
+  const uint64_t group = registration.value();
   const int count = static_cast<int>(requests.size());
-  auto state = std::make_shared<CallState>(stream, event, count);  // owns the event from here
+  auto state = std::make_shared<CallState>(stream, event,
+                                           group != 0 ? 1 : count);  // owns the event from here
   for (CollectiveRequest& q : requests) {
-    q.device = Device::Cuda(ordinal);
     q.ready_event = event;
     q.done = [state](const Status& s) { state->OnDone(s); };
     q.completion_event_ready = [state](void* e) { state->OnCompletionEvent(e); };
   }
-  status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));
+  if (group != 0)
+    status = LaunchCall(group, requests, event, [state](const Status& s) { state->OnDone(s); },
+                        [state](void* e) { state->OnCompletionEvent(e); });
+  else status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));
   if (!status.ok()) return ToFfiError(status);  // rejected: no callback runs
   // Bounded: every accepted request's `done` runs in bounded time (engine.h).
   std::unique_lock<std::mutex> lock(state->mu);
@@ -315,19 +327,31 @@ ffi::Error CudaCollectiveStart(cudaStream_t stream, int32_t ordinal, ffi::Remain
     if (finished != nullptr) cudaEventDestroy(finished);
     return ToFfiError(status);
   }
+  const std::string name(wire.name);
+  for (CollectiveRequest& q : requests) q.device = Device::Cuda(ordinal);
+  // Note [Calls launch registered groups] (xla_ops.h): one done and one event for a launch.
+  StatusOr<uint64_t> registration = CallRegistrations::For(name + "@cuda" + std::to_string(ordinal),
+                                                           requests);
+  if (!registration.ok()) {
+    cudaEventDestroy(ready);  // no request took them
+    cudaEventDestroy(finished);
+    return ToFfiError(registration.status());
+  }
+  const uint64_t group = registration.value();
   const int count = static_cast<int>(requests.size());
   auto call = std::make_shared<CudaPairCall>(ordinal, ready, finished, relay.value(),
-                                             count);  // owns the events
+                                             group != 0 ? 1 : count);  // owns the events
   for (CollectiveRequest& q : requests) {
-    q.device = Device::Cuda(ordinal);
     q.ready_event = ready;
     q.done = [call](const Status& s) { call->OnDone(s); };
     q.completion_event_ready = [call](void* e) { call->OnCompletionEvent(e); };
   }
-  const std::string name(wire.name);
   status = PairCalls::Put(name, call);
   if (!status.ok()) return ToFfiError(status);
-  status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));
+  if (group != 0)
+    status = LaunchCall(group, requests, ready, [call](const Status& s) { call->OnDone(s); },
+                        [call](void* e) { call->OnCompletionEvent(e); });
+  else status = count == 1 ? Enqueue(std::move(requests[0])) : EnqueueGroup(std::move(requests));
   if (!status.ok()) PairCalls::Take(name);  // rejected: no callback runs, no done will look for it
   return ToFfiError(status);
 }

@@ -247,6 +247,13 @@ std::vector<Setting> MakeSettings() {
     k->tf_cuda_wait_on_stream = v == "stream";
     return Status::Ok();
   }, +[](const K& k) { return std::string(k.tf_cuda_wait_on_stream ? "stream" : "host"); }},
+      {"NVGROUP_TF_REGISTERED_GROUPS", S::kPerProcess, "0 or 1", "1", "TF ops and XLA", "",
+       "1: a grouped allreduce op or XLA call (the DistributedOptimizer's buckets) registers its group "
+       "with the engine at its first step and launches it afterwards with only the step's buffers; 0: it "
+       "submits every member by name at every step. The same collective either way "
+       "(docs/ARCHITECTURE.md). Read once per process, at the first grouped allreduce.",
+       +[](const char* n, const std::string& v, K* k) { return BoolInto(n, v, &k->tf_registered_groups); },
+       +[](const K& k) { return std::string(k.tf_registered_groups ? "1" : "0"); }},
       {"NVGROUP_XLA_START_DONE", S::kPerProcess, "auto, 0 or 1", "auto", "TF ops (XLA)", "",
        "1 lowers every collective of an XLA program to a start/done pair of custom calls, so XLA schedules "
        "the program's independent work (the rest of backprop) between them and the collective runs "

@@ -96,6 +96,11 @@ struct Knobs {
   // "host"), so TF's later kernels are not queued behind it
   // (ops/nvgroup_ops_gpu.cc).
   bool tf_cuda_wait_on_stream = true;
+  // TF grouped allreduce kernels and XLA calls: register their group with
+  // the engine and launch it each step (true), or submit it by name every
+  // step (ops/adapter.h, Note [Grouped kernels launch a registered group];
+  // ops/xla_ops.h, Note [Calls launch registered groups]).
+  bool tf_registered_groups = true;
   // XLA: lower each collective to a start/done pair of custom calls
   // (ops/xla_ops.h, Note [Start and done]) rather than one call: 1 always,
   // 0 never, -1 ("auto", the default) in programs compiled for a GPU only.

@@ -116,4 +116,6 @@ Status EnqueueRegisteredGroup(uint64_t group, GroupLaunch launch) {
 
 Status UnregisterGroup(uint64_t group) { return Runtime::Get().UnregisterGroup(group); }
 
+bool RegisteredGroupUsable(uint64_t group) { return Runtime::Get().RegisteredGroupUsable(group); }
+
 }  // namespace nvgroup

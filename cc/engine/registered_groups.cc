@@ -48,6 +48,12 @@ StatusOr<std::shared_ptr<const RegisteredGroups::Group>> RegisteredGroups::Find(
                                  " (never registered by RegisterGroup, or unregistered)");
 }
 
+bool RegisteredGroups::Usable(uint64_t handle) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = groups_.find(handle);
+  return it != groups_.end() && !it->second->engine.expired();
+}
+
 Status RegisteredGroups::Launch(uint64_t handle, GroupLaunch launch) {
   StatusOr<std::shared_ptr<const Group>> found = Find(handle);
   if (!found.ok()) return found.status();

@@ -51,6 +51,8 @@ class RegisteredGroups {
   Status Launch(uint64_t handle, GroupLaunch launch);
   // UnregisterGroup: fails while a launch is in flight.
   Status Remove(uint64_t handle);
+  // RegisteredGroupUsable: Launch would find the handle and its engine.
+  bool Usable(uint64_t handle) const;
   // Shutdown: forgets every registration (their engines are gone).
   void Clear();
 

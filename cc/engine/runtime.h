@@ -61,6 +61,7 @@ class Runtime {
     return registered_.Launch(group, std::move(launch));
   }
   Status UnregisterGroup(uint64_t group) { return registered_.Remove(group); }
+  bool RegisteredGroupUsable(uint64_t group) const { return registered_.Usable(group); }
   // Aborts every engine of the process (engine_control.h).
   void Abort(const Status& reason);
   void PerturbStateDigest();

@@ -56,13 +56,16 @@ Status TensorQueue::Refuse(const Submission& submission, const std::string& dupl
   wake_.store(true, std::memory_order_release);
   // Note [Registered names]: say so when the name is a registered group's.
   std::string owner;
-  for (const auto& [group, reservation] : reservations_)
-    if (std::find(reservation.names.begin(), reservation.names.end(), duplicate) != reservation.names.end())
-      owner = "; '" + duplicate + "' belongs to registered group " + std::to_string(group) + " on rank " +
-              std::to_string(rank_) +
-              (group == submission.registered_group
-                   ? ", whose previous launch is still in flight (wait for its done callback)"
-                   : " (RegisterGroup): launch it with EnqueueRegisteredGroup, or UnregisterGroup first");
+  auto by = reserved_by_.find(duplicate);
+  if (by != reserved_by_.end()) {
+    const bool launched = reservations_.at(by->second).members_in_flight != 0;
+    owner = "; '" + duplicate + "' belongs to registered group " + std::to_string(by->second) + " on rank " +
+            std::to_string(rank_) +
+            (!launched ? ", and a collective submitted by that name (Enqueue or EnqueueGroup) is in flight"
+             : by->second == submission.registered_group
+                 ? ", whose previous launch is still in flight (wait for its done callback)"
+                 : ", whose launch is in flight");
+  }
   const bool waiting = waiting_for_first_;
   lock->unlock();
   if (waiting) cv_.notify_one();
@@ -76,21 +79,32 @@ Status TensorQueue::Push(Submission submission) {
     std::unique_lock<std::mutex> lock(mu_);
     if (!closed_.ok()) return closed_;
     // Reserved names are not requests in flight (Note [Registered names]).
-    const bool overlapping = in_flight_.size() != reserved_names_ || registered_members_in_flight_ != 0;
+    const bool overlapping = in_flight_.size() != reserved_names_ || registered_members_in_flight_ != 0 ||
+                             !lent_.empty();
     if (submission.registered_group != 0) {  // Note [Registered names]
       auto r = reservations_.find(submission.registered_group);
       if (r == reservations_.end())
         return Status::FailedPrecondition("registered group " + std::to_string(submission.registered_group) +
                                           " has no reservation in this engine's queue");
-      if (r->second.members_in_flight != 0) return Refuse(submission, entries[0].request.name, &lock);
+      if (r->second.members_in_flight != 0 || r->second.lent != 0) {
+        std::string busy = entries[0].request.name;  // the lent name, when one is
+        if (r->second.lent != 0)
+          for (const std::string& name : r->second.names)
+            if (lent_.count(name) != 0) {
+              busy = name;
+              break;
+            }
+        return Refuse(submission, busy, &lock);
+      }
       r->second.members_in_flight = entries.size();
       registered_members_in_flight_ += entries.size();
     } else {
-      // Names go into in_flight_ as they are checked; a duplicate (in flight,
-      // or twice in this batch) takes the batch's names out again.
+      // Names go into in_flight_ as they are checked (a reserved name is
+      // lent instead, Note [Registered names]); a duplicate (in flight, or
+      // twice in this batch) takes the batch's names out again.
       for (size_t i = 0; i < entries.size(); ++i) {
-        if (!in_flight_.Insert(entries[i].request.name)) {
-          for (size_t j = 0; j < i; ++j) in_flight_.Erase(entries[j].request.name);
+        if (!in_flight_.Insert(entries[i].request.name) && !Lend(entries[i].request.name)) {
+          for (size_t j = 0; j < i; ++j) Release(entries[j].request.name);
           return Refuse(submission, entries[i].request.name, &lock);
         }
       }
@@ -129,17 +143,41 @@ Status TensorQueue::Reserve(uint64_t group, const std::vector<TensorEntry>& entr
     if (in_flight_.Insert(entries[i].request.name)) continue;
     for (size_t j = 0; j < i; ++j) in_flight_.Erase(entries[j].request.name);
     const std::string& name = entries[i].request.name;
-    for (const auto& [other, reservation] : reservations_)
-      if (std::find(reservation.names.begin(), reservation.names.end(), name) != reservation.names.end())
-        return Status::InvalidArgument("RegisterGroup: '" + name + "' belongs to registered group " +
-                                       std::to_string(other) + " already (UnregisterGroup it first)");
+    auto by = reserved_by_.find(name);
+    if (by != reserved_by_.end())
+      return Status::InvalidArgument("RegisterGroup: '" + name + "' belongs to registered group " +
+                                     std::to_string(by->second) + " already (UnregisterGroup it first)");
     return Status::InvalidArgument("RegisterGroup: a collective named '" + name +
                                    "' is in flight, or the group names it twice");
   }
   Reservation& r = reservations_[group];
-  for (const TensorEntry& e : entries) r.names.push_back(e.request.name);
+  for (const TensorEntry& e : entries) {
+    r.names.push_back(e.request.name);
+    reserved_by_.emplace(e.request.name, group);
+  }
   reserved_names_ += entries.size();
   return Status::Ok();
+}
+
+bool TensorQueue::Lend(const std::string& name) {
+  auto by = reserved_by_.find(name);
+  if (by == reserved_by_.end()) return false;  // in flight by itself
+  Reservation& r = reservations_.at(by->second);
+  if (r.members_in_flight != 0 || !lent_.insert(name).second) return false;
+  ++r.lent;
+  return true;
+}
+
+void TensorQueue::Release(const std::string& name) {
+  if (!lent_.empty()) {
+    auto it = lent_.find(name);
+    if (it != lent_.end()) {
+      --reservations_.at(reserved_by_.at(name)).lent;
+      lent_.erase(it);
+      return;
+    }
+  }
+  in_flight_.Erase(name);
 }
 
 Status TensorQueue::Unreserve(uint64_t group) {
@@ -150,7 +188,11 @@ Status TensorQueue::Unreserve(uint64_t group) {
     return Status::FailedPrecondition("UnregisterGroup: a launch of registered group " +
                                       std::to_string(group) +
                                       " is in flight; unregister it after its done callback ran");
-  for (const std::string& name : r->second.names) in_flight_.Erase(name);
+  for (const std::string& name : r->second.names) {
+    reserved_by_.erase(name);
+    // A lent name stays in flight, by its submission alone from now on.
+    if (lent_.erase(name) == 0) in_flight_.Erase(name);
+  }
   reserved_names_ -= r->second.names.size();
   reservations_.erase(r);
   return Status::Ok();
@@ -265,7 +307,7 @@ void TensorQueue::Finish(TensorEntry* const* entries, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     const TensorEntry& e = *entries[i];
     if (e.registered_group == 0) {
-      in_flight_.Erase(e.request.name);
+      Release(e.request.name);
       continue;
     }
     if (e.registered_group != group) {
@@ -280,7 +322,7 @@ void TensorQueue::Finish(TensorEntry* const* entries, size_t n) {
 
 void TensorQueue::Finish(const std::string* const* names, size_t n, uint64_t group, size_t members) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (size_t i = 0; i < n; ++i) in_flight_.Erase(*names[i]);
+  for (size_t i = 0; i < n; ++i) Release(*names[i]);
   if (group != 0 && members != 0) FinishRegistered(group, members);
 }
 

@@ -138,8 +138,18 @@ class TensorQueue {
   // the member count, Finish of a member counts it down (members of one
   // group in a row: one update), and the next launch is accepted once it
   // is zero again, as a name is once its request finished.
-  // Reserve fails (and reserves nothing) when a name is in flight or
-  // reserved already; Unreserve fails while a launch is in flight.
+  // Between launches the names are lent: an Enqueue or EnqueueGroup of one
+  // of them (a caller that registers where it can and submits by name where
+  // it cannot, ops/adapter.h, or the same names in a second framework
+  // program) is accepted as if the name were free, and the name counts as
+  // in flight by that submission until it finishes (lent_, the reservation's
+  // `lent`); a launch of the group meanwhile is refused like a duplicate
+  // name, as is a second submission of a lent name. So whether a rank
+  // submits a name through its registration or by itself changes nothing
+  // for the names' one-at-a-time rule, which the ranks agree on.
+  // Reserve fails (and reserves nothing) when a name is in flight, lent or
+  // reserved already; Unreserve fails while a launch is in flight (a lent
+  // name stays in flight, now by itself, until its submission finishes).
   Status Reserve(uint64_t group, const std::vector<TensorEntry>& entries);
   Status Unreserve(uint64_t group);
   // Waits until something is queued, shutdown was requested, or `timeout_s`
@@ -221,10 +231,19 @@ class TensorQueue {
   struct Reservation {
     std::vector<std::string> names;
     size_t members_in_flight = 0;
+    size_t lent = 0;  // its names in flight by an unregistered submission (in lent_)
   };
   std::unordered_map<uint64_t, Reservation> reservations_;
+  std::unordered_map<std::string, uint64_t> reserved_by_;  // every reserved name's group
+  std::unordered_set<std::string> lent_;  // reserved names in flight by an unregistered submission
   size_t reserved_names_ = 0;                // the reservations' names (all in in_flight_)
   size_t registered_members_in_flight_ = 0;  // the sum of their members_in_flight
+  // Under mu_: `name` was found in in_flight_; lends it when it is a
+  // reserved name of a group with no launch in flight and not lent already.
+  bool Lend(const std::string& name);
+  // Under mu_: a finished unregistered entry's name leaves flight (a lent
+  // name goes back to its reservation).
+  void Release(const std::string& name);
   // Under mu_: refuses `submission` for `duplicate` (Note [Refused
   // duplicates]), queueing the refusal's record; unlocks `lock`.
   Status Refuse(const Submission& submission, const std::string& duplicate,

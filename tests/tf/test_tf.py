@@ -78,3 +78,23 @@ def test_one_name_for_two_collectives_in_a_function_fails_on_every_rank(ranks):
     seconds; a checked allreduce after each (workers/duplicate_names.py)."""
     result = run_mpi(worker("duplicate_names.py"), ranks, timeout=300)
     assert result.output.count(" 0 failures") == ranks
+
+
+@pytest.mark.parametrize("ranks", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+def test_grouped_kernels_launch_registered_groups(ranks, tmp_path):
+    """A grouped allreduce kernel registers its group once and launches it at
+    every step; a second trace, ranks taking different ways, eager shape
+    changes and shutdown/init stay right on every rank (workers/
+    registered_groups.py). At 2 ranks also run with
+    NVGROUP_TF_REGISTERED_GROUPS=0: every result bitwise the same."""
+    result = run_mpi(worker("registered_groups.py"), ranks, args=[tmp_path, "registered"], timeout=300)
+    assert result.output.count(" 0 failures") == ranks
+    if ranks != 2:
+        return
+    result = run_mpi(worker("registered_groups.py"), ranks, args=[tmp_path, "by_name"],
+                     env={"NVGROUP_TF_REGISTERED_GROUPS": "0"}, timeout=300)
+    assert result.output.count(" 0 failures") == ranks
+    registered, by_name = _results(tmp_path, "registered", ranks), _results(tmp_path, "by_name", ranks)
+    for r in range(ranks):
+        _assert_bitwise_equal(registered[r], by_name[r], "rank %d registered vs by name" % r)
+        _assert_bitwise_equal(registered[0], registered[r], "rank 0 vs rank %d" % r)

@@ -163,18 +163,25 @@ Status EnqueueGroup(std::vector<CollectiveRequest> requests);
 //  * Registration is local to the rank (not collective). Members are
 //    allreduces of one process set with distinct names; the process set
 //    must exist and this rank must be a member. Until UnregisterGroup, the
-//    members' names belong to the group on this rank: Enqueue or EnqueueGroup
-//    of one of them fails like a name in flight (and, as that does, on every
-//    rank that submitted it), and so does registering them in another group.
+//    members' names belong to the group on this rank, and registering one of
+//    them in another group fails. Between launches they are lent: Enqueue or
+//    EnqueueGroup of one of them runs as if it were not registered, and
+//    until it completes the name is in flight (a launch of the group then
+//    fails like a name in flight, as a second Enqueue of it does); while a
+//    launch is in flight, Enqueue or EnqueueGroup of a member's name fails
+//    like a name in flight (and, as that does, on every rank that submitted
+//    it). So a caller can register where it can and submit by name where it
+//    cannot (the TF kernels, ops/adapter.h) without the ranks telling apart.
 //  * A change of shapes, names or anything else is a new registration
 //    (UnregisterGroup, then RegisterGroup).
 //  * EnqueueRegisteredGroup fails synchronously (and `done` is never called)
 //    for an unknown handle, a handle registered before the last Shutdown or
 //    whose process set was removed, a wrong number of pointers, a null
 //    pointer of a member with elements, a missing `done`, or while the
-//    group's previous launch is still in flight (its names are in flight:
-//    as for EnqueueGroup, the refusal also fails that launch on the ranks
-//    that submitted it). Otherwise `done` runs exactly once, after every
+//    group's previous launch or a member's name lent to Enqueue or
+//    EnqueueGroup is still in flight (its names are in flight: as for
+//    EnqueueGroup, the refusal also fails that launch on the ranks that
+//    submitted it). Otherwise `done` runs exactly once, after every
 //    member completed, with OK or the first member's error.
 //  * UnregisterGroup fails with kFailedPrecondition while a launch is in
 //    flight. Shutdown forgets every registration.
@@ -208,6 +215,11 @@ StatusOr<uint64_t> RegisterGroup(std::vector<CollectiveRequest> members);
 Status EnqueueRegisteredGroup(uint64_t group, GroupLaunch launch);
 // Forgets the registration; its names become free again.
 Status UnregisterGroup(uint64_t group);
+// Whether `group` can be launched: registered and not unregistered, not from
+// before the last Shutdown, its process set's engine running. A caller that
+// keeps a handle across a framework's steps (ops/adapter.h) asks before a
+// launch and registers again when it says no.
+bool RegisteredGroupUsable(uint64_t group);
 
 // Blocking form, for callers that cannot take a callback (XLA custom calls,
 // ops/xla_*.cc): submits `requests` (one: Enqueue; several: EnqueueGroup) with

@@ -7,14 +7,20 @@ cc/include/nvgroup/engine.h), np = 1 to 4, one launch:
      UnregisterGroup) on the same data; the steady state runs whole from the
      plan (stats: cached_group_runs) without a negotiation round;
   2. interop: some ranks launch the registered group, the others call
-     EnqueueGroup with the same requests, roles switching each step;
+     EnqueueGroup with the same requests (unregistered first, or with the
+     names lent), roles switching each step;
   3. a rank whose registered group differs (one member's shape) fails on every
      rank with the mismatch, never a hang; the engine keeps working;
   4. misuse, each a clear synchronous error: unknown handle, wrong number of
      pointers, a null pointer, a launch while the previous one is in flight
      (and every rank ends that step with the duplicate-name error), a
-     registered name through Enqueue or another registration, unregister
-     while a launch is in flight, unregister twice;
+     registered name in another registration, unregister while a launch is
+     in flight, unregister twice;
+  4b. lent names: between launches a member's name runs through Enqueue
+     (right values, the group keeps working); while it is in flight a launch
+     is refused (the duplicate error on every rank); while a launch is in flight Enqueue of a member's name is
+     refused; unregistering while a name is lent keeps it in flight until its
+     Enqueue completes;
   5. re-registration after a shape change;
   6. last: a handle from before shutdown() fails after init() again."""
 import time
@@ -117,10 +123,12 @@ for step in range(6):
     ys = [np.zeros_like(y) for y in buffers[0]]
     if (rank + step) % 2 == 0:
         E.wait(launch(group, xs, ys), WAIT_S)
-    else:
+    elif step < 3:
         E.unregister_group(group)  # its names are free for EnqueueGroup on this rank
         E.wait_all(enqueue_group("mix", MEMBERS, xs, ys))
         group = E.register_allreduce_group(items_of("mix", MEMBERS))
+    else:  # registered, its names lent to EnqueueGroup
+        E.wait_all(enqueue_group("mix", MEMBERS, xs, ys))
     check_reference("interop step %d" % step, MEMBERS, seed, ys)
     same_bits_on_all_ranks("interop step %d" % step, ys)
 E.unregister_group(group)
@@ -168,12 +176,13 @@ expect_error(lambda: E.register_allreduce_group([("other/0", [3], "float32"), ("
 expect_error(lambda: E.register_allreduce_group([("twice", [3], "float32"), ("twice", [3], "float32")]),
              "twice", code="INVALID_ARGUMENT")
 expect_error(lambda: E.register_allreduce_group([]), "at least one member", code="INVALID_ARGUMENT")
-# A registered name through allreduce_async: refused on this rank (every rank
-# here), the group keeps working afterwards.
-expect_error(lambda: E.allreduce_async("misuse/0", xs[0].ctypes.data, ys[0].ctypes.data, [8], "float32"),
-             "belongs to registered group", code="INVALID_ARGUMENT")
+# A registered name through allreduce_async between launches: lent, it runs
+# as if it were not registered, and the group keeps working afterwards.
+y0 = np.zeros_like(xs[0])
+E.wait(E.allreduce_async("misuse/0", xs[0].ctypes.data, y0.ctypes.data, [8], "float32"), WAIT_S)
+check_close("misuse/0 lent to allreduce_async", y0, reference(9, size, [8], "float32", "sum"), "float32")
 E.wait(launch(g, xs, ys), WAIT_S)
-check_reference("misuse group after a refused name", ONE, 9, ys)
+check_reference("misuse group after a lent name", ONE, 9, ys)
 if size > 1:
     # In flight: rank 0 launches at once, the others after the barrier, so
     # rank 0's launch waits for them while it tries again and unregisters.
@@ -201,6 +210,72 @@ if size > 1:
     ys = [np.zeros_like(x) for x in xs]
     E.wait(launch(g, xs, ys), WAIT_S)
     check_reference("after the refused launch", ONE, 9, ys)
+
+    # 4b. Lent names in flight (rank 0 holds them in flight while the others
+    # wait at the barrier, as above).
+    def lend(out):
+        return E.allreduce_async("misuse/1", xs[1].ctypes.data, out.ctypes.data, [4], "float32")
+
+    want1 = reference(10, size, [4], "float32", "sum")
+    y1 = np.zeros_like(xs[1])
+    if rank == 0:
+        h = lend(y1)
+        expect_error(lambda: launch(g, xs, [np.zeros_like(x) for x in xs]), "duplicate name",
+                     "submitted by that name", code="INVALID_ARGUMENT")
+        comm.Barrier()
+        E.wait(h, WAIT_S)
+        check_close("misuse/1 lent, in flight", y1, want1, "float32")
+        comm.Barrier()
+    else:
+        comm.Barrier()
+        E.wait(lend(y1), WAIT_S)
+        check_close("misuse/1 lent, in flight", y1, want1, "float32")
+        comm.Barrier()
+        # Rank 0's refused launch: this rank's launch meets the duplicate error.
+        start = time.monotonic()
+        expect_error(lambda: E.wait(launch(g, xs, [np.zeros_like(x) for x in xs]), WAIT_S),
+                     "duplicate name", code="INVALID_ARGUMENT")
+        check(time.monotonic() - start < 10, "the refusal took %.1f s" % (time.monotonic() - start))
+    comm.Barrier()
+    # A launch in flight: its names are not lent.
+    ys = [np.zeros_like(x) for x in xs]
+    if rank == 0:
+        h = launch(g, xs, ys)
+        expect_error(lambda: lend(np.zeros_like(xs[1])), "duplicate name", "whose launch is in flight",
+                     code="INVALID_ARGUMENT")
+        comm.Barrier()
+        E.wait(h, WAIT_S)
+        check_reference("the launch whose name was refused", ONE, 9, ys)
+        comm.Barrier()
+    else:
+        comm.Barrier()
+        E.wait(launch(g, xs, ys), WAIT_S)
+        check_reference("the launch whose name was refused", ONE, 9, ys)
+        comm.Barrier()
+        start = time.monotonic()
+        expect_error(lambda: E.wait(lend(np.zeros_like(xs[1])), WAIT_S), "duplicate name",
+                     code="INVALID_ARGUMENT")
+        check(time.monotonic() - start < 10, "the refusal took %.1f s" % (time.monotonic() - start))
+    comm.Barrier()
+    # Unregistered while lent: the name stays in flight until its allreduce
+    # completes (a registration naming it fails), then registers again.
+    y1 = np.zeros_like(xs[1])
+    if rank == 0:
+        h = lend(y1)
+        E.unregister_group(g)
+        expect_error(lambda: E.register_allreduce_group(items_of("misuse", ONE)), "is in flight",
+                     code="INVALID_ARGUMENT")
+        comm.Barrier()
+        E.wait(h, WAIT_S)
+    else:
+        comm.Barrier()
+        E.wait(lend(y1), WAIT_S)
+        E.unregister_group(g)
+    check_close("misuse/1 lent, then unregistered", y1, want1, "float32")
+    g = E.register_allreduce_group(items_of("misuse", ONE))
+    ys = [np.zeros_like(x) for x in xs]
+    E.wait(launch(g, xs, ys), WAIT_S)
+    check_reference("registered again after the lent name", ONE, 9, ys)
 E.unregister_group(g)
 expect_error(lambda: E.unregister_group(g), "unknown registered group", code="INVALID_ARGUMENT")
 # The names are free again.

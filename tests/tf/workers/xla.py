@@ -248,6 +248,30 @@ def section_collectives(c, digest):
     c.check(collective_calls(text) == calls_per_collective(),
             "a grouped allreduce must lower to one custom call (or one start and its done):\n%s" % text[:2000])
 
+    c.section("grouped allreduce steps: one registration, then launches")
+    # Note [Calls launch registered groups] (ops/xla_ops.h): the call site
+    # registers its members at the first call and launches them afterwards;
+    # on the host only the start of the pair does, on a GPU every call.
+    from nvgroup_tf import op_library
+    stepped = tf.function(lambda ts: grouped(ts, ".steps"), jit_compile=True)
+    registers = calls_per_collective() == 2 or bool(tf.config.list_physical_devices("GPU"))
+    before = op_library.grouped_submission_stats()
+    steps = 5
+    for step in range(steps):
+        step_inputs = [[random_array(np.random.default_rng([70, step, r, i]), d, s) for i, (d, s) in
+                        enumerate(zip(dtypes, shapes))] for r in range(n)]
+        got = stepped([tf.constant(a) for a in step_inputs[me]])
+        for i, d in enumerate(dtypes):
+            a = to_numpy(got[i])
+            check_value(c, a, reference([p[i] for p in step_inputs], "sum", d), [p[i] for p in step_inputs], d,
+                        "sum", "grouped step %d [%d] %s" % (step, i, d.name))
+            digest.add(a)
+    after = op_library.grouped_submission_stats()
+    delta = {k: after[k] - before[k] for k in after}
+    want = {"registrations": 1, "launches": steps, "by_name": 0} if registers else \
+        {"registrations": 0, "launches": 0, "by_name": 0}
+    c.check(delta == want, "grouped steps under XLA: submissions %s, want %s" % (delta, want))
+
     c.section("allgather: rank-dependent first dimensions, every dtype")
     for dtype in ALL_DTYPES:
         rows = [r + 1 for r in range(n)]
