@@ -11,7 +11,13 @@ Two builds of the engine module side by side, launch after launch alternated
         [--np 2] [--rounds 5] [--json out.json]
 
 --base / --new are directories holding a built nvgroup_tf/_engine*.so (a
-checkout of another commit with its module). Per launch and size every call is
+checkout of another commit with its module); --base-env / --new-env KEY=VALUE
+(repeatable) set the engine's settings of one side, so one tree can run
+against itself with two settings:
+
+    python benchmarks/cross_step_cpu_bench.py --base . --new . \
+        --base-env NVGROUP_PIPELINE_MIN_CHUNK=262144 --new-env NVGROUP_PIPELINE_MIN_CHUNK=1048576
+ Per launch and size every call is
 timed alone (barrier, call, per-call time = max over ranks), the launch reports
 the median; the table gives the median over the launches of each build. The
 smallest sizes are the fixed cost per call. Results are checked every call
@@ -31,7 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from benchmarks.bench_common import commit, mpirun_env  # noqa: E402
 
-SIZES = [4, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+SIZES = [4, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20]
 
 
 def iterations(nbytes):
@@ -82,11 +88,14 @@ def worker(args):
         print("RESULT " + json.dumps(rows), flush=True)
 
 
-def launch(root, np_):
+def launch(root, np_, settings):
     env = mpirun_env()
     env["PYTHONPATH"] = os.path.abspath(root)
-    cmd = ["mpirun", "-np", str(np_), "--bind-to", "none", "-x", "PYTHONPATH", sys.executable,
-           os.path.abspath(__file__), "--worker", "--root", root]
+    env.update(settings)
+    cmd = ["mpirun", "-np", str(np_), "--bind-to", "none", "-x", "PYTHONPATH"]
+    for key in settings:
+        cmd += ["-x", key]
+    cmd += [sys.executable, os.path.abspath(__file__), "--worker", "--root", root]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -103,15 +112,19 @@ def main():
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", default="")
+    p.add_argument("--base-env", action="append", default=[], help="KEY=VALUE setting of the base side")
+    p.add_argument("--new-env", action="append", default=[], help="KEY=VALUE setting of the new side")
     args = p.parse_args()
     if args.worker:
         return worker(args)
     builds = [("base", args.base), ("new", args.new)] if args.base else [("new", args.new)]
     load_before = os.getloadavg()
+    settings = {"base": dict(kv.split("=", 1) for kv in args.base_env),
+                "new": dict(kv.split("=", 1) for kv in args.new_env)}
     runs = {name: [] for name, _ in builds}
     for _ in range(args.rounds):
         for name, root in builds:
-            runs[name].append(launch(root, args.np))
+            runs[name].append(launch(root, args.np, settings[name]))
     load_after = os.getloadavg()
     table = []
     for i, nbytes in enumerate(SIZES):
@@ -132,6 +145,7 @@ def main():
     result = {"tool": "cross_step_cpu_bench", "machine": socket.gethostname(), "cpus": os.cpu_count(),
               "platform": platform.platform(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "commit": {name: commit(os.path.abspath(root)) for name, root in builds},
+              "settings": {name: settings[name] for name, _ in builds},
               "ranks": args.np, "rounds": args.rounds, "load_before": load_before, "load_after": load_after,
               "rows": table, "launches": runs}
     if args.json:

@@ -137,11 +137,15 @@ struct ChunkSlices {
 // (rounded up from the quarter, down from the maximum). With 4 chunks the
 // copy of chunk c+1 to the host, the exchange of chunk c and the copy back of
 // chunk c-1 are in flight together for two of them; the geometry is the same
-// on every rank (the knobs are agreed).
+// on every rank (the knobs are agreed). The minimum's default, 1 MiB, was
+// measured on one H100 with 2 and 4 ranks as groups of 1 (cross_step_bench's
+// min-chunk-x4 column, docs/PERFORMANCE.md): 1-2 MiB messages took 8-18% less
+// as one or two chunks than as four of 256 KiB, each chunk's fixed cost
+// outweighing the overlap; from 4 MiB up the geometry is the same either way.
 struct PipelineChunking {
   static constexpr size_t kMinPipelineChunks = 4;
   size_t max_bytes = 4u << 20;
-  size_t min_bytes = 256u << 10;
+  size_t min_bytes = 1u << 20;
 
   // Elements per chunk of a message of `count` elements.
   size_t ChunkElements(size_t count, size_t element_size, int group_size) const {

@@ -123,7 +123,7 @@ std::vector<Setting> MakeSettings() {
        "Chunk of the pipelined hierarchical allreduce.",
        +[](const char* n, const std::string& v, K* k) { return PositiveSizeInto(n, v, &k->pipeline_chunk); },
        +[](const K& k) { return std::to_string(k.pipeline_chunk); }},
-      {"NVGROUP_PIPELINE_MIN_CHUNK", S::kAgreed, "bytes (> 0)", "262144 (256 KiB)", "engine", "",
+      {"NVGROUP_PIPELINE_MIN_CHUNK", S::kAgreed, "bytes (> 0)", "1048576 (1 MiB)", "engine", "",
        "Smallest chunk of the pipelined hierarchical allreduce: a message is cut into 4 chunks, but none "
        "smaller than this nor larger than NVGROUP_PIPELINE_CHUNK, so the copies and the MPI exchange of "
        "consecutive chunks overlap (a value above NVGROUP_PIPELINE_CHUNK means NVGROUP_PIPELINE_CHUNK).",

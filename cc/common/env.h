@@ -33,7 +33,7 @@ struct Knobs {
   // smallest one a message is cut into so it has several chunks to overlap
   // (Note [Chunk size] in cc/algorithms/hierarchical_allreduce.h).
   size_t pipeline_chunk = 4u << 20;
-  size_t pipeline_min_chunk = 256u << 10;
+  size_t pipeline_min_chunk = 1u << 20;
   // Cross-group slices whose allgather sends at most this many bytes per peer
   // take the one-round allgather + fold instead of reduce-scatter + allgather
   // (cc/algorithms/cross_exchange.h); 0 = never. Default 16 KiB, from the

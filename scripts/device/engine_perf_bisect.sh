@@ -15,7 +15,11 @@
 # BISECT_BUILD_ONLY=1 stops after the builds; BISECT_SKIP_BUILD=1 runs what
 # an earlier call built.
 # Writes $OUT/engine_perf_bisect.tsv (tree, rep, ranks, style, us per step,
-# wrong) and $OUT/engine_perf_bisect.log.
+# wrong) and $OUT/engine_perf_bisect.log; the build logs go to $BUILD_LOGS
+# (default /tmp/engine_perf_bisect_logs: the device tool returns at most 8
+# files), their tails to stdout when a build fails.
+# A tree inside a carried folder is replaced at every device call: give trees
+# outside it (copy them to /tmp first) when building and running in two calls.
 # Usage (GPU machine, repo root): scripts/device/engine_perf_bisect.sh REPS STEPS LABEL=TREE...
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,7 +37,8 @@ GENCODE=$(python3 scripts/cuda_arch.py "${NVGROUP_CUDA_ARCH:-90}" | tr '\n' ' ')
 MPI_COMPILE=$(mpicxx --showme:compile)
 MPI_LINK=$(mpicxx --showme:link)
 CACHE=${CU_CACHE:-/tmp/engine_perf_bisect_cu}
-mkdir -p "$CACHE"
+BUILD_LOGS=${BUILD_LOGS:-/tmp/engine_perf_bisect_logs}
+mkdir -p "$CACHE" "$BUILD_LOGS"
 HARNESS=$(pwd)/cc/tools/engine_perf.cc
 STATUS=0
 : >> "$LOG"
@@ -62,7 +67,7 @@ build_host() {  # tree dir -> dir/build/bisect/engine_perf
     objs=$(cut -d' ' -f2 build/bisect_kernels.txt | tr '\n' ' ')
     for src in $cc_srcs build/bisect/engine_perf.cc; do objs+=" build/bisect/$(echo "$src" | tr / _).o"; done
     g++ -o build/bisect/engine_perf $objs $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt || exit 1
-  ) >> "$OUT/build_$(basename "$dir").log" 2>&1
+  ) >> "$BUILD_LOGS/build_$(basename "$dir").log" 2>&1
 }
 
 LABELS=() DIRS=()
@@ -79,14 +84,14 @@ if [[ ${BISECT_SKIP_BUILD:-0} != 1 ]]; then
     kernel_objects "${DIRS[$i]}" > "${DIRS[$i]}/build/bisect_kernels.txt" || { echo "!!! nvcc -M failed: ${LABELS[$i]}"; exit 1; }
     while read -r src obj; do [[ -f $obj ]] || echo "${DIRS[$i]} $src $obj"; done < "${DIRS[$i]}/build/bisect_kernels.txt"
   done | sort -u -k3,3 |
-    xargs -P "$(nproc)" -L1 sh -c 'cd "$0" && nvcc '"-O3 -std=c++17 $GENCODE -DNVGROUP_WITH_CUDA=1 -Icc/include -Icc"' -c "$1" -o "$2.tmp" && mv "$2.tmp" "$2"' \
-    >> "$OUT/build_kernels.log" 2>&1 || { echo "!!! kernels failed"; tail -20 "$OUT/build_kernels.log"; exit 1; }
+    xargs -r -P "$(nproc)" -L1 sh -c 'cd "$0" && nvcc '"-O3 -std=c++17 $GENCODE -DNVGROUP_WITH_CUDA=1 -Icc/include -Icc"' -c "$1" -o "$2.tmp" && mv "$2.tmp" "$2"' \
+    >> "$BUILD_LOGS/build_kernels.log" 2>&1 || { echo "!!! kernels failed"; tail -20 "$BUILD_LOGS/build_kernels.log"; exit 1; }
   echo "=== kernels built ($(date -u +%H:%M:%S)), $(ls "$CACHE" | wc -l) distinct objects" | tee -a "$LOG"
   JOBS=$(( $(nproc) / ${#DIRS[@]} > 0 ? $(nproc) / ${#DIRS[@]} : 1 ))
   PIDS=()
   for i in "${!DIRS[@]}"; do build_host "${DIRS[$i]}" & PIDS+=($!); done
   for i in "${!PIDS[@]}"; do
-    wait "${PIDS[$i]}" || { echo "!!! build failed: ${LABELS[$i]}"; tail -20 "$OUT/build_$(basename "${DIRS[$i]}").log"; exit 1; }
+    wait "${PIDS[$i]}" || { echo "!!! build failed: ${LABELS[$i]}"; tail -20 "$BUILD_LOGS/build_$(basename "${DIRS[$i]}").log"; exit 1; }
   done
   echo "=== built ($(date -u +%H:%M:%S))" | tee -a "$LOG"
 fi
