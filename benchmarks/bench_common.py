@@ -52,6 +52,25 @@ def run_worker(worker, args):
         MPI.COMM_WORLD.Abort(1)
 
 
+def run_launch(cmd, env, cwd, label):
+    """Runs one benchmark launch `cmd` (an mpirun line whose rank 0 writes its
+    result as JSON to the file `{out}` stands for in cmd) in `cwd` and returns
+    that result; None, with a line naming `label`, when the launch failed."""
+    import json
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        out = tmp.name
+    try:
+        p = subprocess.run([a.replace("{out}", out) for a in cmd], env=env, cwd=cwd)
+        if p.returncode != 0:
+            print("launch of %s failed (exit %d)" % (label, p.returncode))
+            return None
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)
+
+
 def write_json(path, result):
     """`result` as indented JSON at `path` (nothing when path is empty)."""
     if path:

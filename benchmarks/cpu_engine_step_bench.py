@@ -6,11 +6,14 @@ module `nvgroup_tf._engine`) against one MPI_Allreduce of the same bytes.
         [--json benchmarks/results/cpu_engine_step_2rank.json] [--png ...png]
 
 Per repetition, in the same run and interleaved (so load drifts hit all three
-alike), it times three call styles of one step (float32 Sum):
+alike), it times the call styles of one step (float32 Sum):
   per_tensor  one `allreduce_async` per gradient (in reverse order, as backprop
               produces them), then one `wait_all` of the handles (a build
               without it: `wait` on each);
   grouped     one `grouped_allreduce_async` of every gradient, then `wait_all`;
+  registered  the same group registered once (`register_allreduce_group`), one
+              `registered_group_allreduce_async` per step with the pointers,
+              then `wait` (builds without registered groups leave it out);
   mpi         one `MPI_Allreduce` (mpi4py, buffers) of a contiguous buffer with
               the same number of bytes.
 Gradient sizes are the table's element counts divided by --scale (at least one
@@ -83,7 +86,7 @@ def main():
     p.add_argument("--scale", type=int, default=64)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--styles", default="per_tensor,grouped,mpi")
+    p.add_argument("--styles", default="per_tensor,grouped,registered,mpi")
     p.add_argument("--json")
     p.add_argument("--png")
     p.add_argument("--label", default="", help="free text stored with the results (e.g. 'before')")
@@ -128,6 +131,16 @@ def main():
 
     runners = {"per_tensor": per_tensor, "grouped": grouped, "mpi": mpi}
     styles = args.styles.split(",")
+    if hasattr(engine, "register_allreduce_group"):
+        group = engine.register_allreduce_group([("rg/grad_%d" % t, [counts[t]], "float32") for t in order])
+        group_in = np.array([in_ptrs[t] for t in order], dtype=np.uint64)
+        group_out = np.array([out_ptrs[t] for t in order], dtype=np.uint64)
+
+        def registered():
+            engine.wait(engine.registered_group_allreduce_async(group, group_in, group_out))
+        runners["registered"] = registered
+    else:
+        styles = [s for s in styles if s != "registered"]
     times = {s: [] for s in styles}
     counters = {s: None for s in styles}
     for s in styles:  # warmup: negotiation, cache fill, page faults
@@ -154,7 +167,7 @@ def main():
     failures = []
     all_inputs = COMM.allgather(flat_in)
     ref = np.sum([x.astype(np.float64) for x in all_inputs], axis=0).astype(np.float32)
-    if "per_tensor" in styles or "grouped" in styles:
+    if set(styles) & {"per_tensor", "grouped", "registered"}:
         got = np.concatenate(outputs)
         if SIZE == 2 and not np.array_equal(got.view(np.uint32), ref.view(np.uint32)):
             failures.append("engine output differs from float32(x0 + x1) in %d elements" % int(np.sum(got != ref)))
@@ -215,7 +228,7 @@ def main():
             meds = [result["styles"][s]["median_us"] for s in styles]
             lo = [m - result["styles"][s]["p10_us"] for s, m in zip(styles, meds)]
             hi = [result["styles"][s]["p90_us"] - m for s, m in zip(styles, meds)]
-            ax.bar(styles, meds, yerr=[lo, hi], capsize=4, color=["tab:blue", "tab:green", "tab:gray"][:len(styles)])
+            ax.bar(styles, meds, yerr=[lo, hi], capsize=4, color=["tab:blue", "tab:green", "tab:olive", "tab:gray"][:len(styles)])
             for i, m in enumerate(meds):
                 ax.text(i, m, "%.0f us" % m, ha="center", va="bottom")
             ax.set_ylabel("step time, us (median, p10-p90)")

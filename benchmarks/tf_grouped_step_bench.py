@@ -24,16 +24,15 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-from bench_common import commit, load_counts, mpirun_env, pyplot, run_worker, save_png, write_json  # noqa: E402
+from bench_common import (commit, load_counts, mpirun_env, pyplot, run_launch, run_worker, save_png,  # noqa: E402
+                          write_json)
 
 SETTINGS = {"registered": "1", "by_name": "0"}
 ROUNDS = 10
@@ -114,18 +113,12 @@ def drive(args):
     for launch in range(args.launches):
         order = list(SETTINGS) if launch % 2 == 0 else list(reversed(SETTINGS))
         for label in order:
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-                out = tmp.name
             env = dict(env0, NVGROUP_TF_REGISTERED_GROUPS=SETTINGS[label])
             cmd = ["mpirun", "-np", str(args.np), "--bind-to", "none", sys.executable, os.path.abspath(__file__),
-                   "--worker", "--out", out, "--steps", str(args.steps), "--scale", str(args.scale)]
-            p = subprocess.run(cmd, env=env, cwd=REPO)
-            if p.returncode != 0:
-                print("launch %d of %s failed (exit %d)" % (launch, label, p.returncode))
+                   "--worker", "--out", "{out}", "--steps", str(args.steps), "--scale", str(args.scale)]
+            r = run_launch(cmd, env, REPO, "%s (launch %d)" % (label, launch))
+            if r is None:
                 return 1
-            with open(out) as f:
-                r = json.load(f)
-            os.unlink(out)
             if r["wrong"]:
                 print("FAILED: %s gave %d wrong elements" % (label, r["wrong"]))
                 return 1

@@ -30,11 +30,9 @@ and reports the median over launches and rounds per tree.
 """
 import argparse
 import datetime
-import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 
@@ -46,12 +44,11 @@ sys.path.insert(0, REPO)
 import tensorflow as tf  # noqa: E402
 
 import nvgroup_tf as hvd  # noqa: E402
-from bench_common import commit, mpirun_env, pyplot, save_png, write_json  # noqa: E402
+from bench_common import commit, mpirun_env, pyplot, run_launch, save_png, write_json  # noqa: E402
 
 
 def compare_trees(args):
     """Alternated launches of each tree's bench; one JSON (+ PNG) of the medians."""
-    import tempfile
     trees = [spec.partition("=")[::2] for spec in args.tree]
     env = mpirun_env()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -60,19 +57,13 @@ def compare_trees(args):
     commits = {}
     for launch in range(args.launches):
         for label, tree in (trees if launch % 2 == 0 else list(reversed(trees))):
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-                out = tmp.name
             tree = os.path.abspath(tree)
             cmd = ["mpirun", "-np", str(args.np), "--bind-to", "none", sys.executable,
                    os.path.join(tree, "benchmarks", "tf_op_overhead_bench.py"), "--calls", str(args.calls),
-                   "--elements", str(args.elements), "--json", out]
-            p = subprocess.run(cmd, env=env, cwd=tree)
-            if p.returncode != 0:
-                print("launch %d of %s failed (exit %d)" % (launch, label, p.returncode))
+                   "--elements", str(args.elements), "--json", "{out}"]
+            r = run_launch(cmd, env, tree, "%s (launch %d)" % (label, launch))
+            if r is None:
                 return 1
-            with open(out) as f:
-                r = json.load(f)
-            os.unlink(out)
             if r["wrong_elements"]:
                 print("FAILED: %s gave %d wrong elements" % (label, r["wrong_elements"]))
                 return 1

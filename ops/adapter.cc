@@ -122,14 +122,14 @@ void CountGroupedSubmission(GroupedSubmission what) {
   c.fetch_add(1, std::memory_order_relaxed);
 }
 
-absl::Status RegisteredGroupsEnabled(bool* enabled) {
+StatusOr<bool> RegisteredGroupsEnabled() {
   static const std::pair<Status, bool> parsed = [] {
     Knobs knobs;
     Status status = ParseSettingFromEnvironment("NVGROUP_TF_REGISTERED_GROUPS", &knobs);
     return std::make_pair(status, knobs.tf_registered_groups);
   }();
-  *enabled = parsed.second;
-  return ToTfStatus(parsed.first);
+  if (!parsed.first.ok()) return parsed.first;
+  return parsed.second;
 }
 
 #if !GOOGLE_CUDA

@@ -289,8 +289,6 @@ absl::Status MakeAllreduceRequest(tf::OpKernelContext* context, int index, const
 absl::Status FillAllreduceRequest(const tf::Tensor& input, void* output, const std::string& name,
                                   const AllreduceAttrs& attrs, CollectiveRequest* request);
 
-// NVGROUP_TF_REGISTERED_GROUPS (parsed once per process).
-absl::Status RegisteredGroupsEnabled(bool* enabled);
 
 template <typename Traits>
 class AllreduceOp : public tf::AsyncOpKernel {
@@ -339,7 +337,9 @@ class GroupedAllreduceOp : public tf::AsyncOpKernel {
  public:
   explicit GroupedAllreduceOp(tf::OpKernelConstruction* context) : AsyncOpKernel(context) {
     OP_REQUIRES_OK(context, attrs_.Read(context));
-    OP_REQUIRES_OK(context, RegisteredGroupsEnabled(&register_));
+    StatusOr<bool> enabled = RegisteredGroupsEnabled();
+    OP_REQUIRES_OK(context, ToTfStatus(enabled.status()));
+    register_ = enabled.value();
     name_ = CollectiveName(*this, attrs_.tensor_name);
   }
 

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "nvgroup/status.h"
+
 namespace nvgroup {
 namespace tf_adapter {
 
@@ -18,6 +20,10 @@ GroupedSubmissionStats GetGroupedSubmissionStats();
 
 enum class GroupedSubmission { kRegistration, kLaunch, kByName };
 void CountGroupedSubmission(GroupedSubmission what);
+
+// NVGROUP_TF_REGISTERED_GROUPS (the settings table, cc/common/env.h), parsed
+// once per process for the kernels and the XLA calls alike.
+StatusOr<bool> RegisteredGroupsEnabled();
 
 }  // namespace tf_adapter
 }  // namespace nvgroup

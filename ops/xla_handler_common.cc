@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "common/checks.h"
-#include "common/env.h"
 #include "ops/grouped_submissions.h"
 
 // Defined in TensorFlow's library (declared in xla/ffi/ffi_api.h, which needs
@@ -78,17 +77,6 @@ bool SameMembers(const std::vector<CollectiveRequest>& a, const std::vector<Coll
   return true;
 }
 
-// NVGROUP_TF_REGISTERED_GROUPS, parsed once per process.
-StatusOr<bool> RegistrationEnabled() {
-  static const std::pair<Status, bool> parsed = [] {
-    Knobs knobs;
-    Status status = ParseSettingFromEnvironment("NVGROUP_TF_REGISTERED_GROUPS", &knobs);
-    return std::make_pair(status, knobs.tf_registered_groups);
-  }();
-  if (!parsed.first.ok()) return parsed.first;
-  return parsed.second;
-}
-
 struct Site {
   std::vector<CollectiveRequest> members;  // the registered (or refused) members, no pointers
   uint64_t group = 0;                      // 0: registering them failed; submit by name
@@ -98,7 +86,7 @@ struct Site {
 
 StatusOr<uint64_t> CallRegistrations::For(const std::string& site,
                                           const std::vector<CollectiveRequest>& requests) {
-  StatusOr<bool> enabled = RegistrationEnabled();
+  StatusOr<bool> enabled = tf_adapter::RegisteredGroupsEnabled();
   if (!enabled.ok()) return enabled.status();
   if (requests.size() < 2 || !enabled.value()) return 0;
   for (const CollectiveRequest& q : requests)

@@ -130,7 +130,7 @@ std::vector<Setting> MakeSettings() {
        +[](const char* n, const std::string& v, K* k) {
     return PositiveSizeInto(n, v, &k->pipeline_min_chunk);
   }, +[](const K& k) { return std::to_string(k.pipeline_min_chunk); }},
-      {"NVGROUP_CROSS_ALLGATHER_MAX_BYTES", S::kAgreed, "bytes", "16384 (16 KiB)", "engine", "",
+      {"NVGROUP_CROSS_ALLGATHER_MAX_BYTES", S::kAgreed, "bytes", "32768 (32 KiB)", "engine", "",
        "Cross-group step between NV-groups: a slice whose allgather sends at most this many bytes to each "
        "peer ((groups - 1) x the slice) is exchanged in one allgather and folded locally; larger ones by "
        "reduce-scatter + allgather. 0 always takes reduce-scatter + allgather. Results are the same bits "

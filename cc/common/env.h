@@ -36,14 +36,16 @@ struct Knobs {
   size_t pipeline_min_chunk = 1u << 20;
   // Cross-group slices whose allgather sends at most this many bytes per peer
   // take the one-round allgather + fold instead of reduce-scatter + allgather
-  // (cc/algorithms/cross_exchange.h); 0 = never. Default 16 KiB, from the
-  // 2-core VM (scripts/cross_exchange_cost.sh, host buffers, 2 ranks, load
-  // 5-8): the one round saved 2-3 us at 16 KiB, lost 1-2 us at 4 KiB, was
-  // even at 64 KiB and lost from 256 KiB (folding the whole slice instead of
-  // one part); at 3-4 ranks (oversubscribed) it was 1-5 us behind up to
-  // 16 KiB. A weak choice: cross_step_bench's allgather and rsag columns
-  // measure it on a GPU host.
-  size_t cross_allgather_max_bytes = 16u << 10;
+  // (cc/algorithms/cross_exchange.h); 0 = never. On the 2-core VM
+  // (scripts/cross_exchange_cost.sh, host buffers, 2 ranks, load 5-8) the one
+  // round saved 2-3 us at 16 KiB, lost 1-2 us at 4 KiB, was even at 64 KiB
+  // and lost from 256 KiB (folding the whole slice instead of one part); at
+  // 3-4 ranks (oversubscribed) it was 1-5 us behind up to 16 KiB. On a GPU
+  // host (cross_step_bench's allgather and rsag columns, H200 and H100, 5
+  // runs, docs/PERFORMANCE.md) a 64 KiB message took 5-17% less by the
+  // allgather with 2 ranks (32 KiB to the one peer), 10-40% more with 4
+  // (48 KiB: 3 x 16 KiB), 3 ranks (43.7 KiB) either way: hence 32 KiB.
+  size_t cross_allgather_max_bytes = 32u << 10;
   // "auto" (hierarchical when it applies), "mpi" (flat MPI reference path),
   // "hierarchical" (force the NV-group skeleton even with one group).
   AllreduceAlgorithm algorithm = AllreduceAlgorithm::kAuto;

@@ -58,7 +58,7 @@ def test_allreduce_flat_mpi(np_):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_allreduce_flat_mpi_in_many_pieces(np_):
     """The flat path with 4 KiB pieces: many pieces, two in flight, in the
-    allgather + fold variant (the default limit, 16 KiB sent per rank) and,
+    allgather + fold variant (a limit of 16 KiB sent per rank) and,
     with the limit 0, all in reduce-scatter + allgather."""
     for limit in (16384, 0):
         run("comm_allreduce.py", np_, ["--counts", "0,1,7,1000,5003,70001", "--largest-dtypes", "float16,float32"],

@@ -259,7 +259,7 @@ def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):
     ("NVGROUP_ELASTIC_NOTIFY", "/tmp/x/hosts_updated", "/tmp/x/hosts_updated"),
     ("NVGROUP_ELASTIC_LAUNCH", None, ""), ("NVGROUP_ELASTIC_LAUNCH", "02", "2"),
     ("NVGROUP_PIPELINE_MIN_CHUNK", None, "1048576"), ("NVGROUP_PIPELINE_MIN_CHUNK", "0001024", "1024"),
-    ("NVGROUP_CROSS_ALLGATHER_MAX_BYTES", None, "16384"), ("NVGROUP_CROSS_ALLGATHER_MAX_BYTES", "0", "0"),
+    ("NVGROUP_CROSS_ALLGATHER_MAX_BYTES", None, "32768"), ("NVGROUP_CROSS_ALLGATHER_MAX_BYTES", "0", "0"),
 ])
 def test_values_parse_into_their_fields(monkeypatch, name, raw, value):
     if raw is None:

@@ -184,79 +184,60 @@ check_close("misuse/0 lent to allreduce_async", y0, reference(9, size, [8], "flo
 E.wait(launch(g, xs, ys), WAIT_S)
 check_reference("misuse group after a lent name", ONE, 9, ys)
 if size > 1:
-    # In flight: rank 0 launches at once, the others after the barrier, so
-    # rank 0's launch waits for them while it tries again and unregisters.
+    def held_by_rank0(submit, check_result, while_held, refused_later):
+        """Rank 0 submits at once and, while the others wait at a barrier (so
+        its submission stays in flight), runs while_held(), whose refusals
+        reach rank 0's coordinator; the others submit after the barrier, then
+        their refused_later() meets the duplicate error those refusals left."""
+        if rank == 0:
+            h = submit()
+            while_held()
+            comm.Barrier()
+            E.wait(h, WAIT_S)
+            check_result()
+            comm.Barrier()
+        else:
+            comm.Barrier()
+            E.wait(submit(), WAIT_S)
+            check_result()
+            comm.Barrier()
+            started = time.monotonic()
+            expect_error(lambda: E.wait(refused_later(), WAIT_S), "duplicate name", code="INVALID_ARGUMENT")
+            check(time.monotonic() - started < 10, "the refusal took %.1f s" % (time.monotonic() - started))
+        comm.Barrier()
+
+    def fresh_launch():
+        return launch(g, xs, [np.zeros_like(x) for x in xs])
+
+    # A launch in flight: launching again is refused, unregistering too.
     ys = [np.zeros_like(x) for x in xs]
-    if rank == 0:
-        h = launch(g, xs, ys)
+
+    def refused_while_launched():
         expect_error(lambda: E.unregister_group(g), "in flight", code="FAILED_PRECONDITION")
-        expect_error(lambda: launch(g, xs, [np.zeros_like(x) for x in xs]), "duplicate name",
-                     "previous launch is still in flight", code="INVALID_ARGUMENT")
-        comm.Barrier()
-        E.wait(h, WAIT_S)
-        check_reference("the launch in flight", ONE, 9, ys)
-        comm.Barrier()
-    else:
-        comm.Barrier()
-        E.wait(launch(g, xs, ys), WAIT_S)
-        check_reference("the launch in flight", ONE, 9, ys)
-        comm.Barrier()
-        # The second launch: accepted here, refused on rank 0: the duplicate error.
-        start = time.monotonic()
-        expect_error(lambda: E.wait(launch(g, xs, [np.zeros_like(x) for x in xs]), WAIT_S),
-                     "duplicate name", code="INVALID_ARGUMENT")
-        check(time.monotonic() - start < 10, "the refusal took %.1f s" % (time.monotonic() - start))
-    comm.Barrier()
+        expect_error(fresh_launch, "duplicate name", "previous launch is still in flight", code="INVALID_ARGUMENT")
+    held_by_rank0(lambda: launch(g, xs, ys), lambda: check_reference("the launch in flight", ONE, 9, ys),
+                  refused_while_launched, fresh_launch)
     ys = [np.zeros_like(x) for x in xs]
     E.wait(launch(g, xs, ys), WAIT_S)
     check_reference("after the refused launch", ONE, 9, ys)
 
-    # 4b. Lent names in flight (rank 0 holds them in flight while the others
-    # wait at the barrier, as above).
+    # 4b. A member's name lent to allreduce_async and in flight: a launch is refused.
     def lend(out):
         return E.allreduce_async("misuse/1", xs[1].ctypes.data, out.ctypes.data, [4], "float32")
 
     want1 = reference(10, size, [4], "float32", "sum")
     y1 = np.zeros_like(xs[1])
-    if rank == 0:
-        h = lend(y1)
-        expect_error(lambda: launch(g, xs, [np.zeros_like(x) for x in xs]), "duplicate name",
-                     "submitted by that name", code="INVALID_ARGUMENT")
-        comm.Barrier()
-        E.wait(h, WAIT_S)
-        check_close("misuse/1 lent, in flight", y1, want1, "float32")
-        comm.Barrier()
-    else:
-        comm.Barrier()
-        E.wait(lend(y1), WAIT_S)
-        check_close("misuse/1 lent, in flight", y1, want1, "float32")
-        comm.Barrier()
-        # Rank 0's refused launch: this rank's launch meets the duplicate error.
-        start = time.monotonic()
-        expect_error(lambda: E.wait(launch(g, xs, [np.zeros_like(x) for x in xs]), WAIT_S),
-                     "duplicate name", code="INVALID_ARGUMENT")
-        check(time.monotonic() - start < 10, "the refusal took %.1f s" % (time.monotonic() - start))
-    comm.Barrier()
+    held_by_rank0(lambda: lend(y1), lambda: check_close("misuse/1 lent, in flight", y1, want1, "float32"),
+                  lambda: expect_error(fresh_launch, "duplicate name", "submitted by that name",
+                                       code="INVALID_ARGUMENT"),
+                  fresh_launch)
     # A launch in flight: its names are not lent.
     ys = [np.zeros_like(x) for x in xs]
-    if rank == 0:
-        h = launch(g, xs, ys)
-        expect_error(lambda: lend(np.zeros_like(xs[1])), "duplicate name", "whose launch is in flight",
-                     code="INVALID_ARGUMENT")
-        comm.Barrier()
-        E.wait(h, WAIT_S)
-        check_reference("the launch whose name was refused", ONE, 9, ys)
-        comm.Barrier()
-    else:
-        comm.Barrier()
-        E.wait(launch(g, xs, ys), WAIT_S)
-        check_reference("the launch whose name was refused", ONE, 9, ys)
-        comm.Barrier()
-        start = time.monotonic()
-        expect_error(lambda: E.wait(lend(np.zeros_like(xs[1])), WAIT_S), "duplicate name",
-                     code="INVALID_ARGUMENT")
-        check(time.monotonic() - start < 10, "the refusal took %.1f s" % (time.monotonic() - start))
-    comm.Barrier()
+    held_by_rank0(lambda: launch(g, xs, ys),
+                  lambda: check_reference("the launch whose name was refused", ONE, 9, ys),
+                  lambda: expect_error(lambda: lend(np.zeros_like(xs[1])), "duplicate name",
+                                       "whose launch is in flight", code="INVALID_ARGUMENT"),
+                  lambda: lend(np.zeros_like(xs[1])))
     # Unregistered while lent: the name stays in flight until its allreduce
     # completes (a registration naming it fails), then registers again.
     y1 = np.zeros_like(xs[1])
