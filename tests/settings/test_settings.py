@@ -207,6 +207,7 @@ def test_agreed_knobs_are_the_agreed_rows_normalized(monkeypatch):
 
 @pytest.mark.parametrize("name,raw,expected", [
     ("NVGROUP_XLA_ASYNC", "2", "0 or 1"),
+    ("NVGROUP_TF_REGISTERED_GROUPS", "yes", "0 or 1"),
     ("NVGROUP_XLA_CUDA_WAIT", "device", "stream or host"),
     ("NVGROUP_TF_CUDA_WAIT", "event", "stream or host"),
     ("NVGROUP_LIVENESS_ADDR", "ib0", "an IPv4 address (a.b.c.d)"),
@@ -244,6 +245,7 @@ def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):
 
 @pytest.mark.parametrize("name,raw,value", [
     ("NVGROUP_XLA_ASYNC", None, "0"), ("NVGROUP_XLA_ASYNC", "1", "1"),
+    ("NVGROUP_TF_REGISTERED_GROUPS", None, "1"), ("NVGROUP_TF_REGISTERED_GROUPS", "0", "0"),
     ("NVGROUP_XLA_CUDA_WAIT", None, "stream"), ("NVGROUP_XLA_CUDA_WAIT", "host", "host"),
     ("NVGROUP_TF_CUDA_WAIT", None, "stream"), ("NVGROUP_TF_CUDA_WAIT", "host", "host"),
     ("NVGROUP_LIVENESS_ADDR", "10.1.2.3", "10.1.2.3"), ("NVGROUP_LIVENESS_IFACE", "ib0", "ib0"),
