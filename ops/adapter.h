@@ -46,10 +46,10 @@
 //     after the compute stream (its copy streams wait on it). One wait per op
 //     suffices: the engine runs an op's requests in order on one stream, so the
 //     event recorded for the op's last request covers the earlier ones.
-//     That is NVGROUP_TF_CUDA_WAIT=stream, the default. Every kernel TF queues
-//     on its stream after the wait (the rest of backward, for a gradient)
-//     then runs only after the collective. With NVGROUP_TF_CUDA_WAIT=host no
-//     completion_event_ready is asked for: done() arrives on the engine's
+//     That is NVGROUP_TF_CUDA_WAIT=stream. Every kernel TF queues on its
+//     stream after the wait (the rest of backward, for a gradient) then runs
+//     only after the collective. With NVGROUP_TF_CUDA_WAIT=host (the default)
+//     no completion_event_ready is asked for: done() arrives on the engine's
 //     finalizer thread after the host saw the bucket's event complete, so the
 //     outputs are written and the inputs read before TF sees the op finish,
 //     and only the kernels that use the outputs wait (Horovod's order).

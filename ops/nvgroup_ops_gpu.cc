@@ -110,7 +110,7 @@ cudaStream_t CudaStream(stream_executor::Stream* stream) {
 }
 
 // NVGROUP_TF_CUDA_WAIT (the settings table, cc/common/env.h; parsed once per
-// process, at the first GPU op): true = "stream" (the default), false = "host".
+// process, at the first GPU op): true = "stream", false = "host" (the default).
 absl::Status CompleteOnStream(bool* on_stream) {
   static const std::pair<Status, bool> parsed = [] {
     Knobs knobs;

@@ -82,9 +82,11 @@ MEASURED = {
     # run used is the commit here (the README of device_checks_h100x1_<commit>/ beside them).
     "xla_exposed_share": {
         "mixed": [{"file": "benchmarks/results/xla_overlap_resnet50_mixed_h100x1_f0fe6e2.json", "commit": "f0fe6e2"},
-                  {"file": "benchmarks/results/xla_overlap_resnet50_mixed_h100x1_f248d3f.json", "commit": "f248d3f"}],
+                  {"file": "benchmarks/results/xla_overlap_resnet50_mixed_h100x1_f248d3f.json", "commit": "f248d3f"},
+                  {"file": "benchmarks/results/device_checks_h100x1_5cc5219/pair_mixed.json", "commit": "5cc5219"}],
         "fp32": [{"file": "benchmarks/results/xla_overlap_resnet50_fp32_h100x1_f0fe6e2.json", "commit": "f0fe6e2"},
-                 {"file": "benchmarks/results/xla_overlap_resnet50_fp32_h100x1_f248d3f.json", "commit": "f248d3f"}],
+                 {"file": "benchmarks/results/xla_overlap_resnet50_fp32_h100x1_f248d3f.json", "commit": "f248d3f"},
+                 {"file": "benchmarks/results/device_checks_h100x1_5cc5219/pair_fp32.json", "commit": "5cc5219"}],
         "machine": "1 rank on one H100, its buckets through the engine, a simulated link delay per bucket "
                    "(NVGROUP_TEST_BUCKET_DELAY_US)",
         "note": "the start/done pair under XLA, Keras ResNet-50 224x224, 6 buckets per step"},

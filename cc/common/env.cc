@@ -237,11 +237,12 @@ std::vector<Setting> MakeSettings() {
     k->xla_cuda_wait_on_stream = v == "stream";
     return Status::Ok();
   }, +[](const K& k) { return std::string(k.xla_cuda_wait_on_stream ? "stream" : "host"); }},
-      {"NVGROUP_TF_CUDA_WAIT", S::kPerProcess, "stream or host", "stream", "TF ops (GPU, no XLA)", "",
-       "stream: a TF GPU collective op finishes once the engine enqueued it, TF's compute stream waiting "
-       "on the engine's completion event (every kernel TF queues after that waits for the collective); "
-       "host: it finishes when the host saw the collective complete, and only the kernels that use its "
-       "outputs wait (docs/XLA.md, The TF graph path). Read once per process, at the first GPU op.",
+      {"NVGROUP_TF_CUDA_WAIT", S::kPerProcess, "stream or host", "host", "TF ops (GPU, no XLA)", "",
+       "host: a TF GPU collective op finishes when the host saw the collective complete, and only the "
+       "kernels that use its outputs wait, so the rest of backward runs meanwhile; stream: it finishes "
+       "once the engine enqueued it, TF's compute stream waiting on the engine's completion event (no "
+       "host round trip, but every kernel TF queues after that waits for the collective) (docs/XLA.md, "
+       "The TF graph path). Read once per process, at the first GPU op.",
        +[](const char* n, const std::string& v, K* k) -> Status {
     if (v != "stream" && v != "host") return Malformed(n, v, "stream or host");
     k->tf_cuda_wait_on_stream = v == "stream";

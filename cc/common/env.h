@@ -92,12 +92,16 @@ struct Knobs {
   // waits on the host until the result is complete (false, "host")
   // (ops/xla_ops_gpu.cc).
   bool xla_cuda_wait_on_stream = true;
-  // TF GPU ops (no XLA): the op finishes once the engine enqueued the
-  // collective, TF's compute stream waiting on the engine's completion event
-  // (true, "stream"), or when the host saw the collective complete (false,
-  // "host"), so TF's later kernels are not queued behind it
-  // (ops/nvgroup_ops_gpu.cc).
-  bool tf_cuda_wait_on_stream = true;
+  // TF GPU ops (no XLA): the op finishes when the host saw the collective
+  // complete (false, "host", the default), so TF's later kernels are not
+  // queued behind it, or once the engine enqueued the collective, TF's compute
+  // stream waiting on the engine's completion event (true, "stream")
+  // (ops/nvgroup_ops_gpu.cc). Host is the default because backward hides the
+  // communication only that way: Keras ResNet-50 as a TF graph on one H100 at
+  // 5cc5219, a simulated link of 2000 us per bucket, exposed 0.27 / 0.29 of
+  // it (fp32 / mixed) against 0.74 / 0.80 on the stream, the step without
+  // the link within 1.6% (docs/XLA.md, The TF graph path).
+  bool tf_cuda_wait_on_stream = false;
   // TF grouped allreduce kernels and XLA calls: register their group with
   // the engine and launch it each step (true), or submit it by name every
   // step (ops/adapter.h, Note [Grouped kernels launch a registered group];

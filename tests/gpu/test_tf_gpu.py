@@ -72,10 +72,11 @@ def test_every_collective_dtype_and_mode_on_gpu(tf_gpu, np_):
 
 
 @pytest.mark.parametrize("np_", [1, 2])
-def test_every_collective_with_ops_finishing_on_the_host(tf_gpu, np_):
-    # NVGROUP_TF_CUDA_WAIT=host: no completion event for TF's stream; each op
-    # finishes after the host saw its collective complete (ops/adapter.h).
-    r = run_mpi(worker("tf_gpu_collectives.py"), np_, env=dict(ENV, NVGROUP_TF_CUDA_WAIT="host"), timeout=900,
+def test_every_collective_with_ops_finishing_on_tf_stream(tf_gpu, np_):
+    # NVGROUP_TF_CUDA_WAIT=stream: each op finishes once its collective was
+    # enqueued, TF's compute stream waiting on the engine's completion event
+    # (ops/adapter.h); the default, host, is the test above.
+    r = run_mpi(worker("tf_gpu_collectives.py"), np_, env=dict(ENV, NVGROUP_TF_CUDA_WAIT="stream"), timeout=900,
                 check=False)
     assert not r.timed_out and r.returncode == 0 and passed(r, np_), r.output[-20000:]
 

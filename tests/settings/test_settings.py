@@ -247,7 +247,7 @@ def test_malformed_values_name_the_variable(monkeypatch, name, raw, expected):
     ("NVGROUP_XLA_ASYNC", None, "0"), ("NVGROUP_XLA_ASYNC", "1", "1"),
     ("NVGROUP_TF_REGISTERED_GROUPS", None, "1"), ("NVGROUP_TF_REGISTERED_GROUPS", "0", "0"),
     ("NVGROUP_XLA_CUDA_WAIT", None, "stream"), ("NVGROUP_XLA_CUDA_WAIT", "host", "host"),
-    ("NVGROUP_TF_CUDA_WAIT", None, "stream"), ("NVGROUP_TF_CUDA_WAIT", "host", "host"),
+    ("NVGROUP_TF_CUDA_WAIT", None, "host"), ("NVGROUP_TF_CUDA_WAIT", "stream", "stream"),
     ("NVGROUP_LIVENESS_ADDR", "10.1.2.3", "10.1.2.3"), ("NVGROUP_LIVENESS_IFACE", "ib0", "ib0"),
     ("NVGROUP_CYCLE_TIME", "0.5", "0.5"), ("NVGROUP_LOG_LEVEL", "info", "info"),
     ("NVGROUP_XLA_START_DONE", None, "auto"), ("NVGROUP_XLA_START_DONE", "auto", "auto"),
