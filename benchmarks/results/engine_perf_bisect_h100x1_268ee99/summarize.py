@@ -12,11 +12,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 RUNS = [("run1_7trees.tsv", "3 reps, 3 configs, the 7 points of the last plan"),
         ("run2_engine_cost_branch.tsv", "6 reps, 1 rank per tensor, the engine-cost branch (87774d0..c850f9f)"),
-        ("run3_after_engine_cost.tsv", "7 reps (rep 1 lost for 5 trees), 1 rank per tensor, c850f9f..head")]
+        ("run3_after_engine_cost.tsv", "7 reps (rep 1 lost for 5 trees), 1 rank per tensor, c850f9f..head"),
+        ("run4_after_engine_cost_6reps.tsv", "6 reps, 1 rank per tensor, c850f9f..head (head: 5cc5219's cc/, 2026-12-07 08:11)")]
 out = {"tool": "scripts/device/engine_perf_bisect.sh (engine_perf, ResNet-50's 214 gradients, 40 steps)",
        "machine": "1x NVIDIA H100 80GB HBM3 (device tool, nvidia-h100-x1)", "date": "2026-12-07",
-       "head": "the working tree of 268ee99 (its cc/ is 268ee99's)", "runs": []}
-fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+       "head": "runs 1-3: the working tree of 268ee99; run 4: of 5cc5219", "runs": []}
+fig, axes = plt.subplots(1, len(RUNS), figsize=(18, 4))
 for ax, (f, what) in zip(axes, RUNS):
     d = collections.OrderedDict()
     with open(f) as fh:
