@@ -11,7 +11,8 @@
   4. a bucket waits once per distinct ready event (CPU: WaitEvent is a no-op,
      the counter still counts the calls);
   5. a burst of one allreduce_async per tensor, then wait_all; the forms of a
-     grouped_allreduce_async item give the same results and errors (5b);
+     grouped_allreduce_async item give the same results and errors (5b), and
+     so do the forms of an allreduce_async call (5c);
   6. last: one rank's cache/plan digest is perturbed: the next collective
      fails on every rank naming the cause (never a wrong result or a hang),
      and a later init works again."""
@@ -261,6 +262,44 @@ for bad_item in [("bad/f", float(x1.ctypes.data), y1.ctypes.data, [6], "float32"
 # Nothing is left in flight by the refusals: the names work.
 E.wait_all(E.grouped_allreduce_async([("bad/d", x1.ctypes.data, y1.ctypes.data, [6], "float32")]))
 check_close("bad/d", y1, reference(700, size, [6], "float32", "sum"), "float32")
+
+# 5c. allreduce_async's forms (Note [A call's common form], cc/python/engine_bindings.cc): the
+# five-argument call read directly, every other form through the generic casters, the same results
+# and the same refusals.
+call_forms = [lambda n, x, y: E.allreduce_async(n, x, y, [6], "float32"),  # common: list shape
+              lambda n, x, y: E.allreduce_async(n, x, y, (6,), "float32"),  # tuple shape: generic overload
+              lambda n, x, y: E.allreduce_async(n, x, y, [np.int64(6)], "float32"),  # numpy dim: casters
+              lambda n, x, y: E.allreduce_async(Name(n), x, y, [6], "float32"),  # str subclass: casters
+              lambda n, x, y: E.allreduce_async(n, x, y, [6], "Float32"),  # common, other spelling
+              lambda n, x, y: E.allreduce_async(n, x, y, [6], "float32", "sum"),  # 6 arguments
+              lambda n, x, y: E.allreduce_async(n, x, y, [6], dtype="float32"),  # a keyword
+              lambda n, x, y: E.allreduce_async(n, x, y, [6], "float32", "sum", 1.0, 1.0, "cpu", 0, None, 0)]
+x6 = rank_data(720, rank, [6], "float32")
+for step in range(2):
+    outs = [np.zeros_like(x6) for _ in call_forms]
+    E.wait_all([f("call/%d" % i, x6.ctypes.data, y.ctypes.data) for i, (f, y) in enumerate(zip(call_forms, outs))])
+    for i, y in enumerate(outs):
+        check_close("call form %d step %d" % (i, step), y, reference(720, size, [6], "float32", "sum"), "float32")
+    digest_same_on_all_ranks(outs, "call forms")
+expect_error(lambda: E.allreduce_async("bad/cd", x1.ctypes.data, y1.ctypes.data, [6], "complex64"),
+             "unknown dtype 'complex64'", code="INVALID_ARGUMENT")
+expect_error(lambda: E.allreduce_async("bad/cn", x1.ctypes.data, y1.ctypes.data, [-6], "float32"),
+             "negative dimension", code="INVALID_ARGUMENT")
+expect_error(lambda: E.allreduce_async("", x1.ctypes.data, y1.ctypes.data, [6], "float32"),
+             "non-empty name", code="INVALID_ARGUMENT")
+expect_error(lambda: E.allreduce_async("bad/cp", 0, y1.ctypes.data, [6], "float32"),
+             "input pointer is null", code="INVALID_ARGUMENT")
+for bad_call in [lambda: E.allreduce_async("bad/cf", float(x1.ctypes.data), y1.ctypes.data, [6], "float32"),
+                 lambda: E.allreduce_async("bad/cs", x1.ctypes.data, y1.ctypes.data, ["6"], "float32"),
+                 lambda: E.allreduce_async("bad/cneg", -1, y1.ctypes.data, [6], "float32"),
+                 lambda: E.allreduce_async("bad/cx", x1.ctypes.data, y1.ctypes.data, [6])]:
+    try:
+        bad_call()
+        check(False, "a call was accepted")
+    except (TypeError, RuntimeError, OverflowError):
+        pass
+E.wait(E.allreduce_async("bad/cd", x1.ctypes.data, y1.ctypes.data, [6], "float32"))  # nothing left in flight
+check_close("bad/cd", y1, reference(700, size, [6], "float32", "sum"), "float32")
 
 # 6. Diverged state (as a bug would leave it) on one rank: the next collective
 #    fails on every rank, naming the cause.
