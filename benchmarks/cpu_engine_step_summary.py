@@ -1,14 +1,19 @@
-"""Table (JSON) and plot (PNG) of the six cpu_engine_step_bench launches in this folder
-(benchmarks/cpu_engine_step_bench.py, 2 ranks, 300 steps each, every style's median step and its
-ratio to the interleaved MPI_Allreduce of the same launch). Run here: python summarize.py"""
+"""Table (JSON) and plot (PNG) of a results folder's cpu_engine_step_bench launches (quiet_N.json and
+load_N.json: benchmarks/cpu_engine_step_bench.py, 2 ranks; every style's median step and its ratio to
+the interleaved MPI_Allreduce of the same launch), written into the folder as summary.{json,png}.
+
+    python benchmarks/cpu_engine_step_summary.py benchmarks/results/cpu_engine_step_b7344df"""
 import glob
 import json
+import os
+import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+os.chdir(sys.argv[1])
 STYLES = ["per_tensor", "grouped", "registered", "mpi"]
 out = {"tool": "benchmarks/cpu_engine_step_bench.py (2 ranks, ResNet-50's 214 gradients at 1/64, 1.6 MB)",
        "launches": []}
