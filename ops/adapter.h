@@ -323,7 +323,11 @@ class AllreduceOp : public tf::AsyncOpKernel {
 // and on the wire (engine.h), so ranks need not agree on which way a step
 // goes. A step whose shapes differ registers again (the old registration is
 // dropped), as does a step after the engine restarted or lost the process
-// set (RegisteredGroupUsable). When registering fails, the kernel submits by
+// set (RegisteredGroupUsable). The old registration cannot be dropped while a
+// launch of it is in flight (a call of another thread overlapping this one):
+// the kernel keeps it, submits this step by name and drops it at a later
+// step, as the XLA call sites do (ops/xla_handler_common.cc), so the new
+// shapes register once it is gone. When registering fails, the kernel submits by
 // name (EnqueueGroup) until its shapes change: a name registered by another
 // kernel (a second trace of one function keeps the names) is lent to it
 // while that registration has no launch in flight (Note [Registered names],
@@ -344,7 +348,9 @@ class GroupedAllreduceOp : public tf::AsyncOpKernel {
   }
 
   ~GroupedAllreduceOp() override {
-    if (group_ != 0) (void)UnregisterGroup(group_);  // nothing is in flight once TF drops the kernel
+    // nothing is in flight once TF drops the kernel
+    if (group_ != 0) (void)UnregisterGroup(group_);
+    if (stale_ != 0) (void)UnregisterGroup(stale_);
   }
 
   void ComputeAsync(tf::OpKernelContext* context, DoneCallback done) override {
@@ -402,13 +408,16 @@ class GroupedAllreduceOp : public tf::AsyncOpKernel {
     bool same = static_cast<int>(shapes_.size()) == n && device == device_;
     for (int i = 0; same && i < n; ++i) same = context->input(i).shape() == shapes_[i];
     if (!same) {  // new shapes: a new registration, which may succeed where the old one failed
-      if (group_ != 0)
-        (void)UnregisterGroup(group_);  // a launch in flight keeps it: the engine forgets it at shutdown
+      if (group_ != 0) stale_ = group_;
       group_ = 0;
       by_name_ = false;
       device_ = device;
       shapes_.clear();
       for (int i = 0; i < n; ++i) shapes_.push_back(context->input(i).shape());
+    }
+    if (stale_ != 0) {  // the registration of older shapes holds the names until it is dropped
+      if (!UnregisterGroup(stale_).ok() && RegisteredGroupUsable(stale_)) return false;  // in flight
+      stale_ = 0;
     }
     if (by_name_) return false;
     if (group_ != 0 && RegisteredGroupUsable(group_)) return true;
@@ -434,8 +443,9 @@ class GroupedAllreduceOp : public tf::AsyncOpKernel {
   AllreduceAttrs attrs_;
   std::string name_;
   bool register_ = true;  // NVGROUP_TF_REGISTERED_GROUPS
-  std::mutex mu_;  // guards the four below
+  std::mutex mu_;  // guards the five below
   uint64_t group_ = 0;  // the registration of shapes_ on device_ (0: none)
+  uint64_t stale_ = 0;  // a registration of older shapes not dropped yet (its launch was in flight)
   std::vector<tf::TensorShape> shapes_;
   Device device_;
   bool by_name_ = false;  // registering shapes_ failed: submit by name until they change

@@ -13,12 +13,17 @@ every result checked on every rank against the float64 / exact reference:
      others launch;
   4. eager calls (TF's kernel cache keeps the kernel) and a shape change:
      registered again;
-  5. shutdown() and init(): the kernel registers again and is right.
+  5. shutdown() and init(): the kernel registers again and is right;
+  6. a shape change while a launch of the old shapes is in flight (rank 0
+     calls the kernel from a second thread meanwhile): that call is refused,
+     and once the old launch finished the new shapes register and launch.
 With OUT_DIR TAG given, writes the results of part 1 to OUT_DIR/TAG_rankR.npz
 (the test compares the registered run with NVGROUP_TF_REGISTERED_GROUPS=0).
 Usage: registered_groups.py [OUT_DIR TAG]"""
 import os
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -137,6 +142,63 @@ def main():
     if REGISTERED:
         check_stats(c, d, {"registrations": 2, "launches": 3, "by_name": 0},
                 "eager: registered, launched again, registered again for the new shape")
+
+    c.section("6. a shape change while the old shapes' launch is in flight")
+    # Rank 0 runs the eager kernel with the old shapes in a second thread (in
+    # flight until the other ranks submit them) and meanwhile calls it with new
+    # shapes: refused, the names are in flight (and the refusal fails the next
+    # call of those names on the other ranks). The old registration can only be
+    # dropped after its launch, at a later step; then the new shapes register.
+    name = "reg.flight"
+    old_members, new_members = MEMBERS[:3], [((6, 5),) + MEMBERS[0][1:]] + MEMBERS[1:3]
+    old_per_member, old_xs = step_data(900, old_members)
+    before = op_library.grouped_submission_stats()
+    result = {}
+    if me == 0:
+        def old_step():
+            try:
+                result["out"] = hvd.grouped_allreduce(old_xs, op=hvd.Sum, name=name)
+            except Exception as e:  # noqa: BLE001 (reported below)
+                result["error"] = e
+
+        thread = threading.Thread(target=old_step)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while stats_delta(before)["launches"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the launch was counted just before it was pushed
+        _, new_xs = step_data(901, new_members)
+        try:
+            hvd.grouped_allreduce(new_xs, op=hvd.Sum, name=name)
+            c.check(False, "a call overlapping the launch in flight was not refused")
+        except Exception as e:  # noqa: BLE001 (the message is checked)
+            c.check("in flight" in str(e), "the overlapping call's refusal names the launch in flight: %s" % e)
+    hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name="reg.flight.sync")  # after rank 0's refusal
+    if me == 0:
+        thread.join(60)
+        c.check("out" in result, "the launch in flight: %s" % result.get("error", "did not finish"))
+        if "out" in result:
+            check_step(c, "the launch in flight", result["out"], old_per_member, old_members)
+    else:
+        check_step(c, "old shapes", hvd.grouped_allreduce(old_xs, op=hvd.Sum, name=name), old_per_member,
+                   old_members)
+        # Rank 0's refusal counts as its next call of these names (Note [Refused
+        # duplicates], cc/engine/coordinator.h): this one fails here too.
+        _, new_xs = step_data(901, new_members)
+        try:
+            hvd.grouped_allreduce(new_xs, op=hvd.Sum, name=name)
+            c.check(False, "the call matched with rank 0's refused one did not fail")
+        except Exception as e:  # noqa: BLE001 (the message is checked)
+            c.check("duplicate name" in str(e), "the duplicate's error on every rank: %s" % e)
+    for step in range(3):
+        per_member, xs = step_data(910 + step, new_members)
+        check_step(c, "new shapes step %d" % step, hvd.grouped_allreduce(xs, op=hvd.Sum, name=name), per_member,
+                   new_members)
+    d = stats_delta(before)
+    if REGISTERED:
+        want = {"registrations": 2, "launches": 4, "by_name": 1} if me == 0 else \
+            {"registrations": 2, "launches": 5, "by_name": 0}
+        check_stats(c, d, want, "the new shapes registered once the old launch finished")
 
     c.section("5. shutdown and init")
     hvd.shutdown()
