@@ -153,6 +153,15 @@ def main():
     old_members, new_members = MEMBERS[:3], [((6, 5),) + MEMBERS[0][1:]] + MEMBERS[1:3]
     old_per_member, old_xs = step_data(900, old_members)
     before = op_library.grouped_submission_stats()
+
+    def expect_refused(text, what):
+        _, new_xs = step_data(901, new_members)
+        try:
+            hvd.grouped_allreduce(new_xs, op=hvd.Sum, name=name)
+            c.check(False, "%s did not fail" % what)
+        except Exception as e:  # noqa: BLE001 (the message is checked)
+            c.check(text in str(e), "%s: %s" % (what, e))
+
     result = {}
     if me == 0:
         def old_step():
@@ -167,12 +176,7 @@ def main():
         while stats_delta(before)["launches"] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)  # the launch was counted just before it was pushed
-        _, new_xs = step_data(901, new_members)
-        try:
-            hvd.grouped_allreduce(new_xs, op=hvd.Sum, name=name)
-            c.check(False, "a call overlapping the launch in flight was not refused")
-        except Exception as e:  # noqa: BLE001 (the message is checked)
-            c.check("in flight" in str(e), "the overlapping call's refusal names the launch in flight: %s" % e)
+        expect_refused("in flight", "the overlapping call, refused as its names are in flight")
     hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name="reg.flight.sync")  # after rank 0's refusal
     if me == 0:
         thread.join(60)
@@ -184,12 +188,7 @@ def main():
                    old_members)
         # Rank 0's refusal counts as its next call of these names (Note [Refused
         # duplicates], cc/engine/coordinator.h): this one fails here too.
-        _, new_xs = step_data(901, new_members)
-        try:
-            hvd.grouped_allreduce(new_xs, op=hvd.Sum, name=name)
-            c.check(False, "the call matched with rank 0's refused one did not fail")
-        except Exception as e:  # noqa: BLE001 (the message is checked)
-            c.check("duplicate name" in str(e), "the duplicate's error on every rank: %s" % e)
+        expect_refused("duplicate name", "the call matched with rank 0's refused one")
     for step in range(3):
         per_member, xs = step_data(910 + step, new_members)
         check_step(c, "new shapes step %d" % step, hvd.grouped_allreduce(xs, op=hvd.Sum, name=name), per_member,
