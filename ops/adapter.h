@@ -408,7 +408,7 @@ class GroupedAllreduceOp : public tf::AsyncOpKernel {
     bool same = static_cast<int>(shapes_.size()) == n && device == device_;
     for (int i = 0; same && i < n; ++i) same = context->input(i).shape() == shapes_[i];
     if (!same) {  // new shapes: a new registration, which may succeed where the old one failed
-      if (group_ != 0) stale_ = group_;
+      if (group_ != 0) stale_ = group_;  // stale_ was 0: nothing registers while it is set
       group_ = 0;
       by_name_ = false;
       device_ = device;
