@@ -150,6 +150,31 @@ def test_dead_rank_during_gpu_collectives_is_named_by_every_survivor(tf_gpu, tmp
     assert seconds < 120, "the job took %.0f s to end after a rank died" % seconds
 
 
+def test_dead_rank_inside_an_xla_program_on_gpu_is_named_by_every_survivor(tf_gpu, tmp_path):
+    """tests/tf/workers/xla.py's dead section on the GPU with the default lowering (a start/done pair per
+    collective): rank 1 is SIGKILLed while the others run the compiled step; each survivor's XLA program
+    raises UnavailableError naming rank 1, within 5 s of its first step after the death."""
+    if os.environ.get("NVGROUP_TEST_TF_GPU_DENSE") != "1":
+        pytest.skip("XLA on a GPU initializes cuDNN and cuBLAS (NVGROUP_TEST_TF_GPU_DENSE=1: TFGPU_FULL=1 kit mode "
+                    "or a real TF GPU install)")
+    env = dict(ENV, NVGROUP_TIMEOUT=60, NVGROUP_XLA_START_DONE="auto", XLA_RECORD_DIR=str(tmp_path),
+               TF_FORCE_GPU_ALLOW_GROWTH="true")
+    start = time.monotonic()
+    r = run_mpi(os.path.join(REPO, "tests", "tf", "workers", "xla.py"), 3, args=["dead", 1], env=env, timeout=300,
+                check=False)
+    seconds = time.monotonic() - start
+    for f in sorted(tmp_path.iterdir()):  # lines mpirun may have dropped when it ended the job
+        r.output += "\n" + f.read_text()
+    assert not r.timed_out and r.returncode != 0, r.output[-20000:]
+    assert "rank 1: KILL" in r.output, r.output[-20000:]
+    for survivor in (0, 2):
+        caught = re.findall(r"^rank %d: CAUGHT UnavailableError after ([0-9.]+) s: .*rank 1" % survivor, r.output,
+                            flags=re.MULTILINE)
+        assert caught, "rank %d did not raise UnavailableError naming rank 1:\n%s" % (survivor, r.output[-20000:])
+        assert float(caught[0]) < 5.0, r.output[-20000:]
+    assert seconds < 120, "the job took %.0f s to end after a rank died" % seconds
+
+
 @pytest.mark.parametrize("np_", [1, 2])
 def test_memory_registered_at_init_survives_tf_taking_the_gpu(tf_gpu, np_):
     r = run_mpi(worker("tf_gpu_memory.py"), np_, args=["after_init"], env=ENV, timeout=300, check=False)
