@@ -34,6 +34,15 @@ namespace {
 // cost of one cache-line transfer between cores many times over; beyond that
 // the peer is probably descheduled (ranks may outnumber cores) and yielding
 // lets it run.
+// Measured against a longer spin (a pause loop of W us before the first yield;
+// 2-core VM, 2 ranks, one busy-looping process beside them, 2026-12-07): the
+// bare communicator's 2 MiB allreduce (benchmarks/cpu_communicator_bench.py,
+// nvgroup path) took 2.4-3.2 ms with this spin and 0.9-1.3 ms with W = 200 us,
+// as fast as MPI_Allreduce, but the engine's step
+// (benchmarks/cpu_engine_step_bench.py, grouped) went from 1.3-1.7 ms to
+// 1.9-2.3 ms with W = 200 us and to 12 ms with W = 1 s (not traced; a
+// spinning engine thread presumably keeps a core its peer needs). Quiet, the
+// engine's step was the same or slower with W = 200 us.
 constexpr int kSpinsBeforeYield = 256;
 
 std::atomic<uint64_t> g_segment_counter{0};
