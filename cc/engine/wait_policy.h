@@ -161,6 +161,11 @@ constexpr double kBusyPollS = 50e-6;
 // find the core free: YieldUncontended). A peer slightly behind (its caller's
 // submission came later, or its thread waited for a core) joins within it;
 // longer yield-polling took CPU from the peers on an oversubscribed host.
+// Polling through contention is worse: busy-polling without yields up to here
+// (2-core VM, 2 ranks, one busy-looping process beside them, 2026-12-07,
+// benchmarks/cpu_engine_step_bench.py, 3 alternated launches) made the grouped
+// step 1000 -> 1343, 771 -> 1658 and 1020 -> 2220 us, and also spinning 200 us
+// in the shared-memory barriers (cc/transport/shm_group.cc) slower still.
 constexpr double kInFlightYieldPollS = 250e-6;
 // Then sleeps, growing from 1 us: steps up to kMinMaxSleepUs, and in a long
 // wait up to kLateFraction of the time waited so far (at most kMaxSleepUs),
