@@ -115,13 +115,15 @@ Status CudaCommunicator::AllreduceOnWork(const void* in, void* out, size_t count
 Status CudaCommunicator::AllreducePiece(const void* in, void* out, size_t count, bool in_registered,
                                         size_t offset, DataType dtype, ReduceOp op) {
   const bool flat = group_.topo.group_count == 1 && !force_hierarchy_;
-  if (!flat && !in_registered) {  // the skeleton starts from the registered buffer
+  // The skeleton of a group of several GPUs starts from the registered buffer
+  // (its peers read it); a group of one reads `in` itself (DevicePrimitives).
+  if (!flat && !in_registered && group_.topo.group_size > 1) {
     NVG_CUDA_CHECK(cudaMemcpyAsync(registered_buffer(), in, count * DataTypeSize(dtype),
                                    cudaMemcpyDeviceToDevice, work_));
     in = registered_buffer();
     in_registered = true;
   }
-  DevicePrimitives prims(&group_, in, in_registered, offset, dtype, op, work_);
+  DevicePrimitives prims(&group_, in, in_registered, offset, out, dtype, op, work_);
   NVG_RETURN_IF_ERROR(RunHierarchicalAllreduce(prims, count, out, chunking_, force_hierarchy_));
   return Status::Ok();
 }

@@ -14,7 +14,12 @@
 // Cross step, host-staged (MPI not CUDA-aware), chunk c with k = c % 2:
 //   CrossStart: cross_stream (the D2H stream) waits for reduce_scattered[k]
 //     (the RS kernel of c), copies the slice into pinned host_send[k],
-//     records staged[k]; queues the job.
+//     records staged[k]; queues the job. The slice is our slice of the chunk
+//     in the registered buffer; in a group of one GPU it is the whole chunk,
+//     read from the call's input, and the copy back below writes the chunk
+//     of the call's output (nothing goes through the registered buffer: no
+//     copy in, no GroupAllgather copy out; reduce_scattered[k] is recorded
+//     all the same, after the work that produced the input).
 //   the exchange (Note [Cross exchange protocol] in
 //     cc/algorithms/cross_exchange.h; progressed by the caller inside
 //     CrossFinish, else by the progress thread): once staged[k] completed
@@ -27,7 +32,8 @@
 //     h2d_stream and records returned[k].
 //   CrossFinish: waits for the job, then the caller's stream waits for
 //     returned[k], so the AG kernel of c (whose start barrier is what lets the
-//     peers read our slice) runs after the copy landed.
+//     peers read our slice) runs after the copy landed, and in a group of one
+//     the caller's later work sees the chunk of `out`.
 // Each event is recorded by one thread and polled or waited by the others
 // only after that record: staged[k] is recorded in CrossStart before the job
 // is queued (the queue's mutex orders the record before the first query), returned[k] in `done` before the job finishes (Wait's acquire
@@ -45,7 +51,8 @@
 // once for both primitives types (StageCrossJob in device_primitives_cuda.cc);
 // the jobs in flight are kept by CrossJobs (cc/algorithms/cross_exchange.h).
 // CUDA-aware MPI (MPIX_Query_cuda_support): the same job on device memory:
-// send = result = the slice, recv = device_recv[k]; ready = reduce_scattered[k]
+// send = result = the slice (a group of one: send = the chunk of `in`, result
+// = the chunk of `out`), recv = device_recv[k]; ready = reduce_scattered[k]
 // completed; the fold is the device fold kernel on fold_stream, synchronized
 // before the allgather round; nothing to copy back.
 // The kernels run on the communicator's own stream (Note [Internal stream] in
@@ -139,9 +146,13 @@ class DevicePrimitives {
  public:
   // `in` is the call's input: in the registered buffer at `registered_offset`
   // bytes (then `in_registered`), or any device pointer (one-shot and two-shot
-  // copy it in inside the kernel; the hierarchical path copies it first).
+  // copy it in inside the kernel; the hierarchical path of a group of several
+  // GPUs copies it in first). `out` is the call's output (GroupAllgather's).
+  // A group of one GPU serves no peer from the registered buffer: its cross
+  // step reads each chunk from `in` and writes the result into `out`
+  // (CrossStart), and GroupAllgather has nothing left to do.
   DevicePrimitives(DeviceGroup* group, const void* in, bool in_registered, size_t registered_offset,
-                   DataType dtype, ReduceOp op, cudaStream_t stream);
+                   void* out, DataType dtype, ReduceOp op, cudaStream_t stream);
 
   const Topology& topology() const { return group_->topo; }
   size_t element_size() const { return esize_; }
@@ -159,6 +170,7 @@ class DevicePrimitives {
   const void* in_;
   bool in_registered_;
   size_t registered_offset_;
+  void* out_;
   DataType dtype_;
   ReduceOp op_;
   size_t esize_;

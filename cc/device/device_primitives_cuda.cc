@@ -11,11 +11,13 @@
 namespace nvgroup {
 
 DevicePrimitives::DevicePrimitives(DeviceGroup* group, const void* in, bool in_registered,
-                                   size_t registered_offset, DataType dtype, ReduceOp op, cudaStream_t stream)
+                                   size_t registered_offset, void* out, DataType dtype, ReduceOp op,
+                                   cudaStream_t stream)
     : group_(group),
       in_(in),
       in_registered_(in_registered),
       registered_offset_(registered_offset),
+      out_(out),
       dtype_(dtype),
       op_(op),
       esize_(DataTypeSize(dtype)),
@@ -191,6 +193,10 @@ Status DevicePrimitives::CrossStart(const ChunkSlices& chunk) {
   const int divisor = op_ == ReduceOp::kAverage ? topo.size : 1;
   if (topo.group_count == 1)  // forced hierarchy on one group: only the division is left
     return divisor > 1 ? LaunchFoldSources(slice, 1, slice, n, dtype_, op_, divisor, stream_) : Status::Ok();
+  // A group of one: the chunk goes from `in` to `out` (see the constructor).
+  const bool group_of_one = topo.group_size == 1;
+  const char* send = group_of_one ? static_cast<const char*>(in_) + chunk.offset * esize_ : slice;
+  char* result = group_of_one ? static_cast<char*>(out_) + chunk.offset * esize_ : slice;
 
   const size_t bytes = n * esize_;
   if (group_->cross == nullptr || bytes > group_->slice_capacity ||
@@ -203,7 +209,7 @@ Status DevicePrimitives::CrossStart(const ChunkSlices& chunk) {
   CrossExchange::Job job;
   job.count = n;
   job.element_size = esize_;
-  NVG_RETURN_IF_ERROR(StageCrossJob(group_, static_cast<int>(chunk.index % 2), slice, bytes, slice, bytes,
+  NVG_RETURN_IF_ERROR(StageCrossJob(group_, static_cast<int>(chunk.index % 2), send, bytes, result, bytes,
                                     dtype_, op_, divisor, &job));
   return jobs_.Start(chunk.index, std::move(job));
 }
@@ -221,12 +227,9 @@ Status DevicePrimitives::CrossFinish(const ChunkSlices& chunk) {
 
 Status DevicePrimitives::GroupAllgather(const ChunkSlices& chunk, void* out) {
   char* dst = static_cast<char*>(out) + chunk.offset * esize_;
-  if (group_->topo.group_size == 1) {
-    const char* src = Registered(0) + chunk.offset * esize_;
-    if (src != dst)
-      NVG_CUDA_CHECK(cudaMemcpyAsync(dst, src, chunk.count * esize_, cudaMemcpyDeviceToDevice, stream_));
-    return Status::Ok();
-  }
+  if (out != out_) return Status::Internal("group allgather into another output than the call's");
+  // A group of one: the cross step already wrote the chunk of `out` (CrossStart).
+  if (group_->topo.group_size == 1) return Status::Ok();
   P2pLaunch a = BaseLaunch(chunk.count, group_->tuning.twoshot_blocks);
   for (int p = 0; p < a.group_size; ++p) a.peers.data[p] += chunk.offset * esize_;
   a.out = dst;
