@@ -137,9 +137,13 @@ CrossExchange::~CrossExchange() {
   }
 }
 
+size_t CrossExchange::AllgatherLimitBytes(size_t allgather_max_bytes, int peers) {
+  return peers == 2 ? 2 * allgather_max_bytes : allgather_max_bytes;
+}
+
 CrossExchange::Variant CrossExchange::VariantFor(size_t count, size_t element_size) const {
   const size_t allgather_sends = count * element_size * static_cast<size_t>(peers_ - 1);
-  return allgather_max_bytes_ > 0 && allgather_sends <= allgather_max_bytes_
+  return allgather_max_bytes_ > 0 && allgather_sends <= AllgatherLimitBytes(allgather_max_bytes_, peers_)
              ? Variant::kAllgatherFold
              : Variant::kReduceScatterAllgather;
 }
@@ -152,8 +156,9 @@ size_t CrossExchange::RecvBytes(size_t count, size_t element_size) const {
 size_t CrossExchange::MaxRecvBytes(size_t max_slice_bytes) const {
   // Reduce-scatter: P parts of at most ceil(n / P) rounded up to 16 bytes.
   const size_t scatter = max_slice_bytes + 16 * static_cast<size_t>(peers_);
-  const size_t largest_allgather = peers_ > 1 ? std::min(max_slice_bytes, allgather_max_bytes_ / (peers_ - 1))
-                                              : max_slice_bytes;
+  const size_t largest_allgather =
+      peers_ > 1 ? std::min(max_slice_bytes, AllgatherLimitBytes(allgather_max_bytes_, peers_) / (peers_ - 1))
+                 : max_slice_bytes;
   return std::max(scatter, largest_allgather * peers_);
 }
 

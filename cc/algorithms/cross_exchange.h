@@ -28,7 +28,8 @@
 //        peer, theirs into their place.
 //    Each peer sends (P-1)/P of the slice in each round, 2 (P-1)/P in all.
 //  * Allgather + fold (latency-optimal, one round), for slices whose (P-1)
-//    copies are at most Options::allgather_max_bytes:
+//    copies are at most Options::allgather_max_bytes (twice that for P = 2:
+//    AllgatherLimitBytes):
 //     1. allgather round: every peer's whole slice to every peer (`send` ->
 //        `recv`, the other peers' slices);
 //     2. fold: the P slices, in peer order, into the whole of `result`.
@@ -184,6 +185,17 @@ class CrossExchange {
   int peer_index() const { return me_; }
   // The variant of a slice of `count` elements (the same on every peer).
   Variant VariantFor(size_t count, size_t element_size) const;
+  // The most bytes a slice's allgather may send in all ((P - 1) slices) for
+  // the slice to take the one-round variant, given Options::allgather_max_bytes
+  // and P peers: twice the setting with two peers, where both variants send the
+  // same bytes (one slice in one round, or two halves in two rounds), so the
+  // one round costs only the fold of the other half; the setting itself with
+  // more peers, where the allgather sends P/2 times the bytes. Measured on one
+  // H100, 2-4 ranks sharing it as groups of 1 (cross_step_bench's allgather
+  // and rsag columns, 2026-12-07, 6 runs at 2 ranks, 4 at 3, 2 at 4): a 64 KiB
+  // slice took 5-15% less by the allgather with 2 peers and 4-14% more with 3
+  // and 4; a 256 KiB one between 1% less and 6% more with 2.
+  static size_t AllgatherLimitBytes(size_t allgather_max_bytes, int peers);
   // Scratch `recv` needs for a slice of `count` elements (room for P copies
   // in peer order; on host memory our own slot is left unused).
   size_t RecvBytes(size_t count, size_t element_size) const;

@@ -131,10 +131,10 @@ std::vector<Setting> MakeSettings() {
     return PositiveSizeInto(n, v, &k->pipeline_min_chunk);
   }, +[](const K& k) { return std::to_string(k.pipeline_min_chunk); }},
       {"NVGROUP_CROSS_ALLGATHER_MAX_BYTES", S::kAgreed, "bytes", "32768 (32 KiB)", "engine", "",
-       "Cross-group step between NV-groups: a slice whose allgather sends at most this many bytes to each "
-       "peer ((groups - 1) x the slice) is exchanged in one allgather and folded locally; larger ones by "
-       "reduce-scatter + allgather. 0 always takes reduce-scatter + allgather. Results are the same bits "
-       "either way.",
+       "Cross-group step between NV-groups: a slice whose allgather sends at most this many bytes in all "
+       "((groups - 1) x the slice; with two groups twice this many, as both ways send the same bytes there) "
+       "is exchanged in one allgather and folded locally; larger ones by reduce-scatter + allgather. 0 "
+       "always takes reduce-scatter + allgather. Results are the same bits either way.",
        +[](const char* n, const std::string& v, K* k) {
     return SizeInto(n, v, &k->cross_allgather_max_bytes);
   }, +[](const K& k) { return std::to_string(k.cross_allgather_max_bytes); }},

@@ -44,7 +44,9 @@ struct Knobs {
   // host (cross_step_bench's allgather and rsag columns, H200 and H100, 5
   // runs, docs/PERFORMANCE.md) a 64 KiB message took 5-17% less by the
   // allgather with 2 ranks (32 KiB to the one peer), 10-40% more with 4
-  // (48 KiB: 3 x 16 KiB), 3 ranks (43.7 KiB) either way: hence 32 KiB.
+  // (48 KiB: 3 x 16 KiB), 3 ranks (43.7 KiB) either way: hence 32 KiB. With
+  // two groups the limit is twice this (CrossExchange::AllgatherLimitBytes:
+  // both variants send the same bytes there).
   size_t cross_allgather_max_bytes = 32u << 10;
   // "auto" (hierarchical when it applies), "mpi" (flat MPI reference path),
   // "hierarchical" (force the NV-group skeleton even with one group).

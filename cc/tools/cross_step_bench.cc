@@ -104,8 +104,8 @@ double IdealCrossBytes(const Topology& t, const Knobs& k, size_t capacity, size_
       ch.element_size = es;
       const double slice = static_cast<double>(ch.SliceCount(t.group_rank) * es);
       ++*chunks;
-      if (k.cross_allgather_max_bytes > 0 &&
-          (p - 1) * slice <= static_cast<double>(k.cross_allgather_max_bytes))
+      const size_t limit = CrossExchange::AllgatherLimitBytes(k.cross_allgather_max_bytes, t.group_count);
+      if (k.cross_allgather_max_bytes > 0 && (p - 1) * slice <= static_cast<double>(limit))
         ideal += (p - 1) * slice;
       else ideal += 2 * (p - 1) / p * slice;
     }

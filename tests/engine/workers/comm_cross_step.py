@@ -14,7 +14,8 @@ for every dtype/op/count; random data match the float64 reference within the
 fold-order tolerance and are bitwise identical on all ranks; and the bytes this
 rank posted in cross exchanges (engine.cross_bytes_sent) by a hierarchical call equal, call by call,
 the count of the skeleton's geometry recomputed here: per chunk, for a slice
-whose (P-1) copies exceed ALLGATHER_MAX (NVGROUP_CROSS_ALLGATHER_MAX_BYTES) the
+whose (P-1) copies exceed ALLGATHER_MAX (NVGROUP_CROSS_ALLGATHER_MAX_BYTES; twice that
+for P = 2) the
 reduce-scatter + allgather count (the peers' parts of our slice plus (P-1)
 copies of our own part), else (P-1) copies of the slice (allgather + fold).
 """
@@ -68,7 +69,8 @@ def expected_cross_bytes(topo, count, esize):
             s = split(min(chunk_elems, n - c0), g, esize)[me]
             if s == 0:
                 continue
-            if (p - 1) * s * esize <= ALLGATHER_MAX:
+            # two peers: twice the setting (both variants send the same bytes there)
+            if (p - 1) * s * esize <= (2 * ALLGATHER_MAX if p == 2 else ALLGATHER_MAX):
                 total += (p - 1) * s * esize
                 ideal += (p - 1) * s * esize
                 continue
