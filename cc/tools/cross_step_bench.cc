@@ -186,9 +186,11 @@ int main(int argc, char** argv) {
     std::printf("# cross_step_bench: %d ranks, %d groups of %d, MPI_THREAD_MULTIPLE=%d, cross step %s\n",
                 t.size, t.group_count, t.group_size, provided == MPI_THREAD_MULTIPLE,
                 cuda_aware ? "on device buffers (CUDA-aware MPI)" : "host-staged (pinned, double-buffered)");
-    std::printf("# %s, %s, commit %s; chunk %zu B, min chunk %zu B, allgather up to %zu B per peer\n",
-                machine, date, commit.c_str(), knobs.pipeline_chunk, knobs.pipeline_min_chunk,
-                knobs.cross_allgather_max_bytes);
+    std::printf(
+        "# %s, %s, commit %s; chunk %zu B, min chunk %zu B, allgather of slices whose copies are at most "
+        "%zu B\n",
+        machine, date, commit.c_str(), knobs.pipeline_chunk, knobs.pipeline_min_chunk,
+        CrossExchange::AllgatherLimitBytes(knobs.cross_allgather_max_bytes, t.group_count));
     std::printf("# mean us per call, max over ranks, median of %d rounds%12s", kRounds, "");
     for (const Config& c : configs) std::printf(" %12s", c.name);
     std::printf(" %12s  staged/nvgroup\n", "staged-mpi");
