@@ -12,6 +12,7 @@ namespace nvgroup {
 namespace {
 
 std::atomic<uint64_t> g_bytes_sent{0};
+std::atomic<uint64_t> g_allgather_jobs{0};
 
 // The polling schedule of Note [Cross exchange protocol]: back-to-back polls
 // for this long after the last movement, then each poll yields the core. A
@@ -99,6 +100,7 @@ struct CrossExchange::Active {
 };
 
 uint64_t CrossExchange::BytesSent() { return g_bytes_sent.load(std::memory_order_relaxed); }
+uint64_t CrossExchange::AllgatherJobs() { return g_allgather_jobs.load(std::memory_order_relaxed); }
 
 StatusOr<std::unique_ptr<CrossExchange>> CrossExchange::Create(MPI_Comm cross, Options options) {
   std::unique_ptr<CrossExchange> x(new CrossExchange());
@@ -177,6 +179,7 @@ Status CrossExchange::Start(Job job, uint64_t* ticket) {
   a->recv_displs.resize(P);
   if (VariantFor(a->job.count, es) == Variant::kAllgatherFold) {
     a->kind = Active::kAllgatherFold;
+    g_allgather_jobs.fetch_add(1, std::memory_order_relaxed);
     const int slice = static_cast<int>(a->job.count * es);
     for (int p = 0; p < P; ++p) {
       a->send_bytes[p] = slice;

@@ -234,6 +234,9 @@ class CrossExchange {
   // (none for a reduce-scatter-only job); per allgather + fold job (P-1)
   // times the slice.
   static uint64_t BytesSent();
+  // Jobs this process started as allgather + fold (all exchanges of the
+  // process), for tests of the variant choice.
+  static uint64_t AllgatherJobs();
 
  private:
   struct Active;

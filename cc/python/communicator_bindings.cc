@@ -162,6 +162,9 @@ void RegisterCommunicatorBindings(py::module_& m) {
   // Bytes this process posted to other ranks in cross-group exchanges
   // (cc/algorithms/cross_exchange.h), for tests of the traffic volume.
   m.def("cross_bytes_sent", [] { return CrossExchange::BytesSent(); });
+  // Cross-group jobs this process started as allgather + fold
+  // (CrossExchange::VariantFor), for tests of the variant choice.
+  m.def("cross_allgather_jobs", [] { return CrossExchange::AllgatherJobs(); });
   // The hierarchical reduce-scatter's plan for the rank (group_index,
   // group_rank), pure geometry (cc/algorithms/hierarchical_reduce_scatter.h),
   // for tests of placements one machine cannot produce (groups of ranks that

@@ -12,12 +12,15 @@ pieces of many pipelined chunks (two chunks in the cross step at a time).
 Checks: dyadic data (sums exact in any order) give the flat result bit for bit
 for every dtype/op/count; random data match the float64 reference within the
 fold-order tolerance and are bitwise identical on all ranks; and the bytes this
-rank posted in cross exchanges (engine.cross_bytes_sent) by a hierarchical call equal, call by call,
-the count of the skeleton's geometry recomputed here: per chunk, for a slice
-whose (P-1) copies exceed ALLGATHER_MAX (NVGROUP_CROSS_ALLGATHER_MAX_BYTES; twice that
-for P = 2) the
-reduce-scatter + allgather count (the peers' parts of our slice plus (P-1)
-copies of our own part), else (P-1) copies of the slice (allgather + fold).
+rank posted in cross exchanges (engine.cross_bytes_sent) and the cross jobs it
+started as allgather + fold (engine.cross_allgather_jobs) by a hierarchical
+call equal, call by call, the counts of the skeleton's geometry recomputed
+here: per chunk, for a slice whose (P-1) copies exceed ALLGATHER_MAX
+(NVGROUP_CROSS_ALLGATHER_MAX_BYTES; twice that for P = 2) the reduce-scatter +
+allgather count (the peers' parts of our slice plus (P-1) copies of our own
+part), else (P-1) copies of the slice (allgather + fold). With P = 2 both
+counts of bytes are the same, so there only the job count tells the variants
+apart.
 """
 import os
 import sys
@@ -56,10 +59,10 @@ def expected_cross_bytes(topo, count, esize):
     """Bytes one allreduce of `count` elements makes this rank post in cross
     steps, and the ideal of its variants without the geometry's rounding:
     2 (P-1)/P of each slice by reduce-scatter + allgather, (P-1) slices by
-    allgather + fold."""
+    allgather + fold; and how many of its cross jobs take allgather + fold."""
     g, p = topo["group_size"], topo["group_count"]
     me, peer = topo["group_rank"], topo["group_index"]
-    total = ideal = 0
+    total = ideal = allgather_jobs = 0
     piece_elems = REGISTERED // esize  # numpy inputs are outside the registered buffer
     for first in range(0, count, piece_elems):
         n = min(piece_elems, count - first)
@@ -73,11 +76,12 @@ def expected_cross_bytes(topo, count, esize):
             if (p - 1) * s * esize <= (2 * ALLGATHER_MAX if p == 2 else ALLGATHER_MAX):
                 total += (p - 1) * s * esize
                 ideal += (p - 1) * s * esize
+                allgather_jobs += 1
                 continue
             parts = split(s, p, esize)
             total += sum(parts[q] for q in range(p) if q != peer) * esize + (p - 1) * parts[peer] * esize
             ideal += 2 * (p - 1) / p * s * esize
-    return total, ideal
+    return total, ideal, allgather_jobs
 
 
 def main():
@@ -87,17 +91,23 @@ def main():
     check.expect((topo["g1"]["group_count"], topo["g2"]["group_count"]) == (4, 2),
                  "unexpected group counts %s" % {k: t["group_count"] for k, t in topo.items()})
     bytes_total = {"g1": [0, 0], "g2": [0, 0]}  # measured, the variants' ideal
+    allgather_total = {"g1": 0, "g2": 0}
 
     def run(name, x, dtype, op, label):
         out = np.empty_like(x)
         before = cc.engine.cross_bytes_sent()
+        jobs_before = cc.engine.cross_allgather_jobs()
         comms[name].allreduce(x.ctypes.data, out.ctypes.data, x.size, dtype, op)
         sent = cc.engine.cross_bytes_sent() - before
+        allgather_jobs = cc.engine.cross_allgather_jobs() - jobs_before
         # the flat path is itself a cross exchange over all ranks (FlatAllreduce): its
         # bytes follow its own piece geometry, not the skeleton's; only the hierarchy is counted
         if name != "flat":
-            want, ideal = expected_cross_bytes(topo[name], x.size, ESIZE[dtype])
+            want, ideal, want_jobs = expected_cross_bytes(topo[name], x.size, ESIZE[dtype])
             check.expect(sent == want, "%s %s: posted %d cross bytes, want %d" % (label, name, sent, want))
+            check.expect(allgather_jobs == want_jobs, "%s %s: %d cross jobs by allgather + fold, want %d"
+                         % (label, name, allgather_jobs, want_jobs))
+            allgather_total[name] += allgather_jobs
             bytes_total[name][0] += sent
             bytes_total[name][1] += ideal
         return out
@@ -131,7 +141,11 @@ def main():
         if cc.RANK == 0:
             print("%s: %d cross bytes posted by rank 0 (ideal of the variants: %.0f)"
                   % (name, got, ideal), flush=True)
+    # Both variants ran at each group count (the launch covers both sides of the limit).
+    for name, jobs in allgather_total.items():
+        check.expect(jobs > 0, "%s: no cross job took allgather + fold" % name)
     if cc.RANK == 0:
+        print("cross jobs by allgather + fold on rank 0: %s" % allgather_total, flush=True)
         levels = {cc.MPI.THREAD_MULTIPLE: "multiple", cc.MPI.THREAD_SERIALIZED: "serialized"}
         print("MPI thread level: %s" % levels.get(cc.MPI.Query_thread(), "other"), flush=True)
     check.finish()
