@@ -194,6 +194,8 @@ Status DevicePrimitives::CrossStart(const ChunkSlices& chunk) {
   if (topo.group_count == 1)  // forced hierarchy on one group: only the division is left
     return divisor > 1 ? LaunchFoldSources(slice, 1, slice, n, dtype_, op_, divisor, stream_) : Status::Ok();
   // A group of one: the chunk goes from `in` to `out` (see the constructor).
+  // It always has other groups here: with one group it would be one rank,
+  // whose allreduce returns before the skeleton (AllreduceOnWork).
   const bool group_of_one = topo.group_size == 1;
   const char* send = group_of_one ? static_cast<const char*>(in_) + chunk.offset * esize_ : slice;
   char* result = group_of_one ? static_cast<char*>(out_) + chunk.offset * esize_ : slice;
