@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the GPU tools (allreduce_check, allreduce_perf, engine_perf,
-# p2p_bandwidth, cross_step_bench) from the
+# p2p_bandwidth, cross_step_bench, copy_bench) from the
 # engine's sources: nvcc for cc/kernels/*.cu, g++ for the rest, linked with
 # Open MPI and cudart. setup.py builds libraries, not binaries, hence this.
 # Usage: scripts/device/build_tools.sh [build_dir] [jobs]
@@ -33,16 +33,16 @@ compile() {  # src -> $BUILD/<flattened>.o, only when stale
 }
 export -f compile
 export BUILD CXXFLAGS NVFLAGS
-printf '%s\n' $CU_SRCS $ENGINE_SRCS $CUDA_CC_SRCS cc/tools/round_kernels.cu cc/tools/allreduce_check.cc cc/tools/allreduce_perf.cc cc/tools/engine_perf.cc cc/tools/cross_step_bench.cc | sort -u |
+printf '%s\n' $CU_SRCS $ENGINE_SRCS $CUDA_CC_SRCS cc/tools/round_kernels.cu cc/tools/allreduce_check.cc cc/tools/allreduce_perf.cc cc/tools/engine_perf.cc cc/tools/cross_step_bench.cc cc/tools/copy_bench.cc | sort -u |
   xargs -P "$JOBS" -I{} bash -c 'compile {}'
 LIB_OBJS=""
 for s in $CU_SRCS $HOST_SRCS $CUDA_CC_SRCS; do LIB_OBJS+=" $BUILD/$(echo "$s" | tr / _).o"; done
 g++ -o "$BUILD/allreduce_check" "$BUILD/cc_tools_allreduce_check.cc.o" "$BUILD/cc_tools_round_kernels.cu.o" $LIB_OBJS $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt
-for tool in allreduce_perf cross_step_bench; do
+for tool in allreduce_perf cross_step_bench copy_bench; do
   g++ -o "$BUILD/$tool" "$BUILD/cc_tools_$tool.cc.o" $LIB_OBJS $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt
 done
 ENGINE_OBJS=""
 for s in $CU_SRCS $ENGINE_SRCS $CUDA_CC_SRCS; do ENGINE_OBJS+=" $BUILD/$(echo "$s" | tr / _).o"; done
 g++ -o "$BUILD/engine_perf" "$BUILD/cc_tools_engine_perf.cc.o" $ENGINE_OBJS $MPI_LINK -L"$CUDA_HOME/lib64" -lcudart -ldl -lpthread -lrt
 nvcc $NVFLAGS -o "$BUILD/p2p_bandwidth" cc/tools/p2p_bandwidth.cu
-echo "built $BUILD/allreduce_check $BUILD/allreduce_perf $BUILD/cross_step_bench $BUILD/engine_perf $BUILD/p2p_bandwidth"
+echo "built $BUILD/allreduce_check $BUILD/allreduce_perf $BUILD/cross_step_bench $BUILD/copy_bench $BUILD/engine_perf $BUILD/p2p_bandwidth"
