@@ -3,6 +3,8 @@
 // `done` runs exactly once.
 #include "engine/completion.h"
 
+#include <chrono>
+
 #include "common/checks.h"
 #include "common/logging.h"
 #include "common/thread_setup.h"
@@ -24,8 +26,29 @@ void Finalizer::Add(Job job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     jobs_.push_back(std::move(job));
+    added_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_one();
+}
+
+// After a job, the finalizer polls for the next one before it sleeps (Note
+// [Waiting for a lock-step caller], wait_policy.h): in lock-step the next
+// bucket's job, or the next step's first, follows within kExpectWorkS, and a
+// finalizer asleep on its condition variable starts it only after the
+// futex wake-up (9 us from Add to the job's start on an H100 host, 1 rank, a
+// 74 us step: docs/PERFORMANCE.md). Each poll yields the core, and a yield
+// that found the core taken ends the polling (YieldUncontended): on a busy
+// host the finalizer sleeps at once.
+bool Finalizer::PollForJob() {
+  using Clock = std::chrono::steady_clock;
+  const size_t seen = added_.load(std::memory_order_acquire);
+  const Clock::time_point until =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kExpectWorkS));
+  while (Clock::now() < until) {
+    if (added_.load(std::memory_order_acquire) != seen) return true;
+    if (!YieldUncontended()) return false;
+  }
+  return false;
 }
 
 void Finalizer::Run() {
@@ -37,8 +60,13 @@ void Finalizer::Run() {
     if (jobs_.empty()) return;  // stop_ and drained
     Job job = std::move(jobs_.front());
     jobs_.pop_front();
+    const bool more = !jobs_.empty();
     lock.unlock();
     job();
+    job = nullptr;  // the job's captures (callbacks, events) go before the poll
+    // A job added meanwhile is taken at once; else poll for one (stop_ is
+    // read under the lock, by the wait above).
+    if (!more) PollForJob();
     lock.lock();
   }
 }
@@ -135,8 +163,9 @@ void Completion::CompleteAfterStream(Communicator* comm, const std::vector<Tenso
   bool any_early = false;
   for (TensorEntry* e : done) {
     CollectiveRequest& q = e->request;
-    if (e->registered_group != 0) {
-      callbacks.push_back({std::string(), std::move(q.done), false});
+    if (e->registered_group != 0 && e->launch != nullptr) {
+      // Its `done` is RegisteredLaunch::MemberDone{e->launch}: the run
+      // completes the bucket's members of the launch with one count below.
       q.done = nullptr;
       if (runs.empty() || runs.back().launch != e->launch)
         runs.push_back({e->registered_group, e->launch, 0, false});
@@ -193,6 +222,15 @@ void Completion::CompleteAfterStream(Communicator* comm, const std::vector<Tenso
         c.done(s);
       } catch (...) {
         NVG_LOG(kError) << "the done callback of '" << c.name << "' threw; ignored";
+      }
+    }
+    // Last: a launch's `done` may run here (the caller may then register,
+    // launch or shut down at once).
+    for (const RegisteredRun& run : runs) {
+      try {
+        run.launch->CompleteMembers(s, static_cast<uint32_t>(run.members));
+      } catch (...) {
+        NVG_LOG(kError) << "the done callback of registered group " << run.group << " threw; ignored";
       }
     }
   });

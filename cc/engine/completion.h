@@ -39,9 +39,13 @@ class Finalizer {
 
  private:
   void Run();
+  // Polls for the next job up to kExpectWorkS after the last one ended
+  // (Note [Waiting for a lock-step caller], wait_policy.h); false: sleep.
+  bool PollForJob();
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> jobs_;
+  std::atomic<size_t> added_{0};  // jobs ever added (Add, under mu_); read by PollForJob without it
   bool stop_ = false;
   std::thread thread_;  // last: starts after the members it uses exist
 };

@@ -24,7 +24,8 @@
 // Per launch remain: one registry lookup, one RegisteredLaunch, the
 // per-member pointer writes and checks, and one queue push; in the engine
 // the plan's per-member work (the fused copies' member list) and one count
-// down per member. Completion events are announced to the launch once per
+// down per bucket for its members (Completion::CompleteAfterStream; a member
+// completed alone, on a path below, counts itself down through MemberDone). Completion events are announced to the launch once per
 // bucket, and its `done` runs once. Anything unusual (the first launch, a
 // negotiation round, a join, a stall) takes the entries one by one, exactly
 // as EnqueueGroup's (the pool then copies its model for the next launch).
@@ -59,9 +60,9 @@ class RegisteredGroups {
  private:
   struct Group {
     std::weak_ptr<Engine> engine;  // its process set's; expired once that engine stopped
-    uint64_t group_id = 0;         // the members' group id (EnqueueGroup's)
+    uint64_t group_id = 0;  // the members' group id (EnqueueGroup's)
     std::shared_ptr<EntryPool> pool;
-    std::vector<char> has_data;    // per member: it has elements, so its pointers must not be null
+    std::vector<char> has_data;  // per member: it has elements, so its pointers must not be null
   };
   StatusOr<std::shared_ptr<const Group>> Find(uint64_t handle) const;
 

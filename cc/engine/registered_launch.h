@@ -50,13 +50,17 @@ class RegisteredLaunch {
     if (announced_ == members_) completion_event_ready_(event);
   }
   // One member completed; the last runs `done` and deletes the launch.
-  void CompleteMember(const Status& status) {
+  void CompleteMember(const Status& status) { CompleteMembers(status, 1); }
+  // `count` members completed with `status` at once (a bucket's, on the
+  // finalizer: Completion::CompleteAfterStream), as `count` CompleteMember
+  // calls; the last of all runs `done` and deletes the launch.
+  void CompleteMembers(const Status& status, uint32_t count) {
     if (!status.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       if (first_error_.ok()) first_error_ = status;
     }
     // acq_rel: the last member sees every earlier member's error.
-    if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    if (remaining_.fetch_sub(count, std::memory_order_acq_rel) != count) return;
     Status result;
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -45,6 +45,10 @@ namespace nvgroup {
 //    as it happens; on a loaded host the poll would only take CPU from the
 //    threads that hold the core (the caller's own submitting thread among
 //    them), and a sleeper woken by a futex is scheduled at least as soon.
+//  * The finalizer (completion.h), which runs the done callbacks of CUDA
+//    buckets after their events, polls for its next job for kExpectWorkS
+//    after each one the same way (Finalizer::PollForJob), since in
+//    lock-step the next bucket's job follows within it.
 //  * The caller's wake-up comes first: after a bucket's done callbacks, which
 //    wake a caller blocked in wait()/wait_all(), the loop yields its core
 //    once (YieldToWokenCaller), so a caller woken onto this core runs before
