@@ -39,9 +39,8 @@ void Finalizer::Add(Job job) {
 // 74 us step: docs/PERFORMANCE.md). Each poll yields the core, and a yield
 // that found the core taken ends the polling (YieldUncontended): on a busy
 // host the finalizer sleeps at once.
-bool Finalizer::PollForJob() {
+bool Finalizer::PollForJob(size_t seen) {
   using Clock = std::chrono::steady_clock;
-  const size_t seen = added_.load(std::memory_order_acquire);
   const Clock::time_point until =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kExpectWorkS));
   while (Clock::now() < until) {
@@ -60,13 +59,16 @@ void Finalizer::Run() {
     if (jobs_.empty()) return;  // stop_ and drained
     Job job = std::move(jobs_.front());
     jobs_.pop_front();
+    // Jobs added up to now, read under the lock (Add counts under it): one
+    // added while this job runs changes it, so the poll below sees that job.
+    const size_t seen = added_.load(std::memory_order_relaxed);
     const bool more = !jobs_.empty();
     lock.unlock();
     job();
     job = nullptr;  // the job's captures (callbacks, events) go before the poll
-    // A job added meanwhile is taken at once; else poll for one (stop_ is
-    // read under the lock, by the wait above).
-    if (!more) PollForJob();
+    // A job queued behind this one is taken at once; else poll for one
+    // (stop_ is read under the lock, by the wait above).
+    if (!more) PollForJob(seen);
     lock.lock();
   }
 }

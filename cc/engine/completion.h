@@ -39,9 +39,9 @@ class Finalizer {
 
  private:
   void Run();
-  // Polls for the next job up to kExpectWorkS after the last one ended
-  // (Note [Waiting for a lock-step caller], wait_policy.h); false: sleep.
-  bool PollForJob();
+  // Polls up to kExpectWorkS for a job beyond the `seen` ever added (Note
+  // [Waiting for a lock-step caller], wait_policy.h); false: sleep.
+  bool PollForJob(size_t seen);
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> jobs_;

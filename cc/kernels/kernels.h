@@ -125,14 +125,12 @@ struct DeviceCopySpec {
   const void* src;
   void* dst;
   size_t count;        // elements
-  size_t first_block;  // its first range: the prefix sum of ranges over earlier copies
+  size_t first_block;  // prefix sum of blocks over earlier copies
 };
-// A copy descriptor's ranges: one per kCopyElemsPerBlock elements (a block
-// copies one range at a time; batched_copy.cu).
+// Blocks one copy descriptor gets per kCopyElemsPerBlock elements.
 constexpr size_t kCopyElemsPerBlock = 16384;
-// One launch for all `num_copies` descriptors (already on the device);
-// `total_blocks` is the range count: the last first_block + its own ranges.
-// The grid is at most the device's resident grid; each block loops over ranges.
+// One launch for all `num_copies` descriptors (already on the device); the
+// total block count is the last first_block + its own blocks.
 Status LaunchBatchedScaledCopy(const DeviceCopySpec* copies, size_t num_copies, size_t total_blocks,
                                DataType dtype, double scale, cudaStream_t stream);
 size_t CopyBlocksFor(size_t count);
