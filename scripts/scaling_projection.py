@@ -83,10 +83,14 @@ MEASURED = {
     "xla_exposed_share": {
         "mixed": [{"file": "benchmarks/results/xla_overlap_resnet50_mixed_h100x1_f0fe6e2.json", "commit": "f0fe6e2"},
                   {"file": "benchmarks/results/xla_overlap_resnet50_mixed_h100x1_f248d3f.json", "commit": "f248d3f"},
-                  {"file": "benchmarks/results/device_checks_h100x1_5cc5219/pair_mixed.json", "commit": "5cc5219"}],
+                  {"file": "benchmarks/results/device_checks_h100x1_5cc5219/pair_mixed.json", "commit": "5cc5219"},
+                  {"file": "benchmarks/results/device_checks_h100x1_5875006/pair_mixed.json", "commit": "5875006"}],
         "fp32": [{"file": "benchmarks/results/xla_overlap_resnet50_fp32_h100x1_f0fe6e2.json", "commit": "f0fe6e2"},
                  {"file": "benchmarks/results/xla_overlap_resnet50_fp32_h100x1_f248d3f.json", "commit": "f248d3f"},
-                 {"file": "benchmarks/results/device_checks_h100x1_5cc5219/pair_fp32.json", "commit": "5cc5219"}],
+                 {"file": "benchmarks/results/device_checks_h100x1_5cc5219/pair_fp32.json", "commit": "5cc5219"}]
+        + [{"file": "benchmarks/results/device_checks_h100x1_5875006/%s.json" % f, "commit": "5875006"}
+           for f in ("pair_fp32_reg1_1", "pair_fp32_reg0_1", "pair_fp32_reg1_2", "pair_fp32_reg0_2",
+                     "pair_fp32_d500")],
         "machine": "1 rank on one H100, its buckets through the engine, a simulated link delay per bucket "
                    "(NVGROUP_TEST_BUCKET_DELAY_US)",
         "note": "the start/done pair under XLA, Keras ResNet-50 224x224, 6 buckets per step"},
@@ -366,7 +370,7 @@ def main():
           "- Both ends expose the share of the buckets' time that the start/done pair left exposed in "
           "Keras ResNet-50 on one GPU, with a simulated link delay per bucket: a measured part, not a "
           "multi-node run (one GPU has no second group whose timing could interfere). The pessimistic "
-          "end adds the cross step's fixed cost measured on one shared H200 and the TF op's host cost. "
+          "end adds the cross step's fixed cost measured on one shared GPU (H100, with its ranks as groups of one) and the TF op's host cost. "
           "The last two columns keep the pessimistic inputs: the model's perfect overlap, and no overlap "
           "(`NVGROUP_XLA_START_DONE=0`: the single custom call orders all later work after each "
           "collective).",
