@@ -224,9 +224,11 @@ class TensorQueue {
   std::vector<Submission> queued_;
   std::chrono::steady_clock::time_point last_push_;
   // Pushes so far: a polled admission gap (WaitAndPop, without the lock)
-  // sees a new push by it changing; the lock orders what it then reads.
-  std::atomic<uint64_t> pushes_{0};
-  InFlightNames in_flight_;
+  // sees a new push by it changing; the lock orders what it then reads. On a
+  // cache line of its own, away from mu_ and what a push writes under it:
+  // the poll reads it continually while the caller pushes.
+  alignas(64) std::atomic<uint64_t> pushes_{0};
+  alignas(64) InFlightNames in_flight_;
   // Note [Registered names]: by group handle.
   struct Reservation {
     std::vector<std::string> names;
