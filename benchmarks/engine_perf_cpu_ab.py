@@ -52,6 +52,9 @@ def main():
     ap.add_argument("--png")
     args = ap.parse_args()
     builds = [t.split("=", 1) for t in args.tools]
+    for build in builds:
+        if len(build) != 2 or not os.path.isfile(os.path.join(build[1], "engine_perf")):
+            ap.error("--tools takes LABEL=TOOLS_DIR with TOOLS_DIR/engine_perf built, not %r" % "=".join(build))
     load_before = os.getloadavg()
     runs = {label: [] for label, _ in builds}
     for _ in range(args.reps):

@@ -13,6 +13,8 @@ import os
 def rows_of(path):
     with open(path) as f:
         d = json.load(f)
+    if d.get("benchmark") != "xla_overlap_bench":
+        raise SystemExit("%s is not an xla_overlap_bench JSON" % path)
     out = []
     for lowering, s in d["summary"].items():
         run = d["runs"][lowering][0]

@@ -36,7 +36,9 @@ void Finalizer::Add(Job job) {
 // bucket's job, or the next step's first, follows within kExpectWorkS, and a
 // finalizer asleep on its condition variable starts it only after the
 // futex wake-up (9 us from Add to the job's start on an H100 host, 1 rank, a
-// 74 us step: docs/PERFORMANCE.md). Each poll yields the core, and a yield
+// 74 us step: fin.queue_latency in benchmarks/results/
+// cross_step_groups_of_one_h100x1_9d5ee5a/engine_perf_1rank_probes.log).
+// Each poll yields the core, and a yield
 // that found the core taken ends the polling (YieldUncontended): on a busy
 // host the finalizer sleeps at once.
 bool Finalizer::PollForJob(size_t seen) {

@@ -25,8 +25,9 @@
 // per-member pointer writes and checks, and one queue push; in the engine
 // the plan's per-member work (the fused copies' member list) and one count
 // down per bucket for its members (Completion::CompleteAfterStream; a member
-// completed alone, on a path below, counts itself down through MemberDone). Completion events are announced to the launch once per
-// bucket, and its `done` runs once. Anything unusual (the first launch, a
+// completed alone, on a path below, counts itself down through MemberDone).
+// Completion events are announced to the launch once per bucket, and its
+// `done` runs once. Anything unusual (the first launch, a
 // negotiation round, a join, a stall) takes the entries one by one, exactly
 // as EnqueueGroup's (the pool then copies its model for the next launch).
 #pragma once

@@ -31,10 +31,11 @@
 //    straight into the members' outputs (no copy out) would need the two-shot
 //    kernel to take this descriptor list as its destination; not built.
 // Speed (tools/copy_bench, ResNet-50's 214 fp32 gradients, 102 MB, one H100,
-// 2026-12-07, 3 alternated runs): 80-81 us against 74-76 us for one
+// 2026-12-07, 3 alternated runs): 80-81 us against 73-76 us for one
 // cudaMemcpyAsync of the same arena (93% of the copy engine's rate). A grid
 // capped at the resident blocks looping over the ranges, with four 16-byte
-// units in flight per thread, took 86-89 us: one block per range stays.
+// units in flight per thread, took 86-89 us: one block per range stays
+// (benchmarks/results/copy_kernel_h100x1_d715aab/, device_checks_h100x1_5875006/).
 // Descriptor slots: a ring of kCopySlots pinned + device descriptor arrays;
 // the host reuses a slot only after the event recorded behind the launch that
 // read it (cudaEventSynchronize), so a slot is never rewritten under a kernel.

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -68,7 +69,14 @@ int main(int argc, char** argv) {
   // tool_common's Die reports through MPI; one process is its own world.
   NVG_TOOL_MPI(MPI_Init(&argc, &argv));
   if (argc < 2) Die("usage: copy_bench GRADIENT_TABLE [reps]");
-  const int reps = argc > 2 ? std::stoi(argv[2]) : 50;
+  int reps = 50;
+  if (argc > 2) {
+    char* end = nullptr;
+    const long parsed = std::strtol(argv[2], &end, 10);
+    if (end == argv[2] || *end != '\0' || parsed < 1 || parsed > 100000)
+      Die(std::string("reps must be a whole number in 1..100000, not '") + argv[2] + "'");
+    reps = static_cast<int>(parsed);
+  }
   std::ifstream table(argv[1]);
   if (!table) Die(std::string("cannot read ") + argv[1]);
   std::vector<size_t> counts;
