@@ -9,7 +9,8 @@
 # place, per tensor), then the same launched as a registered group
 # (`registered`, `registered_inplace`: RegisterGroup, the engine's persistent
 # groups) on 1 and NP ranks: for both trees when BASELINE has registered
-# groups, else for this tree only. Every run checks its outputs against float64
+# groups, else for this tree only. ENGINE_PERF_RANKS (default "1 NP") picks the
+# rank counts: ENGINE_PERF_RANKS=1 runs the 1-rank rows alone. Every run checks its outputs against float64
 # (engine_perf's `wrong`). Both trees are built with this tree's
 # cc/tools/engine_perf.cc (the harness: the same requests and timers on
 # both sides; the engine is what is compared).
@@ -23,6 +24,8 @@ BASE=${1:?usage: engine_perf_ab.sh BASELINE [REPS] [STEPS]}
 REPS=${2:-3}
 STEPS=${3:-50}
 NP=${NP_ONE_GPU:-2}
+# The rank counts to run (ENGINE_PERF_RANKS=1: the 1-rank rows only, a short device call with no MPS).
+RANKS=${ENGINE_PERF_RANKS:-"1 $NP"}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 TSV="$OUT/engine_perf_ab.tsv"
@@ -35,7 +38,7 @@ bash scripts/device/build_tools.sh build/tools "$(nproc)" > "$LOG" 2>&1 || { ech
 cp cc/tools/engine_perf.cc "$BASE/cc/tools/engine_perf.cc"
 (cd "$BASE" && bash scripts/device/build_tools.sh build/tools "$(nproc)") >> "$LOG" 2>&1 || { echo "!!! build failed ($BASE)"; tail -20 "$LOG"; exit 1; }
 
-start_mps || STATUS=1
+[[ " $RANKS " == " 1 " ]] || start_mps || STATUS=1
 
 printf 'tree\trep\tranks\tstyle\tus_per_step\twrong\n' > "$TSV"
 # An older baseline has no registered groups (engine_perf's `registered`
@@ -56,14 +59,20 @@ one() {  # tree-label tools-dir ranks style(grouped|registered|per_tensor, optio
   if [[ -z $us || $wrong != 0 ]]; then echo "!!! FAILED: $label $np ranks $style: '$line'"; STATUS=1; fi
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$label" "$rep" "$np" "$style" "${us:-nan}" "${wrong:-nan}" >> "$TSV"
 }
+plain=() registered=()
+for np in $RANKS; do
+  if (( np == 1 )); then plain+=("1 per_tensor" "1 grouped" "1 grouped_inplace")
+  else plain+=("$np grouped" "$np grouped_inplace" "$np per_tensor"); fi
+  registered+=("$np registered" "$np registered_inplace")
+done
 for rep in $(seq 1 "$REPS"); do
   echo "=== rep $rep ($(date -u +%H:%M:%S))"
-  for cfg in "1 per_tensor" "1 grouped" "1 grouped_inplace" "$NP grouped" "$NP grouped_inplace" "$NP per_tensor"; do
+  for cfg in "${plain[@]}"; do
     read -r np style <<< "$cfg"
     one baseline "$BASE/build/tools" "$np" "$style"
     one this build/tools "$np" "$style"
   done
-  for cfg in "1 registered" "1 registered_inplace" "$NP registered" "$NP registered_inplace"; do
+  for cfg in "${registered[@]}"; do
     read -r np style <<< "$cfg"
     (( BASE_REGISTERED )) && one baseline "$BASE/build/tools" "$np" "$style"
     one this build/tools "$np" "$style"
