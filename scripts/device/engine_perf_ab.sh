@@ -24,8 +24,15 @@ BASE=${1:?usage: engine_perf_ab.sh BASELINE [REPS] [STEPS]}
 REPS=${2:-3}
 STEPS=${3:-50}
 NP=${NP_ONE_GPU:-2}
+for pair in "REPS=$REPS" "STEPS=$STEPS" "NP_ONE_GPU=$NP"; do
+  [[ ${pair#*=} =~ ^[1-9][0-9]*$ ]] || { echo "${pair%%=*}: '${pair#*=}' is not a whole number from 1"; exit 2; }
+done
 # The rank counts to run (ENGINE_PERF_RANKS=1: the 1-rank rows only, a short device call with no MPS).
 RANKS=${ENGINE_PERF_RANKS:-"1 $NP"}
+for np in $RANKS; do
+  [[ $np =~ ^[1-9][0-9]*$ ]] || { echo "ENGINE_PERF_RANKS: '$np' is not a rank count (whole numbers from 1, e.g. \"1 2\")"; exit 2; }
+done
+[ -n "${RANKS// }" ] || { echo "ENGINE_PERF_RANKS is empty: give rank counts, e.g. \"1 2\""; exit 2; }
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 TSV="$OUT/engine_perf_ab.tsv"
