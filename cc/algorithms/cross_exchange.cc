@@ -34,34 +34,56 @@ ChunkSlices Parts(size_t count, int peers, size_t esize) {
   return parts;
 }
 
-// Posts one round of the exchange among the peers on `comm`: the receives
-// (recv_bytes[p] bytes from peer p at recv + recv_displs[p]), then the sends
-// (send_bytes[p] bytes to peer p from send + send_displs[p]), peer me first,
-// then me+1, ... Our own share is a message to ourselves only when
-// `message_to_self` (device buffers); otherwise it is not moved (the fold reads
-// it in `send`). Empty messages are skipped on both sides (both know every
-// size). Point-to-point messages of one (source, tag, communicator) match in
-// posting order, and every peer posts its rounds on a communicator in the same
-// job order, so round k of one peer meets round k of every other.
-Status PostRound(MPI_Comm comm, int peers, int me, const void* send, const int* send_bytes,
-                 const int* send_displs, void* recv, const int* recv_bytes, const int* recv_displs,
-                 bool message_to_self, std::vector<MPI_Request>* requests) {
-  constexpr int kTag = 0;
-  requests->clear();
+// The two halves of one round of the exchange among the peers on `comm`, each
+// appending its requests: the receives (recv_bytes[p] bytes from peer p at
+// recv + recv_displs[p]) and the sends (send_bytes[p] bytes to peer p from
+// send + send_displs[p]), peer me first, then me+1, ... Our own share is a
+// message to ourselves only when `message_to_self` (device buffers);
+// otherwise it is not moved (the fold reads it in `send`). Empty messages are
+// skipped on both sides (both know every size). Point-to-point messages of one
+// (source, tag, communicator) match in posting order, and every peer posts the
+// receives of its rounds on a communicator in job order and their sends in job
+// order, so round k of one peer meets round k of every other.
+constexpr int kTag = 0;
+
+// post(p, &request) for every peer p that has bytes[p] to move, in the order above.
+template <class PostOne>
+Status PostToPeers(int peers, int me, const int* bytes, bool message_to_self,
+                   std::vector<MPI_Request>* requests, PostOne post) {
   for (int i = 0; i < peers; ++i) {
     const int p = (me + i) % peers;
-    if (recv_bytes[p] == 0 || (p == me && !message_to_self)) continue;
+    if (bytes[p] == 0 || (p == me && !message_to_self)) continue;
     requests->push_back(MPI_REQUEST_NULL);
+    NVG_RETURN_IF_ERROR(post(p, &requests->back()));
+  }
+  return Status::Ok();
+}
+
+Status PostReceives(MPI_Comm comm, int peers, int me, void* recv, const int* recv_bytes,
+                    const int* recv_displs, bool message_to_self, std::vector<MPI_Request>* requests) {
+  return PostToPeers(peers, me, recv_bytes, message_to_self, requests, [&](int p, MPI_Request* r) {
     NVG_MPI_CHECK(MPI_Irecv(static_cast<char*>(recv) + recv_displs[p], recv_bytes[p], MPI_BYTE, p, kTag, comm,
-                            &requests->back()));
-  }
-  for (int i = 0; i < peers; ++i) {
-    const int p = (me + i) % peers;
-    if (send_bytes[p] == 0 || (p == me && !message_to_self)) continue;
-    requests->push_back(MPI_REQUEST_NULL);
+                            r));
+    return Status::Ok();
+  });
+}
+
+Status PostSends(MPI_Comm comm, int peers, int me, const void* send, const int* send_bytes,
+                 const int* send_displs, bool message_to_self, std::vector<MPI_Request>* requests) {
+  return PostToPeers(peers, me, send_bytes, message_to_self, requests, [&](int p, MPI_Request* r) {
     NVG_MPI_CHECK(MPI_Isend(static_cast<const char*>(send) + send_displs[p], send_bytes[p], MPI_BYTE, p, kTag,
-                            comm, &requests->back()));
-  }
+                            comm, r));
+    return Status::Ok();
+  });
+}
+
+// A failed exchange posts nothing more: receives posted ahead of their sends
+// (a job whose `ready` never came) are cancelled, so the round can complete
+// without the peers' messages. A receive that already matched is not
+// cancelled; it completes once its message arrived (MPI_Cancel's semantics).
+Status CancelReceives(std::vector<MPI_Request>* requests) {
+  for (MPI_Request& r : *requests)
+    if (r != MPI_REQUEST_NULL) NVG_MPI_CHECK(MPI_Cancel(&r));
   return Status::Ok();
 }
 
@@ -87,7 +109,9 @@ struct CrossExchange::Active {
   Kind kind = kReduceScatterAllgather;
   Job job;
   Stage stage = kWaitReady;
-  std::vector<MPI_Request> requests;  // the round in flight
+  // kWaitReady: the first round's receives are posted (its sends wait for `ready`).
+  bool receives_posted = false;
+  std::vector<MPI_Request> requests;  // the round in flight (kWaitReady: its receives)
   // Byte counts and displacements per peer (MPI counts are int) of the first
   // round (send_*, recv_*) and, reduce-scatter + allgather, of the allgather
   // (our part to every other peer: ag_send_*; theirs into `result`: ag_recv_*).
@@ -308,14 +332,21 @@ Status CrossExchange::Wait(uint64_t ticket) {
   return FailureStatus();
 }
 
-// Posts and tests; never blocks in MPI. Each job's first round is posted only
-// after that of job k-1 (next_rs_post_); a second round only after that of the
-// reduce-scatter + allgather job before it (ag_index, next_ag_post_).
-// Once the exchange failed nothing new is posted: requests already posted
-// are tested to completion (MPI keeps writing into their buffers until then).
+// Posts and tests; never blocks in MPI. The receives of each job's first
+// round are posted only after those of job k-1 (next_rs_recv_post_), its
+// sends only after those of job k-1 (next_rs_send_post_) and once `ready`; a
+// second round only after that of the reduce-scatter + allgather job before it
+// (ag_index, next_ag_post_). Once the exchange failed nothing new is posted:
+// receives posted ahead of their sends are cancelled, and requests already
+// posted are tested to completion (MPI keeps writing into their buffers until
+// then).
 Status CrossExchange::Advance(Active& a, bool* moved) {
   Job& j = a.job;
   if (failed_.load(std::memory_order_relaxed)) {
+    if (a.stage == Active::kWaitReady && !a.requests.empty()) {
+      NVG_RETURN_IF_ERROR(CancelReceives(&a.requests));
+      a.stage = Active::kFirst;  // cancelled once; tested to completion below
+    }
     bool done = true;
     NVG_RETURN_IF_ERROR(TestRound(&a.requests, &done));
     if (done) {
@@ -325,22 +356,40 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
     return Status::Ok();
   }
   if (a.stage == Active::kWaitReady) {
-    if (a.ticket != next_rs_post_) return Status::Ok();
-    if (j.ready) {
-      bool ready = false;
-      NVG_RETURN_IF_ERROR_CTX(j.ready(&ready), "waiting for the cross-group slice");
-      if (!ready) return Status::Ok();
+    // The receives go out as soon as the job is taken (`recv` is the job's
+    // from Start), so a peer whose slice is staged first finds them posted;
+    // the sends wait for our slice. Both halves in job order.
+    const char* what = a.kind == Active::kAllgatherFold ? "posting the cross-group allgather"
+                                                        : "posting the cross-group reduce-scatter";
+    if (!a.receives_posted) {
+      if (a.ticket != next_rs_recv_post_) return Status::Ok();
+      NVG_RETURN_IF_ERROR_CTX(PostReceives(rs_comm_, peers_, me_, j.recv, a.recv_bytes.data(),
+                                           a.recv_displs.data(), !host_memory_, &a.requests),
+                              what);
+      a.receives_posted = true;
+      ++next_rs_recv_post_;
+      *moved = true;
     }
-    NVG_RETURN_IF_ERROR_CTX(PostRound(rs_comm_, peers_, me_, j.send, a.send_bytes.data(),
-                                      a.send_displs.data(), j.recv, a.recv_bytes.data(), a.recv_displs.data(),
-                                      !host_memory_, &a.requests),
-                            a.kind == Active::kAllgatherFold ? "posting the cross-group allgather"
-                                                             : "posting the cross-group reduce-scatter");
+    bool ready = a.ticket == next_rs_send_post_;
+    if (ready && j.ready) NVG_RETURN_IF_ERROR_CTX(j.ready(&ready), "waiting for the cross-group slice");
+    if (!ready) {
+      // Testing the posted receives drives MPI's progress (Open MPI moves
+      // messages only inside MPI calls): the peers' copies land while our
+      // slice is still being staged.
+      const bool pending = !a.requests.empty();
+      bool received = false;
+      NVG_RETURN_IF_ERROR(TestRound(&a.requests, &received));
+      if (pending && received) *moved = true;
+      return Status::Ok();
+    }
+    NVG_RETURN_IF_ERROR_CTX(PostSends(rs_comm_, peers_, me_, j.send, a.send_bytes.data(),
+                                      a.send_displs.data(), !host_memory_, &a.requests),
+                            what);
     uint64_t sent = 0;
     for (int p = 0; p < peers_; ++p)
       if (p != me_) sent += a.send_bytes[p];
     g_bytes_sent.fetch_add(sent, std::memory_order_relaxed);
-    ++next_rs_post_;
+    ++next_rs_send_post_;
     a.stage = Active::kFirst;
     *moved = true;
   }
@@ -371,10 +420,12 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
       a.stage = Active::kFinished;
       return Status::Ok();
     }
-    NVG_RETURN_IF_ERROR_CTX(PostRound(ag_comm_, peers_, me_, j.result, a.ag_send_bytes.data(),
-                                      a.ag_send_displs.data(), j.result, a.ag_recv_bytes.data(),
-                                      a.ag_recv_displs.data(), !host_memory_, &a.requests),
-                            "posting the cross-group allgather of the parts");
+    Status posted = PostReceives(ag_comm_, peers_, me_, j.result, a.ag_recv_bytes.data(),
+                                 a.ag_recv_displs.data(), !host_memory_, &a.requests);
+    if (posted.ok())
+      posted = PostSends(ag_comm_, peers_, me_, j.result, a.ag_send_bytes.data(), a.ag_send_displs.data(),
+                         !host_memory_, &a.requests);
+    NVG_RETURN_IF_ERROR_CTX(posted, "posting the cross-group allgather of the parts");
     g_bytes_sent.fetch_add(static_cast<uint64_t>(a.recv_bytes[me_]) * (peers_ - 1),
                            std::memory_order_relaxed);
     ++next_ag_post_;

@@ -11,7 +11,9 @@
 // (VariantFor), so every peer picks the same one for the same job. Each
 // *round* is point-to-point: every peer posts its receives from the other
 // peers, then its sends to them, and the round is complete when all of them
-// are (MPI_Testall). Our own share of a first round is not moved: the fold
+// are (MPI_Testall); a first round's receives are posted as soon as the job is
+// taken, its sends once `ready` (below), so a peer that staged its slice
+// sooner finds them waiting. Our own share of a first round is not moved: the fold
 // reads it where it lies in `send` (Options::host_memory; on device memory,
 // with CUDA-aware MPI, it is a message to ourselves instead, so the device fold
 // reads P contiguous copies in `recv`). Rounds of all peers run at once: no
@@ -63,7 +65,8 @@
 //    2-core VM (cc/tools/cross_exchange_cost: a woken thread competes with
 //    the polling ranks for a core).
 //  * Polling MPI. Whoever progresses polls without sleeping while any job is
-//    in flight: MPI_Testall on every posted round (Open MPI moves a transfer's
+//    in flight: MPI_Testall on every posted round, and on the receives a job
+//    posted while it waits for `ready` (Open MPI moves a transfer's
 //    fragments only inside MPI calls, so a poll that sleeps stalls the
 //    transfer itself), `ready` / `writable` of the jobs waiting for them;
 //    back to back for kBackToBackPollS after anything moved, then yielding
@@ -97,7 +100,8 @@
 //
 // Ordering across ranks. Messages of one (source, tag, communicator) match in
 // the order they were posted. Every job posts its first round (reduce-scatter
-// or allgather) on rs_comm_, in job order; only reduce-scatter + allgather
+// or allgather) on rs_comm_, its receives in job order and its sends in job
+// order; only reduce-scatter + allgather
 // jobs post a second round, on ag_comm_, in the order of those jobs. The
 // variant, and so the sequence of rounds and their sizes on each
 // communicator, depend only on the job sequence and the slices' sizes, the
@@ -106,9 +110,10 @@
 // job c; jobs finish in order). An empty message is skipped by both sides.
 //
 // Buffers. A job owns its send/recv/result buffers from Start() until Wait()
-// returned: the caller must not touch them (nor free them) in between. The
+// returned: the caller must not touch them (nor free them) in between (MPI
+// may write `recv` from the first progress after Start on). The
 // `ready` predicate (polled by whoever progresses, may be empty) gates the
-// first round: the GPU uses it for "the copy of the slice into `send`
+// first round's sends: the GPU uses it for "the copy of the slice into `send`
 // landed"; `writable` (may be empty) gates the fold, the first write of
 // `result`: the GPU uses it for "the copy of chunk c - 2 out of this `result`
 // landed". `done` runs after the last round, on the thread that completed it
@@ -279,7 +284,8 @@ class CrossExchange {
   // Only under progressing_.
   std::deque<std::unique_ptr<Active>> active_;  // taken, in job order
   uint64_t taken_ = 0;
-  uint64_t next_rs_post_ = 0;
+  uint64_t next_rs_recv_post_ = 0;  // the next job whose first round's receives may be posted
+  uint64_t next_rs_send_post_ = 0;  // ... and its sends
   uint64_t next_ag_post_ = 0;
 };
 

@@ -4,10 +4,17 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <mpi.h>
+
+#include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "algorithms/cross_exchange.h"
+#include "algorithms/hierarchical_allreduce.h"
 #include "engine/coordinator.h"
 #include "engine/engine_control.h"
 #include "engine/fusion.h"
@@ -105,6 +112,74 @@ ResponseMessage ResponseFromDict(const py::dict& d) {
   r.group_id = d["group_id"].cast<uint64_t>();
   r.group_size = d["group_size"].cast<uint32_t>();
   return r;
+}
+
+// One CrossExchange job of `count` float32 elements over MPI_COMM_WORLD (MPI
+// initialized by the caller), reduce-scatter + allgather, where rank r's slice
+// is r * count + i and `ready` is gated (cc/algorithms/cross_exchange.h):
+//  * "late_ready": rank 0's `ready` stays false until the other peers' copies
+//    of its part are in `recv` (they post their sends at once), at most
+//    `wait_s`; then the job completes on every rank. Returns whether they
+//    arrived before rank 0's own slice was ready, and the result.
+//  * "ready_fails": every rank's `ready` fails after 50 polls, with the
+//    receives of the first round posted and no send posted anywhere; the
+//    job's Wait must return that error and the exchange must be destroyed.
+py::dict CrossExchangeGated(size_t count, bool use_thread, const std::string& mode, double wait_s) {
+  if (mode != "late_ready" && mode != "ready_fails")
+    throw EngineError("INVALID_ARGUMENT: cross_exchange_gated mode is late_ready or ready_fails");
+  CrossExchange::Options options;
+  options.use_thread = use_thread;
+  auto made = CrossExchange::Create(MPI_COMM_WORLD, options);
+  ThrowIfError(made.status());
+  std::unique_ptr<CrossExchange> x = std::move(made.value());
+  const int P = x->peers(), me = x->peer_index();
+  std::vector<float> send(count), result(count);
+  for (size_t i = 0; i < count; ++i) send[i] = static_cast<float>(me * count + i);
+  std::vector<char> recv(x->RecvBytes(count, sizeof(float)));
+  std::memset(recv.data(), 0xff, recv.size());  // no copy holds this pattern (a NaN)
+  ChunkSlices parts;  // the exchange's parts of the slice (part p: peer p)
+  parts.count = count;
+  parts.group_size = P;
+  parts.element_size = sizeof(float);
+  const size_t mine = parts.SliceCount(me), my_offset = parts.SliceOffset(me);
+  bool arrived_before_ready = false;
+  int polls = 0;
+  const auto start = std::chrono::steady_clock::now();
+  CrossExchange::Job job;
+  job.send = send.data();
+  job.recv = recv.data();
+  job.result = result.data();
+  job.count = count;
+  job.element_size = sizeof(float);
+  job.fold = HostFold(DataType::kFloat32, ReduceOp::kSum, 1);
+  job.ready = [&](bool* ready) {
+    ++polls;
+    if (mode == "ready_fails") {
+      *ready = false;
+      return polls >= 50 ? Status::Internal("ready_fails: the slice never arrives") : Status::Ok();
+    }
+    if (me != 0) {
+      *ready = true;
+      return Status::Ok();
+    }
+    bool all = true;  // every other peer's copy of our part, in peer order in recv
+    for (int p = 1; p < P && all; ++p) {
+      const float* copy = reinterpret_cast<const float*>(recv.data()) + p * mine;
+      for (size_t i = 0; i < mine && all; ++i) all = copy[i] == static_cast<float>(p * count + my_offset + i);
+    }
+    arrived_before_ready = all;
+    *ready = all || std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > wait_s;
+    return Status::Ok();
+  };
+  uint64_t ticket = 0;
+  ThrowIfError(x->Start(std::move(job), &ticket));
+  Status waited = x->Wait(ticket);
+  x.reset();  // completes (or cancels) every request it posted
+  py::dict d;
+  d["status"] = waited.ok() ? std::string("OK") : waited.ToString();
+  d["arrived_before_ready"] = arrived_before_ready;
+  d["result"] = py::bytes(reinterpret_cast<const char*>(result.data()), count * sizeof(float));
+  return d;
 }
 
 }  // namespace
@@ -252,6 +327,10 @@ void RegisterEngineTestingBindings(py::module_& t) {
         py::arg("in_place") = -1,
         "The host fold (cpu/host_reduce.h ReduceFold) of equal-length byte arrays in order; in_place = k "
         "writes the result over source k (as the in-place collectives do) instead of a separate buffer.");
+  t.def("cross_exchange_gated", &CrossExchangeGated, py::arg("count"), py::arg("use_thread"), py::arg("mode"),
+        py::arg("wait_s") = 5.0,
+        "One cross-group exchange job over MPI_COMM_WORLD with a gated `ready` (mode late_ready or "
+        "ready_fails, see CrossExchangeGated in cc/python/engine_testing_bindings.cc).");
   t.def("build_response", [](const std::vector<py::dict>& by_rank) {
     if (by_rank.empty()) throw EngineError("INVALID_ARGUMENT: build_response needs one request per rank");
     std::vector<RequestMessage> qs;

@@ -120,6 +120,17 @@ def test_cross_step_variants_and_chunks_match_the_ordered_fold_bitwise(np_, args
     assert "cross variants checked on %d ranks" % np_ in res.output, res.output
 
 
+@pytest.mark.parametrize("np_,args", [(2, []), (3, []), (4, []), (3, ["--serialized"])])
+def test_cross_exchange_posts_first_round_receives_before_its_slice_is_ready(np_, args):
+    """workers/comm_cross_gated.py: with rank 0's slice held back until the
+    peers' copies of its part arrived, they arrive (its receives are posted and
+    progressed ahead of its sends) and every rank's sum is exact; when `ready`
+    fails on every rank with those receives posted, each rank's Wait returns
+    that error within the bound and the exchange is destroyed."""
+    res = run("comm_cross_gated.py", np_, args=args, timeout=120)
+    assert "cross gated checked on %d ranks" % np_ in res.output, res.output
+
+
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_one_group_paths_compute_the_same_fold(np_):
     run("comm_algorithms.py", np_, ["same-fold"])
