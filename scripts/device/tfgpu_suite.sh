@@ -11,7 +11,8 @@
 #                without XLA, and examples/resnet50/train.py on the GPU (NVGROUP_TEST_TF_GPU_DENSE=1)
 #         mps    the suite's parallel part again with the ranks sharing the GPU under MPS, as one NV-group
 #                (NVGROUP_ONE_GPU_GROUP=1) and as groups of 1 (=0: every collective through the host-staged
-#                cross step over MPI); with NVGROUP_TEST_TF_GPU_DENSE=1 also its Dense/Conv/XLA cases
+#                cross step over MPI); with NVGROUP_TEST_TF_GPU_DENSE=1 also its Dense/Conv/XLA cases;
+#                TFGPU_MPS_TESTS: the tests (a pytest -k expression, default "not memory")
 #         bench  step cost, 1 and 2 ranks sharing the GPU
 #         race   the allgather-race check alone (2 ranks), and on the baseline when one is carried
 #         old    if tfgpu_carry.sh carried a baseline op library (TFGPU_OLD_LIB): the adapter-defect checks
@@ -81,12 +82,13 @@ for stage in $STAGES; do
       note "suite (full: ResNet-50 example): rc=$rc $(tail -1 "$OUT/suite_full.log")"; [ $rc = 0 ] || status=1
       grep -h '^RESNET50_GPU' "$OUT/suite_full.log" | cut -c1-400 | tee -a "$SUMMARY" ;;
     mps)
+      MPS_TESTS=${TFGPU_MPS_TESTS:-not memory}  # a pytest -k expression over tests/gpu/test_tf_gpu.py
       export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvgroup_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nvgroup_mps/log
       mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
       if nvidia-cuda-mps-control -d; then
         for g in 1 0; do
           NVGROUP_ONE_GPU_GROUP=$g timeout "$(left 240)" python3 -m pytest -q -rs -n 4 -p no:cacheprovider \
-            tests/gpu/test_tf_gpu.py -k "not memory" > "$OUT/suite_mps_group$g.log" 2>&1; rc=$?
+            tests/gpu/test_tf_gpu.py -k "$MPS_TESTS" > "$OUT/suite_mps_group$g.log" 2>&1; rc=$?
           note "suite under MPS, NVGROUP_ONE_GPU_GROUP=$g: rc=$rc $(tail -1 "$OUT/suite_mps_group$g.log")"
           [ $rc = 0 ] || status=1
         done
