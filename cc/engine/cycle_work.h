@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <utility>
 
 #include "engine/tensor_queue.h"
 #include "engine/wire_format.h"
@@ -14,6 +15,8 @@ namespace nvgroup {
 // One of this rank's requests waiting for agreement (Negotiation's pending
 // entries).
 struct Pending {
+  Pending() = default;
+  Pending(TensorEntry&& e, double since_s) : entry(std::move(e)), since(since_s) {}
   TensorEntry entry;
   bool reported = false;  // sent to rank 0 in a negotiation round
   bool taken = false;     // moved out of the pending entries this cycle (DropTaken drops it)

@@ -47,7 +47,7 @@ void TimelineAdmitted(Timeline* timeline, const TensorEntry& entry, double now) 
   timeline->Begin(entry.request.name, "NEGOTIATE", now);
 }
 
-void Negotiation::Admit(TensorEntry entry, double now) {
+void Negotiation::Admit(TensorEntry&& entry, double now) {
   if (timeline_->enabled()) TimelineAdmitted(timeline_, entry, now);
   if (entry.request.type == CollectiveType::kJoin) joined_ = true;
   // Note [Refused duplicates]: after a refusal of its name (a cached group's
@@ -96,11 +96,9 @@ bool Negotiation::TakeRefusalAnswer(const ResponseMessage& r) {
   return true;
 }
 
-void Negotiation::AddPending(TensorEntry entry, double since) {
+void Negotiation::AddPending(TensorEntry&& entry, double since) {
   EngineCounters::Add(counters_->admitted_entries);
-  auto p = std::make_unique<Pending>();
-  p->since = since;
-  p->entry = std::move(entry);
+  auto p = std::make_unique<Pending>(std::move(entry), since);
   order_.push_back(p.get());
   const std::string& name = p->entry.request.name;
   pending_.emplace(name, std::move(p));  // names in flight are unique (TensorQueue::Push)

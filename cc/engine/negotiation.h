@@ -68,10 +68,11 @@ class Negotiation {
   }
 
   // ---- Admission ----
-  void Admit(TensorEntry entry, double now);
+  // `entry` is moved from once, into its Pending.
+  void Admit(TensorEntry&& entry, double now);
   // Admit's bookkeeping: a Pending among the pending entries, waiting since
   // `since` (also the way back for a demoted cached group's entries).
-  void AddPending(TensorEntry entry, double since);
+  void AddPending(TensorEntry&& entry, double since);
   // Note [Refused duplicates] (coordinator.h): a refused push from the queue.
   void AddRefusal(const Submission& refusal);
   // Whether a name of `s` was refused and not answered yet (its entries then

@@ -7,7 +7,6 @@
 
 #include "common/checks.h"
 #include "engine/registered_launch.h"
-#include "engine/mpi_wait.h"
 
 namespace nvgroup {
 namespace {
@@ -87,15 +86,13 @@ Status RegisteredGroups::Launch(uint64_t handle, GroupLaunch launch) {
   s.group_id = g.group_id;
   s.registered_group = handle;
   s.pool = g.pool;
-  const double now = MonotonicSeconds();
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < n; ++i) {  // enqueue_time: TensorQueue::Push
     TensorEntry& e = s.entries[i];
     e.request.input = launch.inputs[i];
     e.request.output = launch.outputs[i];
     e.request.ready_event = launch.ready_event;
     e.request.done = RegisteredLaunch::MemberDone{owner};
     e.launch = owner;
-    e.enqueue_time = now;
   }
   Status pushed = engine->Submit(std::move(s));
   if (!pushed.ok()) delete owner;  // no member was queued

@@ -101,7 +101,6 @@ StatusOr<std::shared_ptr<Engine>> Runtime::EngineFor(std::vector<CollectiveReque
 Status Runtime::BuildSubmission(std::vector<CollectiveRequest>* requests, bool grouped, bool registered,
                                 int size, Submission* out) {
   const uint64_t group_id = grouped && requests->size() > 1 ? GroupId(*requests) : 0;
-  const double now = MonotonicSeconds();
   Submission& submission = *out;
   submission.group_id = group_id;
   std::vector<TensorEntry>& entries = submission.entries;
@@ -124,8 +123,7 @@ Status Runtime::BuildSubmission(std::vector<CollectiveRequest>* requests, bool g
     m.group_size = group_id != 0 ? static_cast<uint32_t>(requests->size()) : 0;
     if (q.type == CollectiveType::kAlltoall)
       m.splits = q.splits.empty() ? std::vector<int64_t>(size, q.shape[0] / size) : q.splits;
-    e.request = std::move(q);
-    e.enqueue_time = now;
+    e.request = std::move(q);  // enqueue_time: TensorQueue::Push
   }
   return Status::Ok();
 }

@@ -110,19 +110,29 @@ Status TensorQueue::Push(Submission submission) {
       }
     }
     last_was_group_ = submission.group_id != 0 && submission.entries.size() > 1;
+    // One clock read per push: the admission gap's and the timeline's.
+    last_push_ = std::chrono::steady_clock::now();
+    const double pushed_at = std::chrono::duration<double>(last_push_.time_since_epoch()).count();
+    for (TensorEntry& e : entries) e.enqueue_time = pushed_at;
     queued_.push_back(std::move(submission));
     wake_.store(true, std::memory_order_release);
-    last_push_ = std::chrono::steady_clock::now();
     // Note [Lone requests skip the gap]: a push while earlier requests are
     // still in flight is part of a burst (or of overlapping callers).
     if (overlapping) {
       followed_ = true;
       lone_takes_ = 0;
     }
+    // Note [A repeated burst ends the gap]: the rest of a burst cut short.
+    if (burst_size_ != 0 && last_push_ < burst_cut_until_) {
+      burst_size_ = 0;
+      last_quiet_take_ = 0;
+    }
     // Only the loop's wait for a first entry needs a wake-up; admission
     // batching rereads last_push_ when its own timer fires, so a burst does
-    // not wake the loop once per enqueue (a group ends the batching: wake).
-    wake = waiting_for_first_ || (batching_ && last_was_group_);
+    // not wake the loop once per enqueue (a group ends the batching, and so
+    // does a repeated burst's last push: wake).
+    wake = waiting_for_first_ ||
+           (batching_ && (last_was_group_ || (burst_size_ != 0 && queued_.size() >= burst_size_)));
   }
   // Ends a polled admission gap (WaitAndPop). Announced after the unlock, so
   // a poller that sees it and takes mu_ does not find mu_ still held by this
@@ -239,14 +249,24 @@ double TensorQueue::WaitAndPop(double timeout_s, double poll_s, double gap_s, do
                      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(max_batch_s));
     batching_ = true;
     bool gap_polling = true;
+    bool quiet = false;     // ended on a quiet gap
+    bool repeated = false;  // ended at the burst size (Note [A repeated burst ends the gap])
     for (;;) {
       if (last_was_group_) {  // a grouped collective: a whole burst by itself
         groups_not_batched_.fetch_add(1, std::memory_order_relaxed);
         break;
       }
+      if (burst_size_ != 0 && queued_.size() >= burst_size_) {
+        repeated = true;
+        break;
+      }
       const Clock::time_point quiet_at = last_push_ + gap;
       const Clock::time_point until = std::min(quiet_at, cap);
-      if (Clock::now() >= until || shutdown_requested_) break;
+      const Clock::time_point now = Clock::now();
+      if (now >= until || shutdown_requested_) {
+        quiet = !shutdown_requested_ && now >= quiet_at;
+        break;
+      }
       // Note [Waiting for a lock-step caller] (wait_policy.h): the gap is
       // polled while the core is free (a timer wake-up ended it 20-30 us late
       // on the 2-core VM), else slept on. The poll follows the pushes by
@@ -260,16 +280,24 @@ double TensorQueue::WaitAndPop(double timeout_s, double poll_s, double gap_s, do
       // host: benchmarks/results/device_checks_h100x1_5875006/).
       if (gap_polling) {
         uint64_t seen = pushes_.load(std::memory_order_relaxed);
-        Clock::time_point quiet = quiet_at;
+        Clock::time_point quiet_until = quiet_at;
+        // The pushes counted here and those already queued reach the burst
+        // size: the lock above counts the queue again (a push counted in
+        // both, queued before the lock and counted after it, only ends the
+        // poll early).
+        const uint64_t pushes_before = seen;
+        const size_t queued_before = queued_.size();
+        const size_t burst = burst_size_;
         lock.unlock();
         for (;;) {
-          const Clock::time_point now = Clock::now();
+          const Clock::time_point polled = Clock::now();
           const uint64_t pushes = pushes_.load(std::memory_order_acquire);
           if (pushes != seen) {
             seen = pushes;
-            quiet = now + gap;
+            quiet_until = polled + gap;
+            if (burst != 0 && queued_before + (pushes - pushes_before) >= burst) break;
           }
-          if (now >= std::min(quiet, cap)) break;
+          if (polled >= std::min(quiet_until, cap)) break;
           if (!YieldUncontended()) {
             gap_polling = false;
             break;
@@ -281,6 +309,14 @@ double TensorQueue::WaitAndPop(double timeout_s, double poll_s, double gap_s, do
       cv_.wait_until(lock, until);
     }
     batching_ = false;
+    // Note [A repeated burst ends the gap]
+    if (repeated) {
+      burst_cut_until_ = Clock::now() + gap;
+    } else if (quiet) {
+      const size_t took = queued_.size();
+      burst_size_ = took > 1 && took == last_quiet_take_ ? took : 0;
+      last_quiet_take_ = took;
+    }
   }
   for (Submission& s : queued_) out->push_back(std::move(s));
   last_take_count_ = queued_.size();

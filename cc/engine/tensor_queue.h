@@ -44,7 +44,7 @@ struct TensorEntry {
     m.shape = request.shape;
     return m;
   }
-  double enqueue_time = 0;  // engine clock, for the timeline
+  double enqueue_time = 0;  // when Push queued it (engine clock, MonotonicSeconds), for the timeline
   uint32_t group_index = 0;  // position in its Submission (the order the caller gave)
   // A member of a registered group's launch (Note [Registered groups],
   // registered_groups.h): the group's handle, whose names the queue holds
@@ -190,6 +190,21 @@ class TensorQueue {
   // pattern changes (the split's leftovers start the next cycle quickly, Note
   // [Leftovers start the next cycle] in background_loop.cc).
   //
+  // Note [A repeated burst ends the gap]
+  // A per-tensor caller in lock-step sends the same burst every step (the
+  // same gradients, one push each), and every wait for its quiet gap came
+  // after the burst's last push: the gap was a fixed part of every step. So
+  // the queue remembers the size of the takes that ended on a quiet gap: once
+  // two such takes in a row took the same number of submissions (more than
+  // one), the admission batching ends as soon as that many are queued. A push
+  // that comes less than gap_s after a take ended that way shows the burst
+  // was larger than the one remembered (its rest follows at once): the queue
+  // forgets the size, and the gap applies again until two quiet takes agree
+  // anew. A lock-step caller's next burst comes only after its requests
+  // completed, far more than gap_s later. The ranks need not decide alike:
+  // the agreement runs what every rank has, and the rest waits for the next
+  // cycle (Note [Leftovers start the next cycle] in background_loop.cc).
+  //
   // `poll_s` (Note [Waiting for a lock-step caller] in wait_policy.h): poll
   // for a first entry that long (yielding the core between polls) before
   // sleeping on the condition variable for the rest of `timeout_s`.
@@ -267,6 +282,12 @@ class TensorQueue {
   // lone takes in a row before it.
   size_t last_take_count_ = 0;
   bool followed_ = false;
+  // Note [A repeated burst ends the gap]: the size of the latest take that
+  // ended on a quiet gap, the burst size the batching ends at (0: none), and
+  // until when a push shows that a take ended at it cut a burst short.
+  size_t last_quiet_take_ = 0;
+  size_t burst_size_ = 0;
+  std::chrono::steady_clock::time_point burst_cut_until_{};
   int lone_takes_ = 0;
   std::atomic<uint64_t> lone_not_batched_{0};
 };

@@ -7,7 +7,10 @@ cc/engine/tensor_queue.h), np = 2 or 3, one launch:
      in flight) turns the batching back on: at most the burst's first take
      skips the gap, and every result is right;
   3. lock-step again: lone requests skip the gap again after the same few
-     takes."""
+     takes;
+  4. the same burst repeated (Note [A repeated burst ends the gap]: the
+     batching ends at its size), then a larger one (cut short, its rest in
+     the next cycle), then the first again: every result is right."""
 import numpy as np
 from mpi4py import MPI
 
@@ -63,6 +66,10 @@ lone_calls("again", calls, 500)
 got = not_batched() - n2
 check(got >= calls - LONE_TAKES - 1,
       "lock-step after a burst: %d of %d skipped the gap, expected at least %d" % (got, calls, calls - LONE_TAKES - 1))
+
+# 4. Repeated bursts of one size, a larger one, the first size again.
+for step, n in enumerate([10, 10, 10, 10, 16, 10, 10, 10, 16, 16, 16]):
+    burst("rep%d" % step, n, 700 + 20 * step)
 
 E.shutdown()
 finish()
