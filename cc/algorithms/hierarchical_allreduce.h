@@ -104,7 +104,6 @@ inline size_t PieceElements(size_t capacity_bytes, size_t element_size, size_t b
 // 16-byte vector loads stay aligned.
 struct ChunkSlices {
   size_t index = 0;         // chunk number within the message
-  bool whole_message = false;  // the message is this one chunk (nothing to pipeline)
   size_t offset = 0;        // first element of the chunk
   size_t count = 0;         // elements in the chunk
   int group_size = 1;
@@ -177,7 +176,6 @@ Status RunHierarchicalAllreduce(Primitives& prims, size_t count, void* out, cons
     ch.count = std::min(chunk_elems, count - ch.offset);
     ch.group_size = topo.group_size;
     ch.element_size = esize;
-    ch.whole_message = num_chunks == 1;
     return ch;
   };
 

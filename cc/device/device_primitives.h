@@ -34,14 +34,6 @@
 //     returned[k], so the AG kernel of c (whose start barrier is what lets the
 //     peers read our slice) runs after the copy landed, and in a group of one
 //     the caller's later work sees the chunk of `out`.
-//   A message of one chunk (ChunkSlices::whole_message) has nothing for the
-//   copy streams to overlap: its D2H and H2D and both events go on the
-//   communicator's stream itself, in stream order after the RS kernel and
-//   before the AG kernel (the H2D is enqueued by `done`, on whichever thread
-//   completed the job, before the job finishes; the caller enqueues nothing on
-//   that stream between CrossStart and CrossFinish of the only chunk, and its
-//   later work after Wait saw the job finished), and CrossFinish adds no
-//   event wait.
 // Each event is recorded by one thread and polled or waited by the others
 // only after that record: staged[k] is recorded in CrossStart before the job
 // is queued (the queue's mutex orders the record before the first query), returned[k] in `done` before the job finishes (Wait's acquire

@@ -122,17 +122,9 @@ Status EventDone(cudaEvent_t e, bool* done) {
 //    c - 2 out of host_result[k]) completed, with the host fold (ReduceFold,
 //    the CPU path's contract); when it is done, h2d_stream copies
 //    host_result[k] into device_result and records returned[k].
-//    `work` (not null: a message of one chunk, nothing to overlap the copies
-//    with) puts both copies and both events on the communicator's stream
-//    instead: the D2H in stream order after the kernel that wrote
-//    device_send, the H2D before the work the caller enqueues after
-//    CrossFinish (`done` enqueues it before the job finishes, and the caller
-//    enqueues nothing between CrossStart and CrossFinish of the only chunk),
-//    two cross-stream event waits fewer on the message's critical path.
 template <class CrossJob>
-Status StageCrossJob(DeviceGroup* g, int k, cudaStream_t work, const char* device_send, size_t send_bytes,
-                     char* device_result, size_t result_bytes, DataType dtype, ReduceOp op, int divisor,
-                     CrossJob* job) {
+Status StageCrossJob(DeviceGroup* g, int k, const char* device_send, size_t send_bytes, char* device_result,
+                     size_t result_bytes, DataType dtype, ReduceOp op, int divisor, CrossJob* job) {
   const int device = g->device;
   if (g->cuda_aware_mpi) {
     job->send = device_send;
@@ -160,11 +152,11 @@ Status StageCrossJob(DeviceGroup* g, int k, cudaStream_t work, const char* devic
     };
     return Status::Ok();
   }
-  const cudaStream_t d2h = work != nullptr ? work : g->cross_stream;
   // orders: device_send is read only after the kernel of this chunk that wrote it
-  if (work == nullptr) NVG_CUDA_CHECK(cudaStreamWaitEvent(d2h, g->reduce_scattered[k], 0));
-  NVG_CUDA_CHECK(cudaMemcpyAsync(g->host_send[k], device_send, send_bytes, cudaMemcpyDeviceToHost, d2h));
-  NVG_CUDA_CHECK(cudaEventRecord(g->staged[k], d2h));
+  NVG_CUDA_CHECK(cudaStreamWaitEvent(g->cross_stream, g->reduce_scattered[k], 0));
+  NVG_CUDA_CHECK(cudaMemcpyAsync(g->host_send[k], device_send, send_bytes, cudaMemcpyDeviceToHost,
+                                 g->cross_stream));
+  NVG_CUDA_CHECK(cudaEventRecord(g->staged[k], g->cross_stream));
   job->send = g->host_send[k];
   job->recv = g->host_recv[k];
   job->result = g->host_result[k];
@@ -179,7 +171,7 @@ Status StageCrossJob(DeviceGroup* g, int k, cudaStream_t work, const char* devic
   };
   job->fold = HostFold(dtype, op, divisor);
   char* host_result = g->host_result[k];
-  const cudaStream_t h2d = work != nullptr ? work : g->h2d_stream;
+  cudaStream_t h2d = g->h2d_stream;
   job->done = [device, device_result, host_result, result_bytes, h2d, returned]() {
     NVG_CUDA_CHECK(cudaSetDevice(device));
     if (result_bytes > 0)
@@ -219,8 +211,7 @@ Status DevicePrimitives::CrossStart(const ChunkSlices& chunk) {
   CrossExchange::Job job;
   job.count = n;
   job.element_size = esize_;
-  NVG_RETURN_IF_ERROR(StageCrossJob(group_, static_cast<int>(chunk.index % 2),
-                                    chunk.whole_message ? stream_ : nullptr, send, bytes, result, bytes,
+  NVG_RETURN_IF_ERROR(StageCrossJob(group_, static_cast<int>(chunk.index % 2), send, bytes, result, bytes,
                                     dtype_, op_, divisor, &job));
   return jobs_.Start(chunk.index, std::move(job));
 }
@@ -230,9 +221,8 @@ Status DevicePrimitives::CrossFinish(const ChunkSlices& chunk) {
   NVG_RETURN_IF_ERROR(jobs_.Finish(chunk.index, &waited));
   // orders: the allgather kernel reads the slice after the copy back landed
   // (returned[k] was recorded before the job finished; CUDA-aware: the slice
-  // was written host-synchronously, nothing to wait for; a message of one
-  // chunk: the copy back is on stream_ itself)
-  if (waited && !group_->cuda_aware_mpi && !chunk.whole_message)
+  // was written host-synchronously, nothing to wait for)
+  if (waited && !group_->cuda_aware_mpi)
     NVG_CUDA_CHECK(cudaStreamWaitEvent(stream_, group_->returned[chunk.index % 2], 0));
   return Status::Ok();
 }
@@ -349,8 +339,8 @@ Status DeviceScatterPrimitives::CrossStart(const RowChunk& chunk) {
   CrossExchange::ScatterJob job;
   job.part_counts = parts.data();
   job.element_size = esize_;
-  NVG_RETURN_IF_ERROR(StageCrossJob(g, k, nullptr, g->row_send[k], send_bytes, result, mine * esize_, dtype_,
-                                    op_, divisor, &job));
+  NVG_RETURN_IF_ERROR(StageCrossJob(g, k, g->row_send[k], send_bytes, result, mine * esize_, dtype_, op_,
+                                    divisor, &job));
   return jobs_.StartReduceScatter(chunk.index, std::move(job));
 }
 
