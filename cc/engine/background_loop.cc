@@ -354,7 +354,8 @@ Status Engine::Stop() {
 }
 
 EngineStats Engine::Stats() const {
-  return counters_.Snapshot(queue_.groups_not_batched(), queue_.lone_requests_not_batched());
+  return counters_.Snapshot(queue_.groups_not_batched(), queue_.lone_requests_not_batched(),
+                            queue_.bursts_ended_at_size());
 }
 
 bool Engine::OnEngineThread() const {

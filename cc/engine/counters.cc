@@ -3,7 +3,8 @@
 
 namespace nvgroup {
 
-EngineStats EngineCounters::Snapshot(uint64_t groups_not_batched, uint64_t lone_requests_not_batched) const {
+EngineStats EngineCounters::Snapshot(uint64_t groups_not_batched, uint64_t lone_requests_not_batched,
+                                     uint64_t bursts_ended_at_size) const {
   auto get = [](const std::atomic<uint64_t>& c) { return c.load(std::memory_order_relaxed); };
   auto seconds = [&](const std::atomic<uint64_t>& c) { return static_cast<double>(get(c)) * 1e-9; };
   EngineStats st;
@@ -24,6 +25,7 @@ EngineStats EngineCounters::Snapshot(uint64_t groups_not_batched, uint64_t lone_
   st.cached_group_demotions = get(cached_group_demotions);
   st.groups_not_batched = groups_not_batched;
   st.lone_requests_not_batched = lone_requests_not_batched;
+  st.bursts_ended_at_size = bursts_ended_at_size;
   st.admit_s = seconds(admit_ns);
   st.lookup_s = seconds(lookup_ns);
   st.complete_s = seconds(complete_ns);

@@ -26,9 +26,10 @@ struct EngineCounters {
     c.fetch_add(static_cast<uint64_t>(s * 1e9), std::memory_order_relaxed);
   }
 
-  // A snapshot; `groups_not_batched` and `lone_requests_not_batched` come
-  // from the TensorQueue.
-  EngineStats Snapshot(uint64_t groups_not_batched, uint64_t lone_requests_not_batched) const;
+  // A snapshot; `groups_not_batched`, `lone_requests_not_batched` and
+  // `bursts_ended_at_size` come from the TensorQueue.
+  EngineStats Snapshot(uint64_t groups_not_batched, uint64_t lone_requests_not_batched,
+                       uint64_t bursts_ended_at_size) const;
 };
 
 // Adds the seconds from `start` to Stop() (or to its end, if not stopped) to

@@ -311,6 +311,7 @@ double TensorQueue::WaitAndPop(double timeout_s, double poll_s, double gap_s, do
     batching_ = false;
     // Note [A repeated burst ends the gap]
     if (repeated) {
+      bursts_at_size_.fetch_add(1, std::memory_order_relaxed);
       burst_cut_until_ = Clock::now() + gap;
     } else if (quiet) {
       const size_t took = queued_.size();

@@ -227,6 +227,9 @@ class TensorQueue {
   // Takes whose first entry (not a group) was taken at once, without waiting
   // for a quiet gap (Note [Lone requests skip the gap]).
   uint64_t lone_requests_not_batched() const { return lone_not_batched_.load(std::memory_order_relaxed); }
+  // Takes whose batching ended as soon as the remembered burst size was
+  // queued (Note [A repeated burst ends the gap]).
+  uint64_t bursts_ended_at_size() const { return bursts_at_size_.load(std::memory_order_relaxed); }
   // Lone takes in a row after which the gap is skipped.
   static constexpr int kLoneTakesBeforeNoBatching = 4;
   // Later pushes fail with `status`; returns the submissions still queued.
@@ -290,6 +293,7 @@ class TensorQueue {
   std::chrono::steady_clock::time_point burst_cut_until_{};
   int lone_takes_ = 0;
   std::atomic<uint64_t> lone_not_batched_{0};
+  std::atomic<uint64_t> bursts_at_size_{0};
 };
 
 }  // namespace nvgroup

@@ -362,6 +362,7 @@ void RegisterEngineBindings(py::module_& m) {
     d["cached_group_demotions"] = st.cached_group_demotions;
     d["groups_not_batched"] = st.groups_not_batched;
     d["lone_requests_not_batched"] = st.lone_requests_not_batched;
+    d["bursts_ended_at_size"] = st.bursts_ended_at_size;
     d["idle_s"] = st.idle_s;
     d["agree_s"] = st.agree_s;
     d["negotiate_s"] = st.negotiate_s;

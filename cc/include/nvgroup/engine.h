@@ -283,6 +283,7 @@ struct EngineStats {
       0;       // admission batching ended at once by a grouped collective (tensor_queue.h)
   uint64_t lone_requests_not_batched =
       0;  // lone requests taken without waiting out the admission gap (tensor_queue.h)
+  uint64_t bursts_ended_at_size = 0;  // takes ended at a repeated burst's size (tensor_queue.h)
   // Seconds the background thread spent, per phase.
   double idle_s = 0;       // waiting for requests (the cycle wait and admission batching)
   double agree_s = 0;      // the cycle's agreement allreduce (cache bits, plan ids, flags)

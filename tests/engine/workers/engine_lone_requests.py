@@ -67,9 +67,19 @@ got = not_batched() - n2
 check(got >= calls - LONE_TAKES - 1,
       "lock-step after a burst: %d of %d skipped the gap, expected at least %d" % (got, calls, calls - LONE_TAKES - 1))
 
-# 4. Repeated bursts of one size, a larger one, the first size again.
-for step, n in enumerate([10, 10, 10, 10, 16, 10, 10, 10, 16, 16, 16]):
-    burst("rep%d" % step, n, 700 + 20 * step)
+# 4. Repeated bursts of one size: once two quiet takes agree on the size, the
+# batching ends at it; then a larger one, the first size again.
+def ended_at_size():
+    return E.stats()["bursts_ended_at_size"]
+
+
+n3 = ended_at_size()
+for step in range(12):
+    burst("same%d" % step, 10, 700 + 20 * step)
+got = ended_at_size() - n3
+check(got >= 1, "12 bursts of 10 requests: no take ended at the repeated size (%d)" % got)
+for step, n in enumerate([16, 10, 10, 10, 16, 16, 16]):
+    burst("rep%d" % step, n, 1000 + 20 * step)
 
 E.shutdown()
 finish()
