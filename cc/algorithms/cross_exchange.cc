@@ -344,8 +344,8 @@ Status CrossExchange::Advance(Active& a, bool* moved) {
   Job& j = a.job;
   if (failed_.load(std::memory_order_relaxed)) {
     if (a.stage == Active::kWaitReady && !a.requests.empty()) {
+      a.stage = Active::kFirst;  // cancelled once; should MPI_Cancel fail, ProgressOnce drops them
       NVG_RETURN_IF_ERROR(CancelReceives(&a.requests));
-      a.stage = Active::kFirst;  // cancelled once; tested to completion below
     }
     bool done = true;
     NVG_RETURN_IF_ERROR(TestRound(&a.requests, &done));
@@ -453,9 +453,16 @@ bool CrossExchange::ProgressOnce() {
     if (a->stage == Active::kFinished) continue;
     Status s = Advance(*a, &moved);
     if (s.ok()) continue;
-    // The call that failed left no request we could complete.
-    a->requests.clear();
-    a->stage = Active::kFinished;
+    if (a->stage == Active::kWaitReady && !a->requests.empty()) {
+      // `ready`, or posting the sends, failed with the first round's
+      // receives posted: the exchange fails (below), and Advance's failed
+      // branch cancels them and tests them to completion (MPI may write into
+      // `recv` until then).
+    } else {
+      // The call that failed left no request we could complete.
+      a->requests.clear();
+      a->stage = Active::kFinished;
+    }
     moved = true;
     std::lock_guard<std::mutex> lock(mu_);
     if (failure_.ok())
