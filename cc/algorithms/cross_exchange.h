@@ -111,7 +111,10 @@
 //
 // Buffers. A job owns its send/recv/result buffers from Start() until Wait()
 // returned: the caller must not touch them (nor free them) in between (MPI
-// may write `recv` from the first progress after Start on). The
+// may write `recv` from the first progress after Start on). A Wait that
+// returns the exchange's failure returns before the jobs still in flight
+// completed (a receive already matched is not cancelled): their buffers stay
+// MPI's until the exchange is destroyed, which completes them. The
 // `ready` predicate (polled by whoever progresses, may be empty) gates the
 // first round's sends: the GPU uses it for "the copy of the slice into `send`
 // landed"; `writable` (may be empty) gates the fold, the first write of

@@ -124,9 +124,16 @@ ResponseMessage ResponseFromDict(const py::dict& d) {
 //  * "ready_fails": every rank's `ready` fails after 50 polls, with the
 //    receives of the first round posted and no send posted anywhere; the
 //    job's Wait must return that error and the exchange must be destroyed.
+// Every rank must call it with the same count and mode (a collective).
 py::dict CrossExchangeGated(size_t count, bool use_thread, const std::string& mode, double wait_s) {
   if (mode != "late_ready" && mode != "ready_fails")
     throw EngineError("INVALID_ARGUMENT: cross_exchange_gated mode is late_ready or ready_fails");
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized)
+    throw EngineError(
+        "FAILED_PRECONDITION: cross_exchange_gated needs MPI initialized (import mpi4py.MPI first)");
   CrossExchange::Options options;
   options.use_thread = use_thread;
   auto made = CrossExchange::Create(MPI_COMM_WORLD, options);
